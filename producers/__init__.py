@@ -1,0 +1,1 @@
+"""Engine-side producers: they observe serving engines and publish raw, timestamped facts."""

@@ -1,0 +1,222 @@
+"""Tiny random-weight Hugging Face checkpoints for tests and demos, built offline.
+
+Each checkpoint pairs a byte-level BPE tokenizer (trained on a small embedded English
+text) with a 2-layer model of hidden size 128 and random bf16 weights. vLLM (CPU build)
+serves it like any real checkpoint: prefix caching, speculative decoding, KV events,
+MoE routing (``mixtral``) and sliding-window attention (``mistral-sw``) all work, which
+is what the SparSEEty tests need; the generated text is noise.
+
+Usage::
+
+    python -m sparseety.producers.vllm.tiny_models llama /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+KINDS: Final = ("llama", "mixtral", "mistral-sw")
+MARKER: Final = ".sparseety-tiny-model.json"
+"""Written last; its presence means the checkpoint directory is complete."""
+
+_FORMAT_VERSION: Final = 1
+_VOCAB_SIZE: Final = 512
+_SPECIAL_TOKENS: Final = ("<unk>", "<s>", "</s>", "<pad>")
+_CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS: Final = """\
+The serving fleet runs many copies of the same model behind a router. Each engine
+keeps a cache of key and value blocks for the prompts it has seen, so that a new
+request which shares a prefix with an earlier one can skip part of its prefill. The
+scheduler decides, at every step, which requests run, how many tokens each one may
+process, and which blocks are freed when memory runs short. When the cache is full,
+the least recently used blocks are evicted, and a request that needs them again must
+compute them a second time. Speculative decoding proposes several draft tokens at
+once. The target model checks them in a single forward pass and keeps the longest
+prefix it agrees with; the rest are rejected, which costs compute but produces no
+output. A mixture of experts routes every token to a small number of feed-forward
+experts chosen by a learned gate, so most parameters stay idle for any single token.
+Sliding-window attention lets each token look back only a fixed distance, and the
+blocks that fall out of the window can be released early. Accounting for all of this
+is harder than counting prompt and completion tokens. A tenant who sends the same
+long system prompt a thousand times pays once for the compute if the cache holds it,
+and many times if it does not. Platform engineers want to know who used the
+hardware, how much the cache saved, how much work was thrown away, and which experts
+carried the load. Finance wants a bill per team and per key that matches what the
+machines did. Good morning. How are you today? I would like a short summary of the
+report, please. The weather is mild, the river is calm, and the market opens at
+nine. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 42, 100, 256, 1024 and 2048
+appear in logs, tables and invoices. Write a function that returns the sum of a
+list. Explain the difference between a queue and a stack. Translate the sentence
+into French. List three colours: red, green and blue. The quick brown fox jumps over
+the lazy dog while the five boxing wizards jump quickly. Every request has an
+identifier, an arrival time, a prompt, a set of sampling parameters and a budget of
+output tokens. It waits in a queue, is admitted, runs for a number of steps, may be
+preempted and resumed, and finally stops at an end token or a length limit.
+"""
+
+
+def build_tiny_model(kind: str, path: Path, *, seed: int = 0) -> Path:
+    """Build a tiny random-weight checkpoint at ``path`` unless it is already there.
+
+    The build happens in a temporary sibling directory that is renamed into place once
+    complete, so concurrent builders never see a partial directory.
+
+    Args:
+        kind: One of ``"llama"``, ``"mixtral"`` (4 experts, top-2) or ``"mistral-sw"``
+            (Mistral with ``sliding_window=64``).
+        path: Target checkpoint directory.
+        seed: Seed for the random weights.
+
+    Returns:
+        ``path``, holding a complete checkpoint.
+
+    Raises:
+        ValueError: ``kind`` is unknown.
+        FileExistsError: ``path`` exists but is not a complete checkpoint of this
+            kind and seed.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+    path = Path(path)
+    identity = {"kind": kind, "seed": seed, "format": _FORMAT_VERSION}
+    if _is_complete(path, identity):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp creates 0o700
+    try:
+        _write_checkpoint(kind, tmp, seed)
+        (tmp / MARKER).write_text(json.dumps(identity) + "\n")
+        try:
+            tmp.rename(path)
+        except OSError:
+            # Another builder got there first (or something else occupies the path).
+            if not _is_complete(path, identity):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _is_complete(path: Path, identity: dict[str, object]) -> bool:
+    marker = path / MARKER
+    if not marker.is_file():
+        if path.exists():
+            raise FileExistsError(f"{path} exists and is not a complete tiny model checkpoint")
+        return False
+    found = json.loads(marker.read_text())
+    if found != identity:
+        raise FileExistsError(f"{path} holds a different tiny model: {found} (wanted {identity})")
+    return True
+
+
+def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
+    import torch
+    import transformers
+
+    tokenizer = _train_tokenizer()
+    tokenizer.save_pretrained(out)
+
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+    config: transformers.PretrainedConfig
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        )
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=64)
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+
+
+def _train_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    unk, bos, eos, pad = _SPECIAL_TOKENS
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {bos} $B",
+        special_tokens=[(bos, tok.token_to_id(bos))],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=unk,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        chat_template=_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point: ``KIND PATH [--seed N]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        print(build_tiny_model(args.kind, args.path, seed=args.seed))
+    except FileExistsError as e:
+        parser.exit(1, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

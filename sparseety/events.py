@@ -1,0 +1,145 @@
+"""The event model as Python sees it: Avro records as dicts, unions as ``(full_name, dict)``.
+
+The fields themselves are defined only in ``schemas/``; this module names the payload types,
+builds envelopes and ids the same way everywhere, and checks the invariants Avro cannot
+express (columnar arrays of equal length).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety.errors import InvalidEventError
+from sparseety.schema_store import full_name
+
+ENGINE_STARTED = full_name("EngineStarted")
+ENGINE_STOPPED = full_name("EngineStopped")
+HEARTBEAT = full_name("Heartbeat")
+REQUEST_STARTED = full_name("RequestStarted")
+STEP_BATCH = full_name("StepBatch")
+REQUEST_FINISHED = full_name("RequestFinished")
+KV_STORED = full_name("KvBlocksStored")
+KV_REMOVED = full_name("KvBlocksRemoved")
+KV_CLEARED = full_name("KvCleared")
+MOE_ROUTING = full_name("MoeRouting")
+
+ENGINE_EVENT = full_name("EngineEvent")
+REQUEST_ACCOUNTING = full_name("RequestAccounting")
+USAGE_WINDOW = full_name("UsageWindow")
+DEAD_LETTER = full_name("DeadLetter")
+
+CORE_STREAM = "core"
+
+
+def engine_id(engine_name: str, epoch: str) -> str:
+    """``engine_name@epoch``: one id per engine start."""
+    return f"{engine_name}@{epoch}"
+
+
+def event_id(engine_id_: str, stream: str, seq: int) -> str:
+    """Deterministic event id: ``engine_id/stream/seq``."""
+    return f"{engine_id_}/{stream}/{seq}"
+
+
+def request_uid(engine_id_: str, request_id: str) -> str:
+    """Global request id: ``engine_id/request_id``."""
+    return f"{engine_id_}/{request_id}"
+
+
+def envelope(
+    *,
+    engine_name: str,
+    engine_id_: str,
+    stream: str,
+    seq: int,
+    ts_ns: int,
+    mono_ns: int,
+    payload_type: str,
+    payload: dict[str, Any],
+) -> dict[str, Any]:
+    """An EngineEvent record ready for the encoder."""
+    return {
+        "engine_name": engine_name,
+        "engine_id": engine_id_,
+        "stream": stream,
+        "seq": seq,
+        "event_id": event_id(engine_id_, stream, seq),
+        "ts_ns": ts_ns,
+        "mono_ns": mono_ns,
+        "payload": (payload_type, payload),
+    }
+
+
+def payload_type(event: dict[str, Any]) -> str:
+    """Full name of the envelope's payload record."""
+    return str(event["payload"][0])
+
+
+def payload(event: dict[str, Any]) -> dict[str, Any]:
+    """The envelope's payload record."""
+    return event["payload"][1]  # type: ignore[no-any-return]
+
+
+_STEP_COLUMNS = ("num_scheduled_tokens", "num_computed_before", "num_new_tokens")
+
+
+def validate_engine_event(event: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
+    """Check what the schema cannot: ids agree, columns line up.
+
+    Returns:
+        The event, unchanged.
+
+    Raises:
+        InvalidEventError: carrying ``raw`` and the offending field.
+    """
+    eid = event["engine_id"]
+    if not eid.startswith(event["engine_name"] + "@"):
+        raise InvalidEventError(
+            f"engine_id {eid!r} does not belong to engine {event['engine_name']!r}",
+            raw=raw,
+            field="engine_id",
+        )
+    if event["seq"] < 0:
+        raise InvalidEventError(f"negative seq {event['seq']}", raw=raw, field="seq")
+    kind, body = event["payload"]
+    if kind == STEP_BATCH:
+        n = len(body["req_ids"])
+        for col in _STEP_COLUMNS:
+            if len(body[col]) != n:
+                raise InvalidEventError(
+                    f"StepBatch.{col} has {len(body[col])} entries for {n} requests",
+                    raw=raw,
+                    field=col,
+                )
+        for col in ("spec_proposed", "spec_accepted"):
+            if body[col] and len(body[col]) != n:
+                raise InvalidEventError(
+                    f"StepBatch.{col} has {len(body[col])} entries for {n} requests",
+                    raw=raw,
+                    field=col,
+                )
+        if sum(body["num_new_tokens"]) != len(body["new_token_ids"]):
+            raise InvalidEventError(
+                "StepBatch.new_token_ids does not match num_new_tokens", raw=raw, field="new_token_ids"
+            )
+        if any(x < 0 for x in body["num_scheduled_tokens"]) or any(
+            x < 0 for x in body["num_computed_before"]
+        ):
+            raise InvalidEventError(
+                "StepBatch has negative token counts", raw=raw, field="num_scheduled_tokens"
+            )
+    elif kind == MOE_ROUTING:
+        want = len(body["req_ids"]) * body["num_layers"] * body["num_experts"]
+        if len(body["expert_counts"]) != want:
+            raise InvalidEventError(
+                f"MoeRouting.expert_counts has {len(body['expert_counts'])} entries, expected {want}",
+                raw=raw,
+                field="expert_counts",
+            )
+    elif kind == REQUEST_STARTED and (
+        body["prompt_len"] < 0 or body["num_cached_tokens"] > body["prompt_len"]
+    ):
+        raise InvalidEventError(
+            "RequestStarted.num_cached_tokens exceeds prompt_len", raw=raw, field="num_cached_tokens"
+        )
+    return event

@@ -1,0 +1,147 @@
+"""Kafka plumbing shared by every component: clients from config, topics, codecs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sparseety.config import Config
+from sparseety.errors import KafkaUnavailableError, SparseetyError
+from sparseety.schema_store import SchemaStore
+from sparseety.serde import Decoder, Encoder
+
+
+def producer_conf(cfg: Config, **extra: Any) -> dict[str, Any]:
+    """librdkafka producer settings: idempotent (no duplicates on retry), compressed, batched."""
+    return cfg.kafka.librdkafka(
+        **{
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": cfg.producer.compression,
+            "linger.ms": cfg.producer.linger_ms,
+            **extra,
+        }
+    )
+
+
+def make_producer(cfg: Config, **extra: Any) -> Any:
+    """A confluent-kafka Producer for ``cfg``."""
+    from confluent_kafka import Producer
+
+    return Producer(producer_conf(cfg, **extra))
+
+
+def make_admin(cfg: Config) -> Any:
+    """A confluent-kafka AdminClient for ``cfg``."""
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient(cfg.kafka.librdkafka())
+
+
+def wait_for_kafka(cfg: Config, timeout_s: float = 30.0) -> None:
+    """Block until the cluster answers a metadata request.
+
+    Raises:
+        KafkaUnavailableError: no answer within ``timeout_s``.
+    """
+    admin = make_admin(cfg)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            admin.list_topics(timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+            return
+        except Exception as exc:  # KafkaException, or a timeout
+            last = exc
+            time.sleep(0.2)
+    raise KafkaUnavailableError(
+        f"Kafka at {cfg.kafka.bootstrap} did not answer within {timeout_s:.0f} s: {last}",
+        bootstrap=cfg.kafka.bootstrap,
+    )
+
+
+def ensure_topics(
+    cfg: Config, topics: list[str] | None = None, partitions: int | None = None, timeout_s: float = 30.0
+) -> list[str]:
+    """Create missing topics with the configured partitions; return the ones created.
+
+    Faust refuses a table whose source and changelog partition counts differ, and some brokers
+    give auto-created topics their own default count, so topics are always created explicitly.
+
+    Raises:
+        SparseetyError: an existing topic has a different partition count, or creation failed.
+    """
+    from confluent_kafka.admin import NewTopic
+
+    topics = topics if topics is not None else cfg.topics.all()
+    partitions = partitions or cfg.topics.partitions
+    admin = make_admin(cfg)
+    existing = admin.list_topics(timeout=timeout_s).topics
+    for name in topics:
+        if name in existing and len(existing[name].partitions) != partitions:
+            raise SparseetyError(
+                f"topic {name} has {len(existing[name].partitions)} partitions, config says {partitions}",
+                topic=name,
+            )
+    missing = [t for t in topics if t not in existing]
+    if not missing:
+        return []
+    futures = admin.create_topics(
+        [
+            NewTopic(t, num_partitions=partitions, replication_factor=cfg.topics.replication_factor)
+            for t in missing
+        ],
+        request_timeout=timeout_s,
+    )
+    for name, fut in futures.items():
+        try:
+            fut.result(timeout=timeout_s)
+        except Exception as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise SparseetyError(f"cannot create topic {name}: {exc}", topic=name) from exc
+    _wait_for_leaders(admin, missing, timeout_s)
+    return missing
+
+
+def _wait_for_leaders(admin: Any, topics: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = admin.list_topics(timeout=timeout_s).topics
+        if all(t in md and md[t].partitions and md[t].error is None for t in topics):
+            return
+        time.sleep(0.1)
+    raise SparseetyError(f"topics {topics} have no leaders after {timeout_s:.0f} s", topics=topics)
+
+
+_registries: dict[tuple[tuple[str, Any], ...], Any] = {}
+
+
+def make_registry(cfg: Config) -> Any | None:
+    """The process's SchemaRegistryClient for the configured URL, or None without one.
+
+    One client per URL and credentials, so schema ids are cached once (and ``mock://``
+    registries, which live inside their client, are shared by everything in the process).
+    """
+    if not cfg.schema_registry.url:
+        return None
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    conf = cfg.schema_registry.client_conf()
+    key = tuple(sorted(conf.items()))
+    if key not in _registries:
+        _registries[key] = SchemaRegistryClient.new_client(conf)
+    return _registries[key]
+
+
+def make_encoder(
+    cfg: Config, record: str, topic: str, store: SchemaStore | None = None, registry: Any = None
+) -> Encoder:
+    """Encoder for ``record`` on ``topic`` in the configured framing."""
+    registry = registry if registry is not None else make_registry(cfg)
+    return Encoder(store or SchemaStore.load(), record, registry=registry, topic=topic)
+
+
+def make_decoder(cfg: Config, store: SchemaStore | None = None, registry: Any = None) -> Decoder:
+    """Decoder that reads single-object payloads, and registry payloads when configured."""
+    registry = registry if registry is not None else make_registry(cfg)
+    return Decoder(store or SchemaStore.load(), registry=registry)

@@ -1,0 +1,191 @@
+"""Wire formats: Avro single-object encoding, or Confluent Schema Registry framing.
+
+Both are standard framings any Avro reader understands:
+
+* single-object: ``C3 01`` + the writer schema's CRC-64-AVRO fingerprint (8 bytes, little-endian)
+  + the Avro binary body; writer schemas resolve against ``schemas/`` (and ``schemas/history``).
+* registry: ``00`` + the registry's 4-byte schema id (big-endian) + the Avro binary body; used when
+  a schema registry URL is configured (``mock://`` works for tests).
+
+A :class:`Decoder` reads both framings, whatever the writer used, so a fleet can switch framing
+without a flag day. Every failure becomes a :class:`~sparseety.errors.DecodeError` subclass
+that carries the raw bytes; fastavro and struct exceptions never leak.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import fastavro
+
+from sparseety.errors import (
+    BadMagicError,
+    CorruptPayloadError,
+    DecodeError,
+    EncodeError,
+    TruncatedPayloadError,
+    UnknownSchemaError,
+)
+from sparseety.schema_store import SchemaStore, WireSchema, full_name
+
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+REGISTRY_MAGIC = b"\x00"
+_SINGLE_HEADER = len(SINGLE_OBJECT_MAGIC) + 8
+_REGISTRY_HEADER = 5
+
+
+def subject_for(topic: str) -> str:
+    """Registry subject of a topic's values (TopicNameStrategy: one record type per topic)."""
+    return f"{topic}-value"
+
+
+class Encoder:
+    """Encodes one wire record type into the configured framing.
+
+    Args:
+        store: The schema contract.
+        record: Short or full name of the wire record (e.g. ``EngineEvent``).
+        registry: A ``confluent_kafka.schema_registry.SchemaRegistryClient``; None for
+            single-object encoding.
+        topic: Topic the records go to (names the registry subject).
+    """
+
+    def __init__(
+        self,
+        store: SchemaStore,
+        record: str,
+        *,
+        registry: Any | None = None,
+        topic: str | None = None,
+    ) -> None:
+        self.wire: WireSchema = store.wire(record)
+        if registry is None:
+            self._header = SINGLE_OBJECT_MAGIC + self.wire.fingerprint_bytes
+        else:
+            from confluent_kafka.schema_registry import Schema
+
+            if topic is None:
+                raise ValueError("registry framing needs the topic (it names the subject)")
+            schema_id = registry.register_schema(subject_for(topic), Schema(self.wire.json, "AVRO"))
+            self._header = REGISTRY_MAGIC + struct.pack(">I", schema_id)
+
+    def encode(self, datum: Mapping[str, Any]) -> bytes:
+        """Encode one record (a dict; unions of records as ``(full_name, dict)`` tuples)."""
+        buf = io.BytesIO()
+        buf.write(self._header)
+        try:
+            fastavro.schemaless_writer(buf, self.wire.parsed, datum)
+        except Exception as exc:  # fastavro raises ValueError, TypeError, KeyError, ...
+            raise EncodeError(
+                f"record does not match {self.wire.name}: {exc}", record=self.wire.name
+            ) from exc
+        return buf.getvalue()
+
+
+class Decoder:
+    """Decodes wire records in either framing into (full record name, dict).
+
+    The reader schema is the store's current version of the writer's record, so a reader
+    resolves older and newer writer versions through Avro schema resolution.
+
+    Args:
+        store: The schema contract.
+        registry: Optional ``SchemaRegistryClient`` for registry-framed payloads.
+    """
+
+    def __init__(self, store: SchemaStore, *, registry: Any | None = None) -> None:
+        self.store = store
+        self.registry = registry
+        self._by_id: dict[int, WireSchema] = {}
+
+    def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        """Decode one payload.
+
+        Raises:
+            BadMagicError, UnknownSchemaError, TruncatedPayloadError, CorruptPayloadError: all
+            subclasses of DecodeError, carrying ``raw=data``.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadMagicError(f"payload is {type(data).__name__}, not bytes", raw=None)
+        data = bytes(data)
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < _SINGLE_HEADER:
+                raise TruncatedPayloadError("single-object header cut short", raw=data)
+            fp = int.from_bytes(data[2:_SINGLE_HEADER], "little")
+            writer = self.store.by_fingerprint.get(fp)
+            if writer is None:
+                raise UnknownSchemaError(
+                    f"unknown writer schema fingerprint {fp:016x}", raw=data, fingerprint=fp
+                )
+            return self._read(data, _SINGLE_HEADER, writer)
+        if data[:1] == REGISTRY_MAGIC and self.registry is not None:
+            if len(data) < _REGISTRY_HEADER:
+                raise TruncatedPayloadError("registry header cut short", raw=data)
+            (schema_id,) = struct.unpack(">I", data[1:_REGISTRY_HEADER])
+            return self._read(data, _REGISTRY_HEADER, self._registry_schema(schema_id, data))
+        raise BadMagicError(
+            f"unknown framing {data[:2].hex() or 'empty'}: expected c301 (single-object)"
+            + (" or 00 (registry)" if self.registry is not None else ""),
+            raw=data,
+        )
+
+    def _registry_schema(self, schema_id: int, data: bytes) -> WireSchema:
+        cached = self._by_id.get(schema_id)
+        if cached is not None:
+            return cached
+        try:
+            schema = self.registry.get_schema(schema_id)  # type: ignore[union-attr]
+            import json
+
+            wire = self.store.with_writer(json.loads(schema.schema_str)).by_fingerprint
+        except Exception as exc:
+            raise UnknownSchemaError(
+                f"schema id {schema_id} not resolvable in the registry: {exc}",
+                raw=data,
+                schema_id=schema_id,
+            ) from exc
+        found = next(w for w in wire.values() if w.json == json.dumps(json.loads(schema.schema_str)))
+        self._by_id[schema_id] = found
+        return found
+
+    def _read(self, data: bytes, start: int, writer: WireSchema) -> tuple[str, dict[str, Any]]:
+        reader = self.store.current.get(full_name(writer.name))
+        buf = io.BytesIO(data)
+        buf.seek(start)
+        try:
+            if reader is None or reader.fingerprint == writer.fingerprint:
+                datum = fastavro.schemaless_reader(buf, writer.parsed, None, return_record_name=True)
+            else:
+                datum = fastavro.schemaless_reader(buf, writer.parsed, reader.parsed, return_record_name=True)
+        except (EOFError, StopIteration) as exc:
+            raise TruncatedPayloadError(
+                f"{writer.name} payload ends early", raw=data, record=writer.name
+            ) from exc
+        except Exception as exc:
+            raise CorruptPayloadError(
+                f"{writer.name} payload is corrupt: {type(exc).__name__}: {exc}",
+                raw=data,
+                record=writer.name,
+            ) from exc
+        if buf.tell() != len(data):
+            # fastavro reads short strings without complaint; a length that overran the buffer
+            # or bytes left over both mean the body was not what the header promised.
+            raise CorruptPayloadError(
+                f"{writer.name} payload has {len(data) - buf.tell()} bytes left over",
+                raw=data,
+                record=writer.name,
+            )
+        if not isinstance(datum, dict):
+            raise CorruptPayloadError(f"{writer.name} did not decode to a record", raw=data)
+        return writer.name, datum
+
+
+def decode_or_error(decoder: Decoder, data: bytes) -> tuple[str, dict[str, Any]] | DecodeError:
+    """Decode, returning the typed error instead of raising (for yield-good-or-error loops)."""
+    try:
+        return decoder.decode(data)
+    except DecodeError as exc:
+        return exc

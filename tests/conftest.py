@@ -1,0 +1,64 @@
+"""Shared fixtures. Tiers follow folders: tests/unit (pure), tests/topology (real broker + Faust),
+tests/e2e (real vLLM). Services start once per session and are shared; names are unique per test.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparseety.config import Config, load_config
+
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
+        if tier in ("unit", "topology", "e2e"):
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sparseety")
+
+
+@pytest.fixture(scope="session")
+def broker(session_dir: Path) -> Iterator[Config]:
+    """A real Tansu broker for the whole session; yields a config pointing at it."""
+    from sparseety.broker import EmbeddedBroker, free_port
+
+    cfg = load_config(data_dir=str(session_dir / "broker"), broker={"port": free_port()})
+    b = EmbeddedBroker(cfg)
+    b.start(create_topics=False)
+    try:
+        yield b.client_config()
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix for topic, group and database names of one test."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def kafka_cfg(broker: Config, unique: str, tmp_path: Path) -> Config:
+    """Broker config with this test's own topics and data dir; topics created."""
+    from sparseety.kafka import ensure_topics
+
+    topics = {
+        "engine_events": f"t{unique}.engine-events",
+        "timelines": f"t{unique}.timelines",
+        "usage": f"t{unique}.usage",
+        "dlq": f"t{unique}.dlq",
+        "partitions": 2,
+    }
+    cfg = broker.replace(topics=topics, data_dir=str(tmp_path / "data"))
+    ensure_topics(cfg)
+    return cfg

@@ -1,0 +1,300 @@
+"""Valid example events of every payload type, for tests of the contract and the pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety import events as ev
+
+ENGINE = "engine-a"
+EPOCH = "e1"
+EID = ev.engine_id(ENGINE, EPOCH)
+
+
+def wrap(
+    seq: int,
+    payload_type: str,
+    payload: dict[str, Any],
+    *,
+    ts_ns: int | None = None,
+    stream: str = ev.CORE_STREAM,
+    engine: str = ENGINE,
+    epoch: str = EPOCH,
+) -> dict[str, Any]:
+    """An envelope around ``payload``."""
+    return ev.envelope(
+        engine_name=engine,
+        engine_id_=ev.engine_id(engine, epoch),
+        stream=stream,
+        seq=seq,
+        ts_ns=ts_ns if ts_ns is not None else 1_700_000_000_000_000_000 + seq * 1_000_000,
+        mono_ns=seq * 1_000_000,
+        payload_type=payload_type,
+        payload=payload,
+    )
+
+
+def engine_started(**over: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny-llama",
+        "served_model_name": "tiny",
+        "engine_kind": "vllm",
+        "engine_version": "0.32.0",
+        "sparseety_version": "0.1.0",
+        "host": "h",
+        "pid": 1,
+        "block_size": 4,
+        "enable_prefix_caching": True,
+        "prefix_hash_algo": "sha256",
+        "kv_cache_groups": [
+            {"kind": "full_attention", "sliding_window": None, "block_size": 4, "num_layers": 2}
+        ],
+        "kv_cache_dtype": "auto",
+        "dtype": "bfloat16",
+        "spec_method": None,
+        "spec_num_tokens": 0,
+        "moe_num_experts": 0,
+        "moe_top_k": 0,
+        "num_layers": 2,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 512,
+        "num_gpu_blocks": 100,
+        "privacy_mode": "raw",
+        "routing_capture": False,
+        **over,
+    }
+
+
+def request_started(
+    rid: str = "r1",
+    prompt: list[int] | None = None,
+    cached: int = 0,
+    hashes: list[bytes] | None = None,
+    **over: Any,
+) -> dict[str, Any]:
+    prompt = prompt if prompt is not None else list(range(10))
+    return {
+        "request_id": rid,
+        "arrival_ts_ns": 1_700_000_000_000_000_000,
+        "prompt_len": len(prompt),
+        "prompt_token_ids": prompt,
+        "prompt_token_hashes": [],
+        "num_cached_tokens": cached,
+        "block_hashes": hashes if hashes is not None else [b"h%d" % i for i in range(len(prompt) // 4)],
+        "max_tokens": 16,
+        "tenant": "acme",
+        "model": "tiny",
+        "lora_name": None,
+        "priority": 0,
+        **over,
+    }
+
+
+def step_batch(
+    step: int,
+    rows: list[tuple[str, int, int, list[int]]],
+    *,
+    spec: list[tuple[int, int]] | None = None,
+    preempted: list[str] | None = None,
+    resumed: list[str] | None = None,
+    duration_ns: int = 1_000_000,
+) -> dict[str, Any]:
+    """rows: (req_id, num_scheduled, num_computed_before, new_token_ids)."""
+    return {
+        "step": step,
+        "start_mono_ns": step * 1_000_000,
+        "duration_ns": duration_ns,
+        "req_ids": [r[0] for r in rows],
+        "num_scheduled_tokens": [r[1] for r in rows],
+        "num_computed_before": [r[2] for r in rows],
+        "num_new_tokens": [len(r[3]) for r in rows],
+        "new_token_ids": [t for r in rows for t in r[3]],
+        "spec_proposed": [s[0] for s in spec] if spec else [],
+        "spec_accepted": [s[1] for s in spec] if spec else [],
+        "preempted_req_ids": preempted or [],
+        "resumed_req_ids": resumed or [],
+    }
+
+
+def request_finished(
+    rid: str = "r1", prompt: int = 10, output: int = 3, cached: int = 0, **over: Any
+) -> dict[str, Any]:
+    return {
+        "request_id": rid,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "num_prompt_tokens": prompt,
+        "num_output_tokens": output,
+        "num_cached_tokens": cached,
+        "num_preemptions": 0,
+        "output_block_hashes": [],
+        "first_token_ts_ns": 0,
+        "chunk_arrival_ns": [],
+        **over,
+    }
+
+
+def one_of_each() -> list[dict[str, Any]]:
+    """One envelope per payload type, seq 0.."""
+    payloads = [
+        (ev.ENGINE_STARTED, engine_started()),
+        (ev.REQUEST_STARTED, request_started()),
+        (ev.STEP_BATCH, step_batch(0, [("r1", 10, 0, [7])], spec=[(0, 0)])),
+        (
+            ev.KV_STORED,
+            {
+                "block_hashes": [b"h0", b"h1"],
+                "parent_block_hash": None,
+                "block_size": 4,
+                "num_tokens": 8,
+                "lora_id": None,
+                "medium": "GPU",
+                "group_kind": "full_attention",
+                "sliding_window": None,
+            },
+        ),
+        (
+            ev.MOE_ROUTING,
+            {
+                "step": 0,
+                "req_ids": ["r1"],
+                "num_layers": 2,
+                "num_experts": 4,
+                "expert_counts": [1, 0, 1, 0, 0, 2, 0, 0],
+            },
+        ),
+        (ev.STEP_BATCH, step_batch(1, [("r1", 1, 10, [8])])),
+        (ev.REQUEST_FINISHED, request_finished(output=2)),
+        (ev.KV_REMOVED, {"block_hashes": [b"h0"], "medium": "GPU", "group_kind": "full_attention"}),
+        (ev.KV_CLEARED, {"medium": None}),
+        (ev.HEARTBEAT, {"queued": 0, "produced": 9, "dropped": 0, "spilled": 0, "drained": 0}),
+        (ev.ENGINE_STOPPED, {"reason": "shutdown"}),
+    ]
+    return [wrap(i, t, p) for i, (t, p) in enumerate(payloads)]
+
+
+def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
+    """A RequestAccounting record with every field set."""
+    rec: dict[str, Any] = {
+        "request_uid": uid,
+        "engine_name": ENGINE,
+        "engine_id": EID,
+        "request_id": uid.rsplit("/", 1)[-1],
+        "tenant": "acme",
+        "model": "tiny",
+        "lora_name": None,
+        "engine_kind": "vllm",
+        "arrival_ts_ns": 1,
+        "first_scheduled_ts_ns": 2,
+        "first_token_ts_ns": 3,
+        "finished_ts_ns": 4,
+        "finish_reason": "length",
+        "complete": True,
+        "incomplete_reason": None,
+        "seq_gap": False,
+        "prompt_tokens": 10,
+        "output_tokens": 3,
+        "cache_read_tokens": 4,
+        "uncached_computed_tokens": 8,
+        "recomputed_tokens": 0,
+        "draft_accepted_tokens": 0,
+        "draft_rejected_tokens": 0,
+        "skipped_tokens": 0,
+        "evicted_tokens": 0,
+        "scheduled_tokens": 8,
+        "preemptions": 0,
+        "steps": 3,
+        "attention_pairs": 40,
+        "attention_pairs_skipped": 0,
+        "gpu_time_ns": 1000,
+        "est_flops": 1.5e6,
+        "engine_prompt_tokens": 10,
+        "engine_output_tokens": 3,
+        "engine_cached_tokens": 4,
+        "consistent": True,
+        "expert_num_layers": 0,
+        "expert_num_experts": 0,
+        "expert_counts": [],
+        "block_uses": [{"block_hash": b"h0", "lifetime_seq": 3, "role": "cached", "tokens": 4}],
+        "timeline": {
+            "segments": [
+                {
+                    "start": 0,
+                    "end": 4,
+                    "kind": "prompt",
+                    "status": "cached",
+                    "draft_accepted": False,
+                    "source_request_uid": f"{EID}/r0",
+                },
+                {
+                    "start": 4,
+                    "end": 10,
+                    "kind": "prompt",
+                    "status": "computed",
+                    "draft_accepted": False,
+                    "source_request_uid": None,
+                },
+                {
+                    "start": 10,
+                    "end": 13,
+                    "kind": "output",
+                    "status": "computed",
+                    "draft_accepted": False,
+                    "source_request_uid": None,
+                },
+            ],
+            "attention_window": None,
+        },
+    }
+    rec.update(over)
+    return rec
+
+
+def usage_window(**over: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "usage_id": f"{ENGINE}/tiny/acme/0/final",
+        "kind": "final",
+        "window_start_ns": 0,
+        "window_ns": 60_000_000_000,
+        "engine_name": ENGINE,
+        "model": "tiny",
+        "tenant": "acme",
+        "requests": 1,
+        "incomplete_requests": 0,
+        "prompt_tokens": 10,
+        "output_tokens": 3,
+        "cache_read_tokens": 4,
+        "uncached_computed_tokens": 8,
+        "recomputed_tokens": 0,
+        "draft_accepted_tokens": 0,
+        "draft_rejected_tokens": 0,
+        "skipped_tokens": 0,
+        "evicted_tokens": 0,
+        "gpu_time_ns": 1000,
+        "est_flops": 1.5e6,
+    }
+    rec.update(over)
+    return rec
+
+
+def dead_letter(**over: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "error_type": "BadMagicError",
+        "reason": "unknown framing",
+        "component": "assembler",
+        "topic": "t",
+        "partition": 0,
+        "offset": 5,
+        "key": b"k",
+        "value": b"\x01\x02",
+        "ts_ns": 1,
+    }
+    rec.update(over)
+    return rec

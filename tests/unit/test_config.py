@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from sparseety.config import is_configured, load_config
+from sparseety.errors import ConfigError
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    cfg = load_config()
+    assert cfg.topics.engine_events == "sparseety.engine-events"
+    assert cfg.clickhouse_dsn.startswith("chdb://") and cfg.clickhouse_dsn.endswith("/chdb")
+    with pytest.raises(ValidationError):
+        cfg.kafka.bootstrap = "x"  # type: ignore[misc]
+
+
+def test_file_then_environment_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('data_dir = "/srv/sp"\n[kafka]\nbootstrap = "file:1"\n[topics]\npartitions = 8\n')
+    cfg = load_config(env={"SPARSEETY_CONFIG": str(path), "SPARSEETY_KAFKA_BOOTSTRAP": "env:2"})
+    assert (cfg.kafka.bootstrap, cfg.topics.partitions, str(cfg.data_dir)) == ("env:2", 8, "/srv/sp")
+
+
+def test_secrets_never_print() -> None:
+    cfg = load_config(
+        env={
+            "SPARSEETY_KAFKA_CLIENT": '{"sasl.password": "hunter2hunter2", "security.protocol": "SASL_SSL"}',
+            "SPARSEETY_PRIVACY_MODE": "hashed",
+            "SPARSEETY_PRIVACY_KEY": "k" * 20,
+            "SPARSEETY_CLICKHOUSE_PASSWORD": "chsecret",
+            "SPARSEETY_API_TOKENS": '{"tok-abc": ["acme"]}',
+        }
+    )
+    text = repr(cfg) + str(cfg)
+    for secret in ("hunter2hunter2", "k" * 20, "chsecret", "tok-abc"):
+        assert secret not in text
+    assert cfg.kafka.librdkafka()["sasl.password"] == "hunter2hunter2"  # still usable
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"SPARSEETY_KAFKA_BOOTSTRAPP": "x"}, "unknown configuration variable SPARSEETY_KAFKA_BOOTSTRAPP"),
+        ({"SPARSEETY_TOPICS_PARTITIONS": "0"}, "topics.partitions"),
+        ({"SPARSEETY_PRIVACY_MODE": "hashed"}, "needs privacy.key"),
+        ({"SPARSEETY_PRIVACY_MODE": "plain"}, "privacy.mode"),
+        ({"SPARSEETY_CLICKHOUSE_DSN": "mysql://x"}, "clickhouse.dsn"),
+        ({"SPARSEETY_KAFKA_CLIENT": "{not json"}, "must be JSON"),
+    ],
+)
+def test_bad_values_are_clear_config_errors(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    assert fragment in str(info.value)
+
+
+def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text("[kafka\n")
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "bad.toml")
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_plugin_activation_rule() -> None:
+    assert not is_configured({})
+    assert is_configured({"SPARSEETY_KAFKA_BOOTSTRAP": "h:1"})
+    assert is_configured({"SPARSEETY_CONFIG": "/etc/sparseety.toml"})
