@@ -1,0 +1,751 @@
+"""The assembler: fold one engine's events into per-request token accounting.
+
+``Assembler.apply(event)`` is the pure core of the stream processor: it reads and writes keyed
+state through a :class:`~streams.state.StateStore` and returns the outputs the event caused
+(RequestAccounting records for the timelines topic, UsageWindow records for the usage topic,
+dead letters). The Faust agent is a thin shell around it; replay and benchmarks run it directly.
+
+Ordering and idempotency: events carry a gap-free ``seq`` per (engine epoch, stream). Per stream
+the epoch keeps the next expected seq: older events are duplicates and dropped, newer ones wait
+in a reorder buffer until the gap fills or is declared lost (then affected requests are flagged
+``seq_gap``). Effects on the epoch (windows, frontiers) happen once per seq; effects on a request
+are guarded by the last seq that request absorbed. A state persisted only partly before a crash
+therefore converges when the events are replayed.
+
+Per position statuses (see ``schemas/TokenSegment.avsc``):
+prompt positions come from the admission plan (cached with their source, computed, or
+recomputed when the block had been cached before and evicted), output positions are appended
+as tokens arrive (draft-accepted ones flagged), recomputation after preemption overwrites with
+``recomputed``, and at the end positions outside a sliding window become ``evicted`` (KV freed
+while running, whole blocks) or ``skipped``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.config import WorkerConfig
+from streams import prefix_index as pidx
+from streams import segments as sg
+from streams import windows
+from streams.flops import ModelShape
+from streams.state import (
+    EpochState,
+    HeadState,
+    RequestState,
+    StateStore,
+    block_key,
+    epoch_key,
+    head_key,
+    request_key,
+)
+
+TIMELINES, USAGE, DLQ = "timelines", "usage", "dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """Something to send: ``topic`` is a role (timelines, usage, dlq), mapped to a name by config."""
+
+    topic: str
+    key: str
+    record_name: str
+    record: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters the worker exports as metrics."""
+
+    events: int = 0
+    duplicates: int = 0
+    reordered: int = 0
+    gaps: int = 0
+    late_events: int = 0
+    requests_closed: int = 0
+    incomplete: int = 0
+    corrections: int = 0
+
+
+class Assembler:
+    """Folds engine events into request accounting and usage windows (one per partition or process).
+
+    Args:
+        cfg: Worker settings (window, lateness, timeouts, bounds).
+        store: Where state lives (a dict in tests and replay, a Faust table in the worker).
+        clock: Wall clock for processing-time closing of engines that went silent.
+    """
+
+    def __init__(self, cfg: WorkerConfig, store: StateStore, clock: Callable[[], int] = time.time_ns) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        self.stats = Stats()
+        self.window_ns = int(cfg.window_s * 1e9)
+        self.lateness_ns = int(cfg.allowed_lateness_s * 1e9)
+        self.idle_ns = int(cfg.idle_timeout_s * 1e9)
+        self.routing_wait_ns = int(cfg.routing_wait_s * 1e9)
+        self.retention_ns = int(cfg.closed_retention_s * 1e9)
+        self._shapes: dict[str, ModelShape] = {}
+        self._last_seen: dict[str, int] = {}  # engine_id -> wall clock of its last event here
+
+    # --- entry points ---------------------------------------------------------------------
+
+    def apply(self, event: dict[str, Any]) -> list[Output]:
+        """Fold one decoded EngineEvent; return the outputs it caused (possibly none)."""
+        self.stats.events += 1
+        out: list[Output] = []
+        eid = event["engine_id"]
+        self._last_seen[eid] = self.clock()
+        epoch = self._epoch(eid, event["engine_name"])
+        stream = event["stream"]
+        seq = event["seq"]
+        nxt = epoch.next_seq.setdefault(stream, 0)
+        if seq < nxt:
+            epoch.duplicates += 1
+            self.stats.duplicates += 1
+            return out
+        if seq > nxt:
+            pending = epoch.pending.setdefault(stream, {})
+            if str(seq) in pending:
+                epoch.duplicates += 1
+                self.stats.duplicates += 1
+                return out
+            self.stats.reordered += 1
+            pending[str(seq)] = event
+            self._maybe_declare_gap(epoch, stream, out)
+            self._put_epoch(epoch)
+            return out
+        self._process(epoch, event, out)
+        epoch.next_seq[stream] = seq + 1
+        self._drain(epoch, stream, out)
+        self._after_event(epoch, out)
+        self._put_epoch(epoch)
+        return out
+
+    def tick(self) -> list[Output]:
+        """Processing-time housekeeping: close engines that went silent past the idle timeout.
+
+        Event time cannot advance for an engine that crashed, so its open requests and windows
+        are closed when no event of it arrived here for ``idle_timeout_s`` of wall time (counted
+        from this process's start for engines it has not heard from yet).
+        """
+        out: list[Output] = []
+        now = self.clock()
+        for key in list(self.store.keys("e|")):
+            epoch = self.store.get(key)
+            if epoch is None or epoch.stopped or epoch.superseded:
+                continue
+            seen = self._last_seen.setdefault(epoch.engine_id, now)
+            if now - seen > self.idle_ns:
+                self._close_epoch(epoch, "idle_timeout", out)
+                self._put_epoch(epoch)
+        return out
+
+    # --- ordering ------------------------------------------------------------------------
+
+    def _epoch(self, eid: str, name: str) -> EpochState:
+        epoch = self.store.get(epoch_key(eid))
+        if epoch is None:
+            epoch = EpochState(engine_name=name, engine_id=eid)
+            self.store.put(epoch_key(eid), epoch)
+        return epoch  # type: ignore[no-any-return]
+
+    def _put_epoch(self, epoch: EpochState) -> None:
+        self.store.put(epoch_key(epoch.engine_id), epoch)
+
+    def _drain(self, epoch: EpochState, stream: str, out: list[Output]) -> None:
+        pending = epoch.pending.get(stream)
+        while pending:
+            nxt = epoch.next_seq[stream]
+            event = pending.pop(str(nxt), None)
+            if event is None:
+                break
+            self._process(epoch, event, out)
+            epoch.next_seq[stream] = nxt + 1
+        if pending is not None and not pending:
+            del epoch.pending[stream]
+
+    def _maybe_declare_gap(self, epoch: EpochState, stream: str, out: list[Output]) -> None:
+        """Give up on missing seqs once the buffer is full or far ahead in event time."""
+        pending = epoch.pending[stream]
+        seqs = sorted(int(s) for s in pending)
+        newest = max(pending[str(s)]["ts_ns"] for s in seqs[-8:])
+        oldest = pending[str(seqs[0])]["ts_ns"]
+        if len(pending) < self.cfg.reorder_max_events and newest - oldest < self.lateness_ns:
+            return
+        missing = seqs[0] - epoch.next_seq[stream]
+        epoch.gaps += missing
+        self.stats.gaps += missing
+        for rid in epoch.open_requests:
+            r = self._request(epoch, rid, create=False)
+            if r is not None and not r.seq_gap:
+                r.seq_gap = True
+                self._put_request(r)
+        epoch.next_seq[stream] = seqs[0]
+        self._drain(epoch, stream, out)
+        self._after_event(epoch, out)
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def _process(self, epoch: EpochState, event: dict[str, Any], out: list[Output]) -> None:
+        kind, body = event["payload"]
+        ts = event["ts_ns"]
+        if ts > epoch.watermark:
+            epoch.watermark = ts
+        seq = event["seq"]
+        if kind == ev.STEP_BATCH:
+            self._on_step(epoch, seq, ts, body)
+        elif kind == ev.KV_STORED:
+            self._on_kv(epoch, seq, body, stored=True)
+        elif kind == ev.KV_REMOVED:
+            self._on_kv(epoch, seq, body, stored=False)
+        elif kind == ev.REQUEST_STARTED:
+            self._on_started(epoch, seq, ts, body)
+        elif kind == ev.REQUEST_FINISHED:
+            self._on_finished(epoch, event["stream"], seq, ts, body, out)
+        elif kind == ev.MOE_ROUTING:
+            self._on_routing(epoch, seq, body, out)
+        elif kind == ev.KV_CLEARED:
+            if not epoch.cleared or epoch.cleared[-1] < seq:
+                epoch.cleared.append(seq)
+        elif kind == ev.HEARTBEAT:
+            epoch.producer_stats = {k: int(v) for k, v in body.items()}
+            self._sweep(epoch, out)
+        elif kind == ev.ENGINE_STARTED:
+            self._on_engine_started(epoch, body, out)
+        elif kind == ev.ENGINE_STOPPED:
+            self._close_epoch(epoch, "engine_stopped", out)
+
+    def _after_event(self, epoch: EpochState, out: list[Output]) -> None:
+        if epoch.pending_close:
+            self._close_waiting(epoch, out)
+        if epoch.windows and not epoch.stopped:
+            for rec in windows.close_due(epoch, self.window_ns, self.lateness_ns):
+                out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
+
+    # --- engine lifecycle ------------------------------------------------------------------
+
+    def _on_engine_started(self, epoch: EpochState, body: dict[str, Any], out: list[Output]) -> None:
+        epoch.config = body
+        self._shapes.pop(epoch.engine_id, None)
+        head = self.store.get(head_key(epoch.engine_name)) or HeadState(epoch.engine_name)
+        if head.current and head.current != epoch.engine_id:
+            previous = self.store.get(epoch_key(head.current))
+            if previous is not None and not previous.superseded:
+                self._close_epoch(previous, "new_epoch", out)
+                previous.superseded = True
+                self._put_epoch(previous)
+        head.current = epoch.engine_id
+        self.store.put(head_key(epoch.engine_name), head)
+
+    def _close_epoch(self, epoch: EpochState, reason: str, out: list[Output]) -> None:
+        """Close every open request as incomplete and flush every window."""
+        for rid in list(epoch.open_requests):
+            r = self._request(epoch, rid, create=False)
+            if r is not None:
+                self._close(epoch, r, None, r.last_ts or epoch.watermark, reason, out)
+        epoch.pending_close.clear()
+        for rec in windows.close_due(epoch, self.window_ns, self.lateness_ns, flush=True):
+            out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
+        epoch.stopped = True
+
+    def _shape(self, epoch: EpochState) -> ModelShape:
+        shape = self._shapes.get(epoch.engine_id)
+        if shape is None:
+            shape = ModelShape.from_engine_started(epoch.config or {})
+            self._shapes[epoch.engine_id] = shape
+        return shape
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _request(self, epoch: EpochState, rid: str, *, create: bool = True) -> RequestState | None:
+        key = request_key(epoch.engine_id, rid)
+        r = self.store.get(key)
+        if r is None and create:
+            r = RequestState(engine_name=epoch.engine_name, engine_id=epoch.engine_id, request_id=rid)
+            self.store.put(key, r)
+            epoch.open_requests.append(rid)
+        return r  # type: ignore[no-any-return]
+
+    def _put_request(self, r: RequestState) -> None:
+        self.store.put(request_key(r.engine_id, r.request_id), r)
+
+    def _on_started(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
+        r = self._request(epoch, body["request_id"])
+        assert r is not None
+        if r.seq >= seq or r.closed:
+            return
+        r.seq = seq
+        r.started = True
+        r.admission_seq = seq
+        r.tenant = body["tenant"]
+        r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
+        r.lora_name = body["lora_name"]
+        r.arrival_ts = body["arrival_ts_ns"]
+        r.last_ts = ts
+        prompt = r.prompt_len = body["prompt_len"]
+        cached = r.cached_at_admission = body["num_cached_tokens"]
+        r.cache_read += cached
+        r.hw = max(r.hw, cached)
+        self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, cached)
+        self._put_request(r)
+
+    def _plan_prompt(
+        self, epoch: EpochState, r: RequestState, seq: int, hashes: list[bytes], prompt: int, cached: int
+    ) -> None:
+        """Lay out the prompt's statuses at admission: cached blocks with their source, computed
+        blocks (recomputed when the engine had cached and evicted them before), and claims."""
+        bs = (epoch.config or {}).get("block_size") or 0
+        segs = r.segments
+        if not bs or not hashes:
+            sg.append(segs, cached, sg.PROMPT, sg.CACHED)
+            sg.append(segs, prompt - cached, sg.PROMPT, sg.COMPUTED)
+            return
+        cleared = epoch.cleared
+        pos = 0
+        for i, h in enumerate(hashes):
+            hexh = h.hex()
+            key = block_key(epoch.engine_id, hexh)
+            block = self.store.get(key)
+            start, end = i * bs, (i + 1) * bs
+            if start < cached:
+                # Served from the prefix cache (a fully cached prompt still recomputes its last
+                # token, so the last block may be cached only in part).
+                live = pidx.live_as_of(block, seq, cleared) if block is not None else None
+                owner = live[pidx.COMPUTED_BY] if live else None
+                source = f"{epoch.engine_id}/{owner}" if owner else None
+                head = min(bs, cached - start)
+                sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
+                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
+                r.blocks.append([hexh, "cached", int(live[pidx.STORED]) if live else -1])
+            else:
+                if block is None:
+                    block = pidx.new_block()
+                    epoch.block_count += 1
+                recompute = pidx.evicted_before(block, seq, cleared)
+                sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED if recompute else sg.COMPUTED)
+                if recompute:
+                    r.recompute_until = end
+                r.blocks.append([hexh, "recomputed" if recompute else "computed", -1])
+                pidx.claim(block, r.request_id, seq, cleared)
+                self.store.put(key, block)
+            pos = end
+        tail = prompt - pos
+        head = max(0, min(cached - pos, tail))
+        sg.append(segs, head, sg.PROMPT, sg.CACHED)
+        sg.append(segs, tail - head, sg.PROMPT, sg.COMPUTED)
+        self._bound_index(epoch)
+
+    def _on_step(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
+        rids = body["req_ids"]
+        n_sched = body["num_scheduled_tokens"]
+        before = body["num_computed_before"]
+        n_new = body["num_new_tokens"]
+        proposed = body["spec_proposed"]
+        accepted = body["spec_accepted"]
+        shape = self._shape(epoch)
+        step = body["step"]
+        preempted = set(body["preempted_req_ids"])
+        if preempted:
+            scheduled = set(rids)
+            for rid in preempted - scheduled:
+                r = self._request(epoch, rid)
+                if r is not None and r.seq < seq and not r.closed:
+                    r.seq = seq
+                    r.preemptions += 1
+                    r.preempted = True
+                    self._put_request(r)
+        # Pass 1: per-request FLOPs (needed before the step's time can be split).
+        flops: list[float] = []
+        total = 0.0
+        reqs: list[RequestState | None] = []
+        for i, rid in enumerate(rids):
+            r = self._request(epoch, rid)
+            if r is None or r.seq >= seq or r.closed:
+                reqs.append(None)
+                flops.append(0.0)
+                continue
+            c = before[i]
+            n = n_sched[i]
+            attended, full = shape.pairs(c, n)
+            f = shape.flops(n, attended)
+            r.pairs += attended
+            r.pairs_full += full
+            reqs.append(r)
+            flops.append(f)
+            total += f
+        step_ns = body["duration_ns"]
+        start_ts = ts - step_ns
+        for i, r in enumerate(reqs):
+            if r is None:
+                continue
+            r.seq = seq
+            if preempted and r.request_id in preempted:
+                r.preemptions += 1
+                r.preempted = True
+            r.steps += 1
+            r.last_step = step
+            r.last_ts = ts
+            if not r.first_sched_ts:
+                r.first_sched_ts = start_ts
+            f = flops[i]
+            r.flops += f
+            if total > 0:
+                r.gpu_ns += step_ns * f / total
+            c = before[i]
+            n = n_sched[i]
+            k = proposed[i] if proposed else 0
+            a = accepted[i] if accepted else 0
+            r.last_computed_before = c
+            r.scheduled += n
+            if r.preempted:
+                # Resumed: what it finds in the prefix cache again is read, not computed.
+                r.preempted = False
+                r.cache_read += c
+            valid_end = c + n - (k - a)
+            r.draft_accepted += a
+            r.draft_rejected += k - a
+            hw = r.hw
+            if c < hw:
+                redo_end = min(valid_end, hw)
+                r.recomputed += redo_end - c
+                sg.assign(r.segments, c, redo_end, sg.RECOMPUTED)
+            first = valid_end - max(c, hw)
+            if first > 0:
+                # First computation of [max(c, hw), valid_end): accepted drafts are their own
+                # class; prompt blocks the engine had evicted before are recomputes.
+                first -= a
+                recompute = max(0, min(valid_end, r.recompute_until) - max(c, hw))
+                r.recomputed += recompute
+                r.uncached += first - recompute
+                r.hw = valid_end
+            new = n_new[i]
+            if new:
+                if not r.first_token_ts:
+                    r.first_token_ts = ts
+                r.out += new
+                drafts = min(a, new)
+                sg.append(r.segments, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
+                sg.append(r.segments, new - drafts, sg.OUTPUT, sg.COMPUTED)
+            self._put_request(r)
+
+    def _on_routing(self, epoch: EpochState, seq: int, body: dict[str, Any], out: list[Output]) -> None:
+        layers, experts = body["num_layers"], body["num_experts"]
+        width = layers * experts
+        counts = body["expert_counts"]
+        for i, rid in enumerate(body["req_ids"]):
+            r = self._request(epoch, rid)
+            if r is None or r.wseq >= seq:
+                continue
+            if r.closed:
+                self.stats.late_events += 1
+                continue
+            r.wseq = seq
+            row = counts[i * width : (i + 1) * width]
+            if not r.experts:
+                r.expert_layers, r.expert_experts = layers, experts
+                r.experts = list(row)
+            else:
+                r.experts = [x + y for x, y in zip(r.experts, row, strict=False)]
+            self._put_request(r)
+        if body["step"] > epoch.worker_step:
+            epoch.worker_step = body["step"]
+
+    def _on_finished(
+        self, epoch: EpochState, stream: str, seq: int, ts: int, body: dict[str, Any], out: list[Output]
+    ) -> None:
+        rid = body["request_id"]
+        r = self._request(epoch, rid)
+        assert r is not None
+        if r.closed:
+            # Replayed after a partial checkpoint: the request closed but the epoch effects may not
+            # have been persisted; emit them again (downstream is idempotent by key).
+            if rid in epoch.open_requests and r.output is not None:
+                self._emit_closed(epoch, r, out)
+            return
+        if r.seq < seq:
+            r.seq = seq
+            r.finish = body
+            r.last_ts = ts
+            self._put_request(r)
+        waits_for_routing = (
+            bool((epoch.config or {}).get("routing_capture")) and epoch.worker_step < r.last_step
+        )
+        if waits_for_routing:
+            epoch.pending_close[rid] = [r.last_step, ts]
+            return
+        self._close(epoch, r, body, ts, None, out)
+
+    def _close_waiting(self, epoch: EpochState, out: list[Output]) -> None:
+        for rid, (last_step, ts) in list(epoch.pending_close.items()):
+            if epoch.worker_step >= last_step or epoch.watermark - ts >= self.routing_wait_ns:
+                del epoch.pending_close[rid]
+                r = self._request(epoch, rid, create=False)
+                if r is not None:
+                    self._close(epoch, r, r.finish, ts, None, out)
+
+    def _sweep(self, epoch: EpochState, out: list[Output]) -> None:
+        """Close requests idle past the timeout (event time) and forget closed ones."""
+        self._forget_retired(epoch)
+        wm = epoch.watermark
+        for rid in list(epoch.open_requests):
+            r = self._request(epoch, rid, create=False)
+            if r is None:
+                epoch.open_requests.remove(rid)
+                continue
+            if (
+                not r.closed
+                and rid not in epoch.pending_close
+                and r.last_ts
+                and wm - r.last_ts > self.idle_ns
+            ):
+                self._close(epoch, r, None, r.last_ts, "idle_timeout", out)
+
+    # --- closing ---------------------------------------------------------------------------
+
+    def _close(
+        self,
+        epoch: EpochState,
+        r: RequestState,
+        finish: dict[str, Any] | None,
+        ts: int,
+        incomplete: str | None,
+        out: list[Output],
+    ) -> None:
+        if not r.closed:
+            r.output = self._accounting(epoch, r, finish, ts, incomplete)
+            r.closed = True
+            r.close_ts = ts
+            r.finish = None
+            self._put_request(r)
+        self._emit_closed(epoch, r, out)
+
+    def _emit_closed(self, epoch: EpochState, r: RequestState, out: list[Output]) -> None:
+        """Epoch-level effects of a closed request: its window, its output, its retirement."""
+        acc = r.output
+        assert acc is not None
+        for rec in windows.add(epoch, acc, self.window_ns):
+            self.stats.corrections += 1
+            out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
+        out.append(Output(TIMELINES, acc["request_uid"], ev.REQUEST_ACCOUNTING, acc))
+        self.stats.requests_closed += 1
+        if not acc["complete"]:
+            self.stats.incomplete += 1
+        if r.request_id in epoch.open_requests:
+            epoch.open_requests.remove(r.request_id)
+        # The closed state stays behind briefly (its output answers replays of its events);
+        # it is dropped by the next sweeps once older than the retention.
+        self._retire(epoch, r)
+
+    def _retire(self, epoch: EpochState, r: RequestState) -> None:
+        if self.retention_ns == 0:
+            self.store.delete(request_key(r.engine_id, r.request_id))
+        else:
+            epoch.retiring.append([r.request_id, r.close_ts])
+
+    def _forget_retired(self, epoch: EpochState) -> None:
+        horizon = epoch.watermark - self.retention_ns
+        keep = 0
+        for rid, ts in epoch.retiring:
+            if ts > horizon:
+                break
+            self.store.delete(request_key(epoch.engine_id, rid))
+            keep += 1
+        if keep:
+            del epoch.retiring[:keep]
+
+    def _accounting(
+        self,
+        epoch: EpochState,
+        r: RequestState,
+        finish: dict[str, Any] | None,
+        ts: int,
+        incomplete: str | None,
+    ) -> dict[str, Any]:
+        cfg = epoch.config or {}
+        if r.steps == 0 and finish is not None:
+            self._synthesise_request_level(r, finish)
+        segs = r.segments
+        prompt = r.prompt_len if r.started else (finish or {}).get("num_prompt_tokens", r.prompt_len)
+        if not r.started:
+            r.prompt_len = prompt
+        covered_prompt = sum(s[sg.END] - s[sg.START] for s in segs if s[sg.KIND] == sg.PROMPT)
+        if covered_prompt < prompt and not any(s[sg.KIND] == sg.OUTPUT for s in segs):
+            sg.append(segs, prompt - covered_prompt, sg.PROMPT, sg.COMPUTED)
+        # Prompt positions never computed (aborted during prefill) were never attended either.
+        if r.steps and r.hw < prompt:
+            sg.assign(segs, r.hw, prompt, sg.SKIPPED)
+        window = _attention_window(cfg)
+        if window:
+            self._apply_window(r, window, cfg.get("block_size") or 0)
+        by_status = sg.count_by_status(segs)
+        gpu_ns = round(r.gpu_ns)
+        fin = finish or {}
+        engine_prompt = fin.get("num_prompt_tokens", -1)
+        engine_output = fin.get("num_output_tokens", -1)
+        engine_cached = fin.get("num_cached_tokens", -1)
+        consistent = (
+            finish is not None
+            and incomplete is None
+            and not r.seq_gap
+            and engine_prompt == prompt
+            and engine_output == r.out
+            and engine_cached == r.cached_at_admission
+            and r.scheduled == r.uncached + r.recomputed + r.draft_accepted + r.draft_rejected
+            and sg.total(segs) == prompt + r.out
+        )
+        uid = r.uid
+        block_uses = self._block_uses(epoch, r, fin)
+        return {
+            "request_uid": uid,
+            "engine_name": r.engine_name,
+            "engine_id": r.engine_id,
+            "request_id": r.request_id,
+            "tenant": r.tenant,
+            "model": r.model or cfg.get("served_model_name", ""),
+            "lora_name": r.lora_name,
+            "engine_kind": cfg.get("engine_kind", "vllm"),
+            "arrival_ts_ns": r.arrival_ts,
+            "first_scheduled_ts_ns": r.first_sched_ts,
+            "first_token_ts_ns": r.first_token_ts or fin.get("first_token_ts_ns", 0),
+            "finished_ts_ns": ts,
+            "finish_reason": fin.get("finish_reason", "incomplete"),
+            "complete": incomplete is None,
+            "incomplete_reason": incomplete,
+            "seq_gap": r.seq_gap,
+            "prompt_tokens": prompt,
+            "output_tokens": r.out,
+            "cache_read_tokens": r.cache_read,
+            "uncached_computed_tokens": r.uncached,
+            "recomputed_tokens": r.recomputed,
+            "draft_accepted_tokens": r.draft_accepted,
+            "draft_rejected_tokens": r.draft_rejected,
+            "skipped_tokens": by_status.get(sg.SKIPPED, 0),
+            "evicted_tokens": by_status.get(sg.EVICTED, 0),
+            "scheduled_tokens": r.scheduled,
+            "preemptions": r.preemptions,
+            "steps": r.steps,
+            "attention_pairs": r.pairs,
+            "attention_pairs_skipped": r.pairs_full - r.pairs,
+            "gpu_time_ns": gpu_ns,
+            "est_flops": float(r.flops),
+            "engine_prompt_tokens": engine_prompt,
+            "engine_output_tokens": engine_output,
+            "engine_cached_tokens": engine_cached,
+            "consistent": bool(consistent),
+            "expert_num_layers": r.expert_layers,
+            "expert_num_experts": r.expert_experts,
+            "expert_counts": list(r.experts),
+            "block_uses": block_uses,
+            "timeline": {"segments": sg.to_records(segs), "attention_window": window},
+        }
+
+    def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:
+        """Request-level producers (proxy, traces) report totals only: derive the timeline from them."""
+        prompt = finish["num_prompt_tokens"]
+        cached = min(finish["num_cached_tokens"], prompt)
+        output = finish["num_output_tokens"]
+        r.segments = []
+        sg.append(r.segments, cached, sg.PROMPT, sg.CACHED)
+        sg.append(r.segments, prompt - cached, sg.PROMPT, sg.COMPUTED)
+        sg.append(r.segments, output, sg.OUTPUT, sg.COMPUTED)
+        r.prompt_len = prompt
+        r.cached_at_admission = r.cache_read = cached
+        r.out = output
+        r.uncached = prompt - cached + max(output - 1, 0)
+        r.scheduled = r.uncached
+        r.hw = prompt + max(output - 1, 0)
+
+    def _apply_window(self, r: RequestState, window: int, block_size: int) -> None:
+        """Positions outside the final attention window: evicted (whole blocks freed while the
+        request ran, vLLM's sliding-window policy) or skipped (still held, never attended again)."""
+        kv = r.hw
+        outside = max(0, kv - window)
+        if not outside:
+            return
+        freed = 0
+        if block_size:
+            freed = max(0, r.last_computed_before - window + 1) // block_size * block_size
+        evicted = min(outside, freed)
+        sg.assign(r.segments, 0, evicted, sg.EVICTED, keep_source=True)
+        sg.assign(r.segments, evicted, outside, sg.SKIPPED, keep_source=True)
+
+    def _block_uses(self, epoch: EpochState, r: RequestState, finish: dict[str, Any]) -> list[dict[str, Any]]:
+        bs = (epoch.config or {}).get("block_size") or 0
+        uses = []
+        cleared = epoch.cleared
+        for hexh, role, lifetime in r.blocks:
+            if lifetime < 0:
+                block = self.store.get(block_key(epoch.engine_id, hexh))
+                lifetime = pidx.lifetime_of(block, r.request_id, r.admission_seq, cleared)
+            uses.append(
+                {"block_hash": bytes.fromhex(hexh), "lifetime_seq": lifetime, "role": role, "tokens": bs}
+            )
+        for h in finish.get("output_block_hashes", []):
+            hexh = h.hex()
+            key = block_key(epoch.engine_id, hexh)
+            block = self.store.get(key)
+            if block is None:
+                block = pidx.new_block()
+                epoch.block_count += 1
+            pidx.claim(block, r.request_id, r.seq, cleared)
+            self.store.put(key, block)
+            lifetime = pidx.lifetime_of(block, r.request_id, r.seq, cleared)
+            uses.append({"block_hash": h, "lifetime_seq": lifetime, "role": "computed", "tokens": bs})
+        return uses
+
+    # --- KV events -------------------------------------------------------------------------
+
+    def _on_kv(self, epoch: EpochState, seq: int, body: dict[str, Any], *, stored: bool) -> None:
+        primary = _primary_group_kind(epoch.config)
+        if primary is not None and body.get("group_kind", primary) != primary:
+            return  # other KV cache groups mirror the same hashes; index one group only
+        for h in body["block_hashes"]:
+            key = block_key(epoch.engine_id, h.hex())
+            block = self.store.get(key)
+            if block is None:
+                if not stored:
+                    continue  # removal of a block we never saw stored: nothing to end
+                block = pidx.new_block()
+                epoch.block_count += 1
+            changed = pidx.on_stored(block, seq) if stored else pidx.on_removed(block, seq)
+            if changed:
+                self.store.put(key, block)
+        if stored:
+            self._bound_index(epoch)
+
+    def _bound_index(self, epoch: EpochState) -> None:
+        cap = self.cfg.prefix_index_max_blocks
+        if epoch.block_count <= cap:
+            return
+        prefix = f"b|{epoch.engine_id}|"
+        history = []
+        count = 0
+        for key in self.store.keys(prefix):
+            count += 1
+            block = self.store.get(key)
+            end = pidx.last_end(block) if block is not None else -1
+            if end is not None:
+                history.append((end, key))
+        history.sort()
+        drop = max(0, count - cap * 3 // 4)
+        for _, key in history[:drop]:
+            self.store.delete(key)
+        epoch.block_count = count - min(drop, len(history))
+
+
+def _primary_group_kind(config: dict[str, Any] | None) -> str | None:
+    groups = (config or {}).get("kv_cache_groups") or []
+    return groups[0]["kind"] if groups else None
+
+
+def _attention_window(config: dict[str, Any]) -> int | None:
+    groups = config.get("kv_cache_groups") or []
+    if groups and all(g.get("sliding_window") for g in groups):
+        return int(min(g["sliding_window"] for g in groups))
+    return None

@@ -1,0 +1,122 @@
+"""The per-engine prefix index: which request computed each cached block, and when it lived.
+
+A block's state is ``{"l": [[stored_seq, removed_seq, computed_by], ...], "c": claim}``:
+the cache *lifetimes* of that block hash on one engine epoch (oldest first, at most
+``MAX_LIFETIMES``), and a pending claim by the request that scheduled its computation before
+the engine's BlockStored arrived. Queries are *as of* an event's seq, so the answer does not
+depend on whether later events were already applied (replays after a crash stay exact).
+
+KvCleared is kept as a list of seqs on the epoch rather than a write to every block.
+
+Eviction policy (bounded memory): every block still cached is kept (the engine's KV cache
+bounds their number); blocks whose last lifetime ended are history, kept only to recognise a
+later recomputation. When the epoch holds more than ``prefix_index_max_blocks`` blocks, the
+history blocks removed longest ago are dropped until 3/4 of the cap remains. Forgetting history
+only weakens recompute detection: a recomputed block that was forgotten reads as computed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Any
+
+MAX_LIFETIMES = 4
+STORED, REMOVED, COMPUTED_BY = 0, 1, 2
+
+BlockState = dict[str, Any]
+
+
+def new_block() -> BlockState:
+    return {"l": [], "c": None}
+
+
+def _cleared_between(cleared: list[int], lo: int, hi: int) -> int | None:
+    """First KvCleared seq in (lo, hi], if any."""
+    i = bisect_right(cleared, lo)
+    if i < len(cleared) and cleared[i] <= hi:
+        return cleared[i]
+    return None
+
+
+def _end(lifetime: list[Any], cleared: list[int], horizon: int) -> int | None:
+    """Seq at which a lifetime ended, as of ``horizon`` (None: still alive then)."""
+    end = lifetime[REMOVED]
+    clear = _cleared_between(cleared, lifetime[STORED], horizon)
+    if clear is not None and (end is None or clear < end):
+        end = clear
+    if end is not None and end > horizon:
+        return None
+    return end  # type: ignore[no-any-return]
+
+
+def live_as_of(block: BlockState, seq: int, cleared: list[int]) -> list[Any] | None:
+    """The lifetime alive at ``seq`` (stored at or before it, not yet removed or cleared)."""
+    for lt in reversed(block["l"]):
+        if lt[STORED] <= seq:
+            return lt if _end(lt, cleared, seq) is None else None
+    return None
+
+
+def evicted_before(block: BlockState, seq: int, cleared: list[int]) -> bool:
+    """Whether this hash was cached and then dropped before ``seq`` (so computing it is a recompute)."""
+    return any(lt[STORED] < seq and _end(lt, cleared, seq) is not None for lt in block["l"])
+
+
+def on_stored(block: BlockState, seq: int) -> bool:
+    """A BlockStored at ``seq``: begin a lifetime (idempotent). Returns whether anything changed."""
+    lifetimes = block["l"]
+    if any(lt[STORED] == seq for lt in lifetimes):
+        return False
+    computed_by = block["c"]
+    block["c"] = None
+    lifetimes.append([seq, None, computed_by])
+    lifetimes.sort(key=lambda lt: lt[STORED])
+    del lifetimes[:-MAX_LIFETIMES]
+    return True
+
+
+def on_removed(block: BlockState, seq: int) -> bool:
+    """A BlockRemoved at ``seq``: end the lifetime alive then (idempotent)."""
+    for lt in reversed(block["l"]):
+        if lt[STORED] <= seq:
+            if lt[REMOVED] is None:
+                lt[REMOVED] = seq
+                return True
+            return False
+    return False
+
+
+def claim(block: BlockState, uid: str, seq: int, cleared: list[int]) -> None:
+    """Request ``uid`` computes this block (decided at ``seq``): credit it with the lifetime.
+
+    If the engine already reported the block stored (same step, published first) and nobody
+    owns that lifetime, the request owns it; otherwise the claim waits for the next BlockStored.
+    """
+    live = live_as_of(block, seq, cleared)
+    if live is None:
+        block["c"] = uid
+    elif live[COMPUTED_BY] is None and live[STORED] >= seq - _SAME_STEP_WINDOW:
+        live[COMPUTED_BY] = uid
+
+
+#: How many seqs before a request's admission a BlockStored may come and still belong to it:
+#: vLLM publishes a step's KV events before that step's output, i.e. before our admission event.
+_SAME_STEP_WINDOW = 4096
+
+
+def lifetime_of(block: BlockState | None, uid: str, seq: int, cleared: list[int]) -> int:
+    """The lifetime seq this request computed or read, for amortized attribution (-1 if unknown)."""
+    if block is None:
+        return -1
+    for lt in block["l"]:
+        if lt[COMPUTED_BY] == uid:
+            return int(lt[STORED])
+    live = live_as_of(block, seq, cleared)
+    return int(live[STORED]) if live is not None else -1
+
+
+def last_end(block: BlockState) -> int | None:
+    """Seq at which the block's last lifetime was removed; None while it is cached."""
+    if not block["l"]:
+        return -1
+    return block["l"][-1][REMOVED]  # type: ignore[no-any-return]

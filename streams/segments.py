@@ -1,0 +1,131 @@
+"""Run-length encoded token timelines.
+
+A timeline is a list of segments ``[start, end, kind, status, draft, source]`` in position order,
+covering positions without gaps. Adjacent segments with equal attributes merge, so state stays
+O(segments), not O(tokens): a 128k-token prompt served half from cache is two segments.
+
+Plain lists (not objects) because the assembler touches them on every engine step and stores
+them as JSON.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterable
+
+# Segment fields (list indices).
+START, END, KIND, STATUS, DRAFT, SOURCE = range(6)
+
+PROMPT, OUTPUT = "prompt", "output"
+COMPUTED, CACHED, RECOMPUTED, SKIPPED, EVICTED = "computed", "cached", "recomputed", "skipped", "evicted"
+
+Segment = list  # [start, end, kind, status, draft, source]
+
+
+def _same(a: Segment, b: Segment) -> bool:
+    return a[KIND] == b[KIND] and a[STATUS] == b[STATUS] and a[DRAFT] == b[DRAFT] and a[SOURCE] == b[SOURCE]
+
+
+def append(
+    segments: list[Segment],
+    length: int,
+    kind: str,
+    status: str,
+    draft: bool = False,
+    source: str | None = None,
+) -> None:
+    """Append ``length`` positions after the last segment, merging with it when attributes match."""
+    if length <= 0:
+        return
+    if segments:
+        last = segments[-1]
+        if last[KIND] == kind and last[STATUS] == status and last[DRAFT] == draft and last[SOURCE] == source:
+            last[END] += length
+            return
+        start = last[END]
+    else:
+        start = 0
+    segments.append([start, start + length, kind, status, draft, source])
+
+
+def total(segments: list[Segment]) -> int:
+    """Positions covered."""
+    return segments[-1][END] if segments else 0
+
+
+def _split_at(segments: list[Segment], pos: int) -> int:
+    """Ensure a segment boundary at ``pos``; return the index of the first segment starting there."""
+    if not segments or pos >= segments[-1][END]:
+        return len(segments)
+    i = bisect_right([s[START] for s in segments], pos) - 1
+    seg = segments[i]
+    if seg[START] == pos:
+        return i
+    tail = [pos, seg[END], seg[KIND], seg[STATUS], seg[DRAFT], seg[SOURCE]]
+    seg[END] = pos
+    segments.insert(i + 1, tail)
+    return i + 1
+
+
+def _merge_around(segments: list[Segment], lo: int, hi: int) -> None:
+    """Merge equal neighbours in segments[lo-1 : hi+1]."""
+    i = max(lo - 1, 0)
+    hi = min(hi + 1, len(segments) - 1)
+    while i < hi:
+        if _same(segments[i], segments[i + 1]):
+            segments[i][END] = segments[i + 1][END]
+            del segments[i + 1]
+            hi -= 1
+        else:
+            i += 1
+
+
+def assign(
+    segments: list[Segment], start: int, end: int, status: str, *, keep_source: bool = False
+) -> list[tuple[int, int, str]]:
+    """Set the status of positions [start, end) (within the covered range).
+
+    Args:
+        keep_source: keep each segment's source (otherwise cleared: a recomputed block no longer
+            came from its cache source).
+
+    Returns:
+        The previous statuses of the range as ``(start, end, status)`` runs, so callers can count
+        what changed.
+    """
+    end = min(end, total(segments))
+    if start >= end:
+        return []
+    i = _split_at(segments, start)
+    j = _split_at(segments, end)
+    before = []
+    for seg in segments[i:j]:
+        before.append((seg[START], seg[END], seg[STATUS]))
+        seg[STATUS] = status
+        if not keep_source:
+            seg[SOURCE] = None
+    _merge_around(segments, i, j - 1)
+    return before
+
+
+def count_by_status(segments: Iterable[Segment]) -> dict[str, int]:
+    """Positions per status."""
+    out: dict[str, int] = {}
+    for seg in segments:
+        out[seg[STATUS]] = out.get(seg[STATUS], 0) + seg[END] - seg[START]
+    return out
+
+
+def to_records(segments: Iterable[Segment]) -> list[dict[str, object]]:
+    """Segments as TokenSegment Avro records."""
+    return [
+        {
+            "start": s[START],
+            "end": s[END],
+            "kind": s[KIND],
+            "status": s[STATUS],
+            "draft_accepted": s[DRAFT],
+            "source_request_uid": s[SOURCE],
+        }
+        for s in segments
+    ]

@@ -1,0 +1,252 @@
+"""State of the assembler, kept per key so a changelog can persist it piecewise.
+
+Keys (all carry the engine, so keys of different partitions never collide):
+
+* ``e|<engine_id>``                epoch state: stream frontiers, reorder buffers, windows.
+* ``n|<engine_name>``              which epoch of that engine is current.
+* ``r|<engine_id>|<request_id>``   one request: counts and its RLE timeline (O(segments)).
+* ``b|<engine_id>|<block hash>``   one prefix-cache block: its cache lifetimes.
+
+Each key guards itself against re-application (a request remembers the last seq it absorbed;
+a block's lifetimes are keyed by the seq that began them), so a state that was persisted only
+partly before a crash converges when the events are replayed. Epoch keys are written last.
+
+States are JSON-serialisable (bytes are tagged), because Faust stores them as changelog values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
+
+
+def epoch_key(engine_id: str) -> str:
+    return f"e|{engine_id}"
+
+
+def head_key(engine_name: str) -> str:
+    return f"n|{engine_name}"
+
+
+def request_key(engine_id: str, request_id: str) -> str:
+    return f"r|{engine_id}|{request_id}"
+
+
+def block_key(engine_id: str, block_hash: str) -> str:
+    return f"b|{engine_id}|{block_hash}"
+
+
+#: Window counter layout (UsageWindow fields, in this order).
+WINDOW_COUNTERS = (
+    "requests",
+    "incomplete_requests",
+    "prompt_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_tokens",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "skipped_tokens",
+    "evicted_tokens",
+    "gpu_time_ns",
+    "est_flops",
+)
+
+
+class _Record:
+    """Dataclass <-> JSON list, in field order (compact, and fast to build)."""
+
+    TAG: ClassVar[str]
+
+    def to_json(self) -> list[Any]:
+        return [self.TAG, *(getattr(self, f.name) for f in fields(self))]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Any:
+        return cls(*data[1:])
+
+
+@dataclass(slots=True)
+class RequestState(_Record):
+    """One request while it runs (and briefly after it closed)."""
+
+    TAG: ClassVar[str] = "R"
+
+    engine_name: str
+    engine_id: str
+    request_id: str
+    seq: int = -1  # last core-stream seq absorbed
+    wseq: int = -1  # last worker-stream seq absorbed
+    started: bool = False
+    tenant: str = ""
+    model: str = ""
+    lora_name: str | None = None
+    arrival_ts: int = 0
+    first_sched_ts: int = 0
+    first_token_ts: int = 0
+    last_ts: int = 0
+    prompt_len: int = 0
+    cached_at_admission: int = 0
+    hw: int = 0  # positions whose KV was computed or read from cache so far
+    out: int = 0  # output tokens so far
+    cache_read: int = 0
+    uncached: int = 0
+    recomputed: int = 0
+    draft_accepted: int = 0
+    draft_rejected: int = 0
+    scheduled: int = 0
+    preemptions: int = 0
+    preempted: bool = False
+    steps: int = 0
+    last_step: int = -1
+    last_computed_before: int = 0
+    pairs: int = 0
+    pairs_full: int = 0
+    gpu_ns: float = 0.0
+    flops: float = 0.0
+    segments: list[list[Any]] = field(default_factory=list)
+    # Prompt full blocks: [hash hex, role, lifetime seq] from the admission plan.
+    blocks: list[list[Any]] = field(default_factory=list)
+    recompute_until: int = 0  # prompt positions below this had been cached before and evicted
+    expert_layers: int = 0
+    expert_experts: int = 0
+    experts: list[int] = field(default_factory=list)
+    seq_gap: bool = False
+    admission_seq: int = -1
+    closed: bool = False
+    close_ts: int = 0
+    output: dict[str, Any] | None = None  # the RequestAccounting record once closed
+    finish: dict[str, Any] | None = None  # RequestFinished payload while waiting for routing
+
+    @property
+    def uid(self) -> str:
+        return f"{self.engine_id}/{self.request_id}"
+
+
+@dataclass(slots=True)
+class EpochState(_Record):
+    """One engine epoch: what makes its event streams totally ordered and windowed."""
+
+    TAG: ClassVar[str] = "E"
+
+    engine_name: str
+    engine_id: str
+    config: dict[str, Any] | None = None  # EngineStarted payload
+    next_seq: dict[str, int] = field(default_factory=dict)  # per stream
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream -> {seq: event}
+    gaps: int = 0  # events declared lost
+    duplicates: int = 0
+    watermark: int = 0  # max event time seen (wall ns)
+    open_requests: list[str] = field(default_factory=list)
+    pending_close: dict[str, list[Any]] = field(default_factory=dict)  # rid -> [last_step, ts, reason]
+    worker_step: int = -1  # highest step the worker stream reported routing for
+    windows: dict[str, list[Any]] = field(default_factory=dict)  # "start|model|tenant" -> counters
+    closed_through: int = 0  # windows starting before this are closed (wall ns)
+    cleared: list[int] = field(default_factory=list)  # seqs of KvCleared
+    block_count: int = 0
+    retiring: list[list[Any]] = field(default_factory=list)  # [request_id, close_ts] of closed requests
+    stopped: bool = False
+    superseded: bool = False  # a newer epoch of the same engine started
+    producer_stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class HeadState(_Record):
+    """Which epoch of an engine name is current."""
+
+    TAG: ClassVar[str] = "N"
+
+    engine_name: str
+    current: str = ""
+
+
+# --- serialisation ----------------------------------------------------------------------------
+
+_TAGS: dict[str, type[_Record]] = {c.TAG: c for c in (RequestState, EpochState, HeadState)}
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray)):
+        return {"$b": obj.hex()}
+    if isinstance(obj, tuple):
+        return list(obj)
+    if isinstance(obj, _Record):
+        return obj.to_json()
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and "$b" in obj:
+        return bytes.fromhex(obj["$b"])
+    return obj
+
+
+def encode_state(value: Any) -> bytes:
+    """Serialise a state value (record or plain JSON-able structure with bytes)."""
+    if isinstance(value, _Record):
+        value = value.to_json()
+    return json.dumps(value, default=_default, separators=(",", ":")).encode()
+
+
+def decode_state(data: bytes) -> Any:
+    """Inverse of :func:`encode_state`."""
+    value = json.loads(data, object_hook=_hook)
+    if isinstance(value, list) and value and isinstance(value[0], str) and value[0] in _TAGS:
+        return _TAGS[value[0]].from_json(value)
+    return value
+
+
+# --- stores ------------------------------------------------------------------------------------
+
+
+class StateStore(Protocol):
+    """Key-value state the assembler folds into. Values are live objects; ``put`` marks them dirty."""
+
+    def get(self, key: str) -> Any | None: ...
+
+    def put(self, key: str, value: Any) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def keys(self, prefix: str) -> Iterator[str]: ...
+
+
+class MemoryStore:
+    """A dict; tracks dirty keys so an adapter can persist them (epoch keys last)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.dirty: set[str] = set()
+        self.deleted: set[str] = set()
+
+    def get(self, key: str) -> Any | None:
+        return self.data.get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.dirty.add(key)
+        self.deleted.discard(key)
+
+    def delete(self, key: str) -> None:
+        if self.data.pop(key, None) is not None:
+            self.deleted.add(key)
+        self.dirty.discard(key)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        return (k for k in list(self.data) if k.startswith(prefix))
+
+    def take_dirty(self) -> tuple[list[tuple[str, Any]], list[str]]:
+        """Dirty (key, value) pairs with epoch and head keys last, and deleted keys; resets both."""
+        items = sorted(self.dirty, key=lambda k: k[0] in "en")
+        out = [(k, self.data[k]) for k in items]
+        deleted = list(self.deleted)
+        self.dirty.clear()
+        self.deleted.clear()
+        return out, deleted
+
+    def size_bytes(self, prefix: str = "") -> int:
+        """Serialised size of the values under ``prefix`` (for state-size benchmarks)."""
+        return sum(len(encode_state(v)) for k, v in self.data.items() if k.startswith(prefix))

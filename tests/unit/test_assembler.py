@@ -1,0 +1,425 @@
+"""The assembler's pure fold: crafted scenarios with hand-computed answers, then properties over
+simulated engine runs (sums, disjointness, engine totals, order and duplicate independence)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseety import events as ev
+from sparseety.config import WorkerConfig
+from streams import segments as sg
+from streams.assembler import TIMELINES, USAGE, Assembler, Output
+from streams.state import MemoryStore, decode_state, encode_state
+from tests import factories as f
+from tests.sim import SimEngine, SimRequest, workload
+
+CFG = WorkerConfig(window_s=60, allowed_lateness_s=5, closed_retention_s=0)
+
+
+def run(events: list[dict[str, Any]], cfg: WorkerConfig = CFG) -> tuple[list[Output], Assembler]:
+    asm = Assembler(cfg, MemoryStore())
+    out: list[Output] = []
+    for e in events:
+        out.extend(asm.apply(e))
+    return out, asm
+
+
+def accounts(out: list[Output]) -> dict[str, dict[str, Any]]:
+    return {o.key: o.record for o in out if o.topic == TIMELINES}
+
+
+def segs(acc: dict[str, Any]) -> list[tuple[int, int, str, str, bool]]:
+    return [(s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"]) for s in acc["timeline"]["segments"]]
+
+
+# --- crafted scenarios -----------------------------------------------------------------------
+
+
+def test_single_request_plain_prefill_and_decode() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(10)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 10, 0, [7])])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 10, [8])])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(2, [("r1", 1, 11, [9])])),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=10, output=3)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert acc["consistent"] and acc["complete"]
+    assert (acc["prompt_tokens"], acc["output_tokens"], acc["cache_read_tokens"]) == (10, 3, 0)
+    # 10 prompt positions + 2 decode inputs computed; the last output token is never an input.
+    assert (acc["uncached_computed_tokens"], acc["scheduled_tokens"], acc["steps"]) == (12, 12, 3)
+    assert segs(acc) == [(0, 10, "prompt", "computed", False), (10, 13, "output", "computed", False)]
+    assert acc["attention_pairs"] == 55 + 11 + 12 and acc["attention_pairs_skipped"] == 0
+    assert acc["gpu_time_ns"] == 3_000_000  # alone in every step: the whole step time
+
+
+def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
+    prompt = list(range(12))
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.KV_STORED, {"block_hashes": [b"a", b"b", b"c"], "parent_block_hash": None, "block_size": 4,
+                                 "num_tokens": 12, "lora_id": None, "medium": "GPU", "group_kind": "full_attention",
+                                 "sliding_window": None}),
+        f.wrap(2, ev.REQUEST_STARTED, f.request_started("r1", prompt, hashes=[b"a", b"b", b"c"])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("r1", 12, 0, [1])])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=12, output=1)),
+        f.wrap(5, ev.REQUEST_STARTED, f.request_started("r2", prompt + [99, 98], cached=8, hashes=[b"a", b"b", b"c"])),
+        f.wrap(6, ev.STEP_BATCH, f.step_batch(1, [("r2", 6, 8, [5])])),
+        f.wrap(7, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=14, output=1, cached=8)),
+    ]
+    out, _ = run(events)
+    r2 = accounts(out)[f"{f.EID}/r2"]
+    assert r2["consistent"]
+    assert (r2["cache_read_tokens"], r2["uncached_computed_tokens"]) == (8, 6)
+    cached = [s for s in r2["timeline"]["segments"] if s["status"] == "cached"]
+    assert cached == [{"start": 0, "end": 8, "kind": "prompt", "status": "cached", "draft_accepted": False,
+                       "source_request_uid": f"{f.EID}/r1"}]
+    uses = {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r2["block_uses"]}
+    assert uses == {(b"a", "cached", 1), (b"b", "cached", 1), (b"c", "computed", 1)}
+    r1 = accounts(out)[f"{f.EID}/r1"]
+    assert {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r1["block_uses"]} == {
+        (b"a", "computed", 1), (b"b", "computed", 1), (b"c", "computed", 1)}
+
+
+def test_block_evicted_then_computed_again_is_recomputed() -> None:
+    kv = {"parent_block_hash": None, "block_size": 4, "num_tokens": 4, "lora_id": None, "medium": "GPU",
+          "group_kind": "full_attention", "sliding_window": None}
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.KV_STORED, {"block_hashes": [b"a"], **kv}),
+        f.wrap(2, ev.KV_REMOVED, {"block_hashes": [b"a"], "medium": "GPU", "group_kind": "full_attention"}),
+        f.wrap(3, ev.REQUEST_STARTED, f.request_started("r1", list(range(6)), hashes=[b"a"])),
+        f.wrap(4, ev.KV_STORED, {"block_hashes": [b"a"], **kv}),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(0, [("r1", 6, 0, [1])])),
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=6, output=1)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 2)
+    assert segs(acc)[:2] == [(0, 4, "prompt", "recomputed", False), (4, 6, "prompt", "computed", False)]
+    assert acc["block_uses"][0]["role"] == "recomputed" and acc["block_uses"][0]["lifetime_seq"] == 4
+    assert acc["consistent"]
+
+
+def test_speculative_drafts_accepted_and_rejected() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(spec_method="ngram", spec_num_tokens=3)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])], spec=[(0, 0)])),
+        # 1 input + 3 drafts; 2 drafts accepted -> 3 new tokens, 1 rejected.
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 4, 8, [2, 3, 4])], spec=[(3, 2)])),
+        # 1 input + 3 drafts; none accepted -> 1 new token, 3 rejected.
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(2, [("r1", 4, 11, [5])], spec=[(3, 0)])),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=5)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert acc["consistent"]
+    assert (acc["draft_accepted_tokens"], acc["draft_rejected_tokens"]) == (2, 4)
+    assert acc["uncached_computed_tokens"] == 8 + 2  # prompt + one non-draft input per decode step
+    assert acc["scheduled_tokens"] == 16
+    assert segs(acc) == [(0, 8, "prompt", "computed", False), (8, 9, "output", "computed", False),
+                         (9, 11, "output", "computed", True), (11, 13, "output", "computed", False)]
+
+
+def test_preemption_recomputes_and_rereads_cache() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 8, [2])])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(2, [], preempted=["r1"])),
+        # Resumed: the first block is found in the prefix cache, positions 4..9 are recomputed.
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(3, [("r1", 6, 4, [3])], resumed=["r1"])),
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=3, num_preemptions=1)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert acc["preemptions"] == 1 and acc["consistent"]
+    assert (acc["cache_read_tokens"], acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 5, 10)
+    assert acc["scheduled_tokens"] == 15
+    assert segs(acc) == [(0, 4, "prompt", "computed", False), (4, 8, "prompt", "recomputed", False),
+                         (8, 9, "output", "recomputed", False), (9, 11, "output", "computed", False)]
+
+
+def test_sliding_window_evicts_whole_blocks_and_skips_the_rest() -> None:
+    groups = [{"kind": "sliding_window", "sliding_window": 8, "block_size": 4, "num_layers": 2}]
+    rows = [(f.wrap(2 + i, ev.STEP_BATCH, f.step_batch(1 + i, [("r1", 1, 20 + i, [i])]))) for i in range(3)]
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(kv_cache_groups=groups)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(20)), hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 20, 0, [1])])),
+        *[f.wrap(3 + i, ev.STEP_BATCH, f.step_batch(1 + i, [("r1", 1, 20 + i, [i])])) for i in range(3)],
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=20, output=4)),
+    ]
+    del rows
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    # 23 KV positions computed; the last query attends 8 of them: 15 outside the window.
+    # Before the last step 22 were computed: (22 - 8 + 1) // 4 = 3 blocks = 12 positions freed.
+    assert (acc["evicted_tokens"], acc["skipped_tokens"]) == (12, 3)
+    assert acc["timeline"]["attention_window"] == 8
+    assert segs(acc)[:3] == [(0, 12, "prompt", "evicted", False), (12, 15, "prompt", "skipped", False),
+                             (15, 20, "prompt", "computed", False)]
+    assert acc["attention_pairs_skipped"] > 0 and acc["consistent"]
+
+
+def test_gpu_time_is_split_by_flops() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("big", list(range(64)), hashes=[])),
+        f.wrap(2, ev.REQUEST_STARTED, f.request_started("small", list(range(4)), hashes=[])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("big", 64, 0, [1]), ("small", 4, 0, [1])],
+                                              duration_ns=10_000_000)),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("big", prompt=64, output=1)),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("small", prompt=4, output=1)),
+    ]
+    accs = accounts(run(events)[0])
+    big, small = accs[f"{f.EID}/big"], accs[f"{f.EID}/small"]
+    assert big["gpu_time_ns"] + small["gpu_time_ns"] == 10_000_000
+    assert big["gpu_time_ns"] > 15 * small["gpu_time_ns"]  # more tokens and quadratic attention
+
+
+def test_windows_final_then_correction_for_late_requests() -> None:
+    minute = 60_000_000_000
+    t0 = 1_700_000_000 * 1_000_000_000 // minute * minute
+    events = [f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), ts_ns=t0)]
+    seq = 1
+    for i, t in enumerate([t0 + 1, t0 + 2, t0 + minute + 10_000_000_000]):
+        rid = f"r{i}"
+        events += [
+            f.wrap(seq, ev.REQUEST_STARTED, f.request_started(rid, [1, 2, 3], hashes=[]), ts_ns=t),
+            f.wrap(seq + 1, ev.STEP_BATCH, f.step_batch(i, [(rid, 3, 0, [4])]), ts_ns=t),
+            f.wrap(seq + 2, ev.REQUEST_FINISHED, f.request_finished(rid, prompt=3, output=1), ts_ns=t),
+        ]
+        seq += 3
+    # The first window closed when the watermark passed its end + 5 s lateness; r3 comes late.
+    events += [
+        f.wrap(seq, ev.REQUEST_STARTED, f.request_started("r3", [1, 2], hashes=[]), ts_ns=t0 + 3),
+        f.wrap(seq + 1, ev.STEP_BATCH, f.step_batch(9, [("r3", 2, 0, [4])]), ts_ns=t0 + 3),
+        f.wrap(seq + 2, ev.REQUEST_FINISHED, f.request_finished("r3", prompt=2, output=1), ts_ns=t0 + 3),
+        f.wrap(seq + 3, ev.ENGINE_STOPPED, {"reason": "shutdown"}, ts_ns=t0 + minute + 11_000_000_000),
+    ]
+    out, asm = run(events)
+    usage = [o.record for o in out if o.topic == USAGE]
+    finals = [u for u in usage if u["kind"] == "final"]
+    corrections = [u for u in usage if u["kind"] == "correction"]
+    assert [(u["window_start_ns"], u["requests"], u["prompt_tokens"]) for u in finals] == [
+        (t0, 2, 6), (t0 + minute, 1, 3)]
+    assert [(u["window_start_ns"], u["requests"], u["prompt_tokens"]) for u in corrections] == [(t0, 1, 2)]
+    assert corrections[0]["usage_id"].endswith(f"/correction/{f.EID}/r3")
+    assert asm.stats.corrections == 1
+
+
+def test_new_epoch_closes_open_requests_as_incomplete() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])])),
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), epoch="e2"),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert not acc["complete"] and acc["incomplete_reason"] == "new_epoch" and not acc["consistent"]
+    assert acc["finish_reason"] == "incomplete" and acc["output_tokens"] == 1
+
+
+def test_idle_requests_close_on_heartbeat_and_silent_engines_on_tick() -> None:
+    cfg = WorkerConfig(idle_timeout_s=10, closed_retention_s=0)
+    t = 1_700_000_000_000_000_000
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), ts_ns=t),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", [1, 2], hashes=[]), ts_ns=t),
+        f.wrap(2, ev.HEARTBEAT, {"queued": 0, "produced": 2, "dropped": 0, "spilled": 0, "drained": 0},
+               ts_ns=t + 11_000_000_000),
+    ]
+    acc = accounts(run(events, cfg)[0])[f"{f.EID}/r1"]
+    assert acc["incomplete_reason"] == "idle_timeout"
+
+    now = [0]
+    asm = Assembler(cfg, MemoryStore(), clock=lambda: now[0])
+    for e in events[:2]:
+        asm.apply(e)
+    assert asm.tick() == []
+    now[0] = 11_000_000_000
+    closed = accounts(asm.tick())
+    assert closed[f"{f.EID}/r1"]["incomplete_reason"] == "idle_timeout"
+
+
+def test_proxy_requests_are_accounted_from_totals() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(engine_kind="proxy", block_size=0, kv_cache_groups=[])),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("p1", [], hashes=[], prompt_len=0)),
+        f.wrap(2, ev.REQUEST_FINISHED, f.request_finished("p1", prompt=20, output=5, cached=16)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/p1"]
+    assert acc["engine_kind"] == "proxy"
+    assert (acc["prompt_tokens"], acc["cache_read_tokens"], acc["uncached_computed_tokens"]) == (20, 16, 8)
+    assert segs(acc) == [(0, 16, "prompt", "cached", False), (16, 20, "prompt", "computed", False),
+                         (20, 25, "output", "computed", False)]
+
+
+def test_routing_is_joined_and_waits_for_the_last_step() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(routing_capture=True, moe_num_experts=2, moe_top_k=1)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", [1, 2, 3], hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 3, 0, [4])])),
+        f.wrap(0, ev.MOE_ROUTING, {"step": 0, "req_ids": ["r1"], "num_layers": 1, "num_experts": 2,
+                                   "expert_counts": [2, 1]}, stream="worker-0"),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 3, [5])])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=3, output=2)),
+    ]
+    out, _ = run(events)
+    assert not accounts(out)  # waits for step 1's routing
+    late, _ = run([*events, f.wrap(1, ev.MOE_ROUTING, {"step": 1, "req_ids": ["r1"], "num_layers": 1,
+                                                       "num_experts": 2, "expert_counts": [0, 1]},
+                                   stream="worker-0")])
+    acc = accounts(late)[f"{f.EID}/r1"]
+    assert acc["expert_counts"] == [2, 2] and (acc["expert_num_layers"], acc["expert_num_experts"]) == (1, 2)
+
+
+def test_gaps_are_flagged_and_reordering_is_undone() -> None:
+    base = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", [1, 2, 3, 4], hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 4, 0, [5])])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 4, [6])])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=4, output=2)),
+    ]
+    swapped = [base[0], base[2], base[1], base[4], base[3]]
+    assert accounts(run(swapped)[0]) == accounts(run(base)[0])
+    cfg = WorkerConfig(reorder_max_events=2, closed_retention_s=0)
+    gap_out, asm = run([base[0], base[1], base[3], base[4]], cfg)
+    acc = accounts(gap_out)[f"{f.EID}/r1"]
+    assert acc["seq_gap"] and not acc["consistent"] and asm.stats.gaps == 1
+
+
+def test_state_round_trips_through_json() -> None:
+    events = SimEngine(spec_k=2, preempt_prob=0.2, cache_blocks=12, seed=3).run(workload(12, seed=3))
+    store = MemoryStore()
+    asm = Assembler(CFG, store)
+    for e in events[: len(events) // 2]:
+        asm.apply(e)
+    copy = MemoryStore()
+    for k, v in store.data.items():
+        copy.data[k] = decode_state(encode_state(v))
+    rest = events[len(events) // 2 :]
+    a = [o for e in rest for o in asm.apply(e)]
+    asm2 = Assembler(CFG, copy)
+    b = [o for e in rest for o in asm2.apply(e)]
+    assert a == b
+
+
+# --- properties over simulated runs ----------------------------------------------------------
+
+
+def _check_invariants(acc: dict[str, Any]) -> None:
+    segments = acc["timeline"]["segments"]
+    assert segments[0]["start"] == 0
+    assert all(a["end"] == b["start"] for a, b in zip(segments, segments[1:]))
+    assert segments[-1]["end"] == acc["prompt_tokens"] + acc["output_tokens"]
+    assert acc["scheduled_tokens"] == (acc["uncached_computed_tokens"] + acc["recomputed_tokens"]
+                                       + acc["draft_accepted_tokens"] + acc["draft_rejected_tokens"])
+    by_status: dict[str, int] = {}
+    for s in segments:
+        by_status[s["status"]] = by_status.get(s["status"], 0) + s["end"] - s["start"]
+    assert by_status.get("skipped", 0) == acc["skipped_tokens"]
+    assert by_status.get("evicted", 0) == acc["evicted_tokens"]
+
+
+sim_params = st.fixed_dictionaries({
+    "seed": st.integers(0, 10_000),
+    "spec_k": st.sampled_from([0, 2]),
+    "preempt_prob": st.sampled_from([0.0, 0.15]),
+    "cache_blocks": st.sampled_from([8, 32, 256]),
+    "n": st.integers(1, 14),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(sim_params)
+def test_simulated_runs_are_consistent_with_engine_totals(p: dict[str, Any]) -> None:
+    sim = SimEngine(seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"], cache_blocks=p["cache_blocks"])
+    reqs = workload(p["n"], seed=p["seed"])
+    out, _ = run(sim.run(reqs))
+    accs = accounts(out)
+    assert len(accs) == len(reqs)
+    for r in reqs:
+        acc = accs[f"{f.EID}/{r.rid}"]
+        _check_invariants(acc)
+        assert acc["consistent"], acc
+        assert acc["output_tokens"] == len(r.output)
+        assert acc["cache_read_tokens"] >= r.cached_at_admission
+    usage = [o.record for o in out if o.topic == USAGE]
+    assert sum(u["requests"] for u in usage) == len(reqs)
+    assert sum(u["prompt_tokens"] for u in usage) == sum(len(r.prompt) for r in reqs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sim_params, st.randoms(use_true_random=False), st.integers(1, 6))
+def test_shuffling_nearby_events_and_duplicating_them_changes_nothing(
+    p: dict[str, Any], rnd: random.Random, span: int
+) -> None:
+    events = SimEngine(seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"],
+                       cache_blocks=p["cache_blocks"]).run(workload(p["n"], seed=p["seed"]))
+    expected, _ = run(events)
+    messy: list[dict[str, Any]] = []
+    i = 0
+    while i < len(events):
+        chunk = events[i : i + span]
+        rnd.shuffle(chunk)
+        for e in chunk:
+            messy.append(e)
+            if rnd.random() < 0.2:
+                messy.append(e)  # re-sent
+        i += span
+    got, asm = run(messy)
+    assert accounts(got) == accounts(expected)
+    assert sorted((o.key, str(o.record)) for o in got if o.topic == USAGE) == sorted(
+        (o.key, str(o.record)) for o in expected if o.topic == USAGE)
+    assert asm.stats.duplicates == len(messy) - len(events)
+
+
+def test_state_per_request_is_segments_not_tokens() -> None:
+    # A 128k-token prompt, half from the prefix cache, decoded 64 tokens in chunked prefill of 8k.
+    bs, prompt = 16, 131_072
+    hashes = [i.to_bytes(16, "big") for i in range(prompt // bs)]
+    kv = {"parent_block_hash": None, "block_size": bs, "num_tokens": prompt // 2, "lora_id": None,
+          "medium": "GPU", "group_kind": "full_attention", "sliding_window": None}
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(block_size=bs, kv_cache_groups=[
+            {"kind": "full_attention", "sliding_window": None, "block_size": bs, "num_layers": 2}])),
+        f.wrap(1, ev.KV_STORED, {"block_hashes": hashes[: len(hashes) // 2], **kv}),
+        f.wrap(2, ev.REQUEST_STARTED, f.request_started("long", [], hashes=hashes, prompt_len=prompt,
+                                                        num_cached_tokens=prompt // 2)),
+    ]
+    seq, c = 3, prompt // 2
+    while c < prompt:
+        n = min(8192, prompt - c)
+        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])])))
+        seq, c = seq + 1, c + n
+    for i in range(63):
+        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", 1, prompt + i, [2])])))
+        seq += 1
+    store = MemoryStore()
+    asm = Assembler(CFG, store)
+    for e in events:
+        asm.apply(e)
+    size = store.size_bytes(f"r|{f.EID}|long")
+    assert size <= 1024 * 1024, size  # the block list dominates (8192 hashes); segments are few
+    req = store.get(f"r|{f.EID}|long")
+    assert len(req.segments) <= 3
+    out = asm.apply(f.wrap(seq, ev.REQUEST_FINISHED, f.request_finished("long", prompt=prompt, output=64,
+                                                                         cached=prompt // 2)))
+    assert accounts(out)[f"{f.EID}/long"]["consistent"]
+
+
+def test_segments_assign_keeps_coverage_and_merges() -> None:
+    s: list[list[Any]] = []
+    sg.append(s, 10, sg.PROMPT, sg.CACHED, source="x")
+    sg.append(s, 5, sg.PROMPT, sg.COMPUTED)
+    before = sg.assign(s, 3, 12, sg.RECOMPUTED)
+    assert before == [(3, 10, "cached"), (10, 12, "computed")]
+    assert [(x[0], x[1], x[3]) for x in s] == [(0, 3, "cached"), (3, 12, "recomputed"), (12, 15, "computed")]
+    sg.assign(s, 0, 15, sg.COMPUTED)
+    assert [(x[0], x[1], x[3]) for x in s] == [(0, 15, "computed")]
