@@ -118,3 +118,33 @@ class StoreError(SparseetyError):
 
 class PluginLoadError(SparseetyError):
     """An entry-point extension could not be loaded or has the wrong type."""
+
+
+class StoreLockedError(StoreError):
+    """The embedded chDB data path is open in another process (chDB allows one per path).
+
+    Attributes:
+        fields['path']: The data path; fields['owner_pid'] / fields['owner_command']: the
+        recorded owner, when known.
+    """
+
+
+class MigrationError(StoreError):
+    """A schema migration is missing, edited after it was applied, or failed to apply."""
+
+
+class SinkWriteError(StoreError):
+    """A sink's write kept failing after its retries; the data stays buffered, not dropped.
+
+    Attributes:
+        failed: ``(topic, partition, first_offset, last_offset)`` of every batch not written,
+            so the caller can stop exactly those partitions.
+    """
+
+    def __init__(self, message: str, *, failed: list[tuple[str, int, int, int]], **fields: object) -> None:
+        super().__init__(message, failed=failed, **fields)
+        self.failed = failed
+
+
+class ReplayError(SparseetyError):
+    """A replay range cannot be resolved, or the replay cannot run."""
