@@ -1,0 +1,221 @@
+"""Versioned schema migrations: ``migrations/NNN_name.sql``, applied in order, recorded in
+``schema_migrations``.
+
+Migration files are templates: ``{db}`` is the database and ``{on_cluster}`` is empty or
+`` ON CLUSTER '<name>'``. With a cluster configured, every ``ENGINE = X(...)`` of the MergeTree
+family becomes ``ReplicatedX('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', ...)``
+(``{shard}``/``{replica}`` are the server's macros). Every statement is idempotent (``IF NOT
+EXISTS`` / ``OR REPLACE``), so a migration interrupted half-way is simply applied again.
+
+Rendering is pure (:func:`render`), so the cluster DDL is checked by tests without a cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparseety.errors import MigrationError
+
+if TYPE_CHECKING:
+    from sparseety.sinks.clickhouse.client import Store
+
+_FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+_ENGINE = re.compile(
+    r"ENGINE\s*=\s*(ReplacingMergeTree|MergeTree|SummingMergeTree|AggregatingMergeTree)(\(([^)]*)\))?"
+)
+REPLICA_PATH = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
+
+SCHEMA_MIGRATIONS = """
+CREATE TABLE IF NOT EXISTS {db}.schema_migrations{on_cluster}
+(
+    version UInt32,
+    name String,
+    checksum String,
+    applied_ns Int64
+)
+ENGINE = ReplacingMergeTree(applied_ns)
+ORDER BY version
+"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One migration file."""
+
+    version: int
+    name: str
+    template: str
+
+    @property
+    def checksum(self) -> str:
+        """sha256 of the template: an applied migration must never change."""
+        return hashlib.sha256(self.template.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class MigrationStatus:
+    """A known migration and whether (and when) it was applied."""
+
+    version: int
+    name: str
+    applied: bool
+    applied_ns: int | None
+    checksum_ok: bool
+
+
+def migrations_dir() -> Path:
+    """The installed ``migrations/`` folder."""
+    return Path(str(resources.files("sparseety.sinks.clickhouse") / "migrations"))
+
+
+def load_migrations(folder: Path | None = None) -> list[Migration]:
+    """Every ``NNN_name.sql`` in ``folder``, by version.
+
+    Raises:
+        MigrationError: a badly named file, or versions that are not 1, 2, 3, ... without gaps.
+    """
+    folder = folder or migrations_dir()
+    found = []
+    for path in sorted(folder.glob("*.sql")):
+        m = _FILE.match(path.name)
+        if m is None:
+            raise MigrationError(f"migration file {path.name} is not named NNN_name.sql", path=str(path))
+        found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise MigrationError(
+            f"migration versions must be 1..n without gaps, found {versions}", versions=versions
+        )
+    return found
+
+
+def split_statements(sql: str) -> list[str]:
+    """Statements of a migration: ``--`` comment lines dropped, split at ``;`` ending a line."""
+    statements, current = [], []
+    for line in sql.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("--"):
+            continue
+        current.append(line.rstrip())
+        if stripped.endswith(";"):
+            statements.append("\n".join(current).rstrip().rstrip(";").strip())
+            current = []
+    if current:
+        statements.append("\n".join(current).strip())
+    return statements
+
+
+def on_cluster(cluster: str) -> str:
+    """The ``ON CLUSTER`` clause for ``cluster`` (empty string for none)."""
+    if not cluster:
+        return ""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", cluster):
+        raise MigrationError(f"cluster name {cluster!r} has characters ClickHouse would not accept")
+    return f" ON CLUSTER '{cluster}'"
+
+
+def replicated_engine(match: re.Match[str]) -> str:
+    """``ENGINE = XMergeTree(args)`` -> ``ENGINE = ReplicatedXMergeTree(<path>, <replica>, args)``."""
+    engine, args = match.group(1), (match.group(3) or "").strip()
+    return f"ENGINE = Replicated{engine}({REPLICA_PATH}{', ' + args if args else ''})"
+
+
+def render(template: str, *, database: str, cluster: str = "") -> list[str]:
+    """The statements of a migration for ``database``, in cluster form when ``cluster`` is set."""
+    text = template.replace("{db}", database).replace("{on_cluster}", on_cluster(cluster))
+    if cluster:
+        text = _ENGINE.sub(replicated_engine, text)
+    return split_statements(text)
+
+
+def _applied(store: Store) -> dict[int, tuple[str, str, int]]:
+    rows = store.query(
+        f"SELECT version, name, checksum, applied_ns FROM {store.database}.schema_migrations FINAL"
+    )
+    return {int(r["version"]): (r["name"], r["checksum"], int(r["applied_ns"])) for r in rows}
+
+
+def _bootstrap(store: Store) -> None:
+    db, cl = store.database, on_cluster(store.cluster)
+    store.command(f"CREATE DATABASE IF NOT EXISTS {db}{cl}")
+    for statement in render(SCHEMA_MIGRATIONS, database=db, cluster=store.cluster):
+        store.command(statement)
+
+
+def status(store: Store, migrations: list[Migration] | None = None) -> list[MigrationStatus]:
+    """Every known migration with its state in ``store`` (nothing is created)."""
+    migrations = migrations if migrations is not None else load_migrations()
+    exists = store.query(
+        "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_migrations'",
+        {"db": store.database},
+    )
+    applied = _applied(store) if exists and int(exists[0]["n"]) else {}
+    return [
+        MigrationStatus(
+            m.version,
+            m.name,
+            m.version in applied,
+            applied[m.version][2] if m.version in applied else None,
+            m.version not in applied or applied[m.version][1] == m.checksum,
+        )
+        for m in migrations
+    ]
+
+
+def migrate(store: Store, migrations: list[Migration] | None = None) -> list[Migration]:
+    """Apply the pending migrations in order; return those applied (empty when up to date).
+
+    Raises:
+        MigrationError: an applied migration's file changed since, or a statement failed.
+    """
+    migrations = migrations if migrations is not None else load_migrations()
+    _bootstrap(store)
+    applied = _applied(store)
+    done = []
+    for m in migrations:
+        if m.version in applied:
+            _, checksum, _ = applied[m.version]
+            if checksum != m.checksum:
+                raise MigrationError(
+                    f"migration {m.version:03d}_{m.name} was changed after it was applied to "
+                    f"{store.database}; add a new migration instead of editing an applied one",
+                    version=m.version,
+                )
+            continue
+        for statement in render(m.template, database=store.database, cluster=store.cluster):
+            try:
+                store.command(statement)
+            except Exception as exc:
+                raise MigrationError(
+                    f"migration {m.version:03d}_{m.name} failed: {exc}",
+                    version=m.version,
+                    statement=statement[:200],
+                ) from exc
+        store.insert(
+            f"{store.database}.schema_migrations",
+            [[m.version], [m.name], [m.checksum], [time.time_ns()]],
+            ["version", "name", "checksum", "applied_ns"],
+        )
+        done.append(m)
+    return done
+
+
+def ensure_migrated(store: Store) -> None:
+    """Raise a clear error when the store's schema is missing or behind this code.
+
+    Raises:
+        MigrationError: pending migrations (run ``sparseety db migrate``).
+    """
+    pending = [s for s in status(store) if not s.applied]
+    if pending:
+        raise MigrationError(
+            f"database {store.database} is missing migrations "
+            f"{', '.join(f'{s.version:03d}_{s.name}' for s in pending)}: run `sparseety db migrate`",
+            database=store.database,
+        )

@@ -1,0 +1,207 @@
+"""Prices: per model and class, effective from a time on; integer money.
+
+A price is USD per million tokens (classes ``input``, ``cached_input``, ``output``) or per GPU-hour
+(``gpu_hour``), with at most six decimals, stored as an integer number of micro-USD. Prices are
+set one at a time or loaded from a TOML or CSV file (``sparseety prices load``)::
+
+    # prices.toml                              # prices.csv
+    [[prices]]                                 model,token_class,usd,effective_from
+    model = "llama-3-8b"                       llama-3-8b,input,0.15,2025-01-01T00:00:00Z
+    effective_from = 2025-01-01T00:00:00Z      llama-3-8b,output,0.60,2025-01-01T00:00:00Z
+    input = "0.15"
+    cached_input = "0.075"
+    output = "0.60"
+    gpu_hour = "2.50"
+
+Setting a price for the same model, class and effective time again replaces it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+import tomllib
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparseety.errors import ConfigError
+from sparseety.sinks.clickhouse.queries import to_ns
+
+if TYPE_CHECKING:
+    from sparseety.sinks.clickhouse.client import Store
+
+PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour")
+MICRO = Decimal(1_000_000)
+
+
+@dataclass(frozen=True)
+class Price:
+    """One price.
+
+    Attributes:
+        model: Model name as requests carry it.
+        token_class: One of :data:`PRICE_CLASSES`.
+        usd: USD per million tokens, or per GPU-hour for ``gpu_hour``.
+        effective_from_ns: Applies to requests finished at or after this time (0 = always).
+        note: Free text (source of the price).
+    """
+
+    model: str
+    token_class: str
+    usd: Decimal
+    effective_from_ns: int = 0
+    note: str = ""
+
+    @property
+    def micro(self) -> int:
+        """The price in integer micro-USD."""
+        return int(self.usd * MICRO)
+
+
+def parse_usd(value: Any, *, where: str = "price") -> Decimal:
+    """A non-negative USD amount with at most six decimals (floats go through their text).
+
+    Raises:
+        ConfigError: not a number, negative, or finer than a micro-dollar.
+    """
+    try:
+        amount = Decimal(str(value).strip())
+    except InvalidOperation:
+        raise ConfigError(f"{where}: {value!r} is not an amount in USD", value=str(value)) from None
+    if not amount.is_finite() or amount < 0:
+        raise ConfigError(f"{where}: {value!r} must be a non-negative amount", value=str(value))
+    if amount != amount.quantize(Decimal("0.000001")):
+        raise ConfigError(f"{where}: {value!r} has more than six decimals (micro-USD)", value=str(value))
+    return amount
+
+
+def parse_time(value: Any, *, where: str = "effective_from") -> int:
+    """A time as ns: TOML datetime/date, ISO-8601 text (naive = UTC), or empty for 0."""
+    if value in (None, "", 0):
+        return 0
+    if isinstance(value, datetime):
+        return to_ns(value)
+    if isinstance(value, date):
+        return to_ns(datetime(value.year, value.month, value.day, tzinfo=UTC))
+    try:
+        return to_ns(datetime.fromisoformat(str(value).strip().replace("Z", "+00:00")))
+    except ValueError:
+        raise ConfigError(f"{where}: {value!r} is not an ISO-8601 time", value=str(value)) from None
+
+
+def _check(p: Price, where: str) -> Price:
+    if not p.model:
+        raise ConfigError(f"{where}: model is empty")
+    if p.token_class not in PRICE_CLASSES:
+        raise ConfigError(
+            f"{where}: token class {p.token_class!r} is not one of {', '.join(PRICE_CLASSES)}",
+            token_class=p.token_class,
+        )
+    return p
+
+
+def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
+    """``[[prices]]`` tables with a model, an optional effective_from and one key per class."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+    out = []
+    for i, entry in enumerate(data.get("prices", [])):
+        where = f"{origin} prices[{i}]"
+        unknown = set(entry) - {"model", "effective_from", "note", *PRICE_CLASSES}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        eff = parse_time(entry.get("effective_from"), where=where)
+        for cls in PRICE_CLASSES:
+            if cls in entry:
+                usd = parse_usd(entry[cls], where=f"{where}.{cls}")
+                out.append(
+                    _check(Price(str(entry.get("model", "")), cls, usd, eff, entry.get("note", "")), where)
+                )
+    return out
+
+
+def prices_from_csv(text: str, origin: str = "<csv>") -> list[Price]:
+    """Rows ``model,token_class,usd[,effective_from[,note]]`` with that header."""
+    reader = csv.DictReader(io.StringIO(text))
+    need = {"model", "token_class", "usd"}
+    if not need <= set(reader.fieldnames or ()):
+        raise ConfigError(f"{origin}: header must name {sorted(need)} (and optionally effective_from, note)")
+    out = []
+    for line, row in enumerate(reader, start=2):
+        where = f"{origin}:{line}"
+        usd = parse_usd(row["usd"], where=where)
+        eff = parse_time(row.get("effective_from"), where=where)
+        out.append(
+            _check(
+                Price(row["model"].strip(), row["token_class"].strip(), usd, eff, row.get("note") or ""),
+                where,
+            )
+        )
+    return out
+
+
+def load_prices_file(path: str | Path) -> list[Price]:
+    """Prices from a ``.toml`` or ``.csv`` file.
+
+    Raises:
+        ConfigError: unreadable file, unknown format, or an invalid entry.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", path=str(path)) from None
+    if path.suffix == ".toml":
+        return prices_from_toml(text, str(path))
+    if path.suffix == ".csv":
+        return prices_from_csv(text, str(path))
+    raise ConfigError(f"{path}: price files are .toml or .csv", path=str(path))
+
+
+def set_prices(store: Store, prices: list[Price]) -> int:
+    """Store prices (replacing any with the same model, class and effective time)."""
+    if not prices:
+        return 0
+    now = time.time_ns()
+    store.insert(
+        store.table("prices"),
+        [
+            [p.model for p in prices],
+            [p.token_class for p in prices],
+            [p.effective_from_ns for p in prices],
+            [p.micro for p in prices],
+            [p.note for p in prices],
+            [now] * len(prices),
+        ],
+        ["model", "token_class", "effective_from_ns", "price_micro", "note", "set_ns"],
+    )
+    return len(prices)
+
+
+def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
+    """Every stored price (current values), by model, class and effective time."""
+    where, params = "1", {}
+    if model is not None:
+        where, params = "model = {model:String}", {"model": model}
+    rows = store.query(
+        "SELECT model, toString(token_class) AS token_class, effective_from_ns, price_micro, note "
+        f"FROM {store.table('prices')} FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
+        params,
+    )
+    return [
+        {
+            "model": r["model"],
+            "token_class": r["token_class"],
+            "usd": Decimal(int(r["price_micro"])) / MICRO,
+            "unit": "GPU-hour" if r["token_class"] == "gpu_hour" else "1M tokens",
+            "effective_from": datetime.fromtimestamp(int(r["effective_from_ns"]) / 1e9, UTC),
+            "note": r["note"],
+        }
+        for r in rows
+    ]

@@ -1,0 +1,518 @@
+"""The SQL query library: cost attribution and token-flow questions, as rows of dicts.
+
+Every query reads current state only (``FINAL`` views, child rows of a request's current
+version), is limited by a :class:`Scope` (finish-time range and the tenants the caller may see)
+and binds every value as a server-side parameter. Money comes back as :class:`~decimal.Decimal`
+USD, exact (it is computed in integer picodollars, see ``docs/cost-model.md``).
+
+SQL is built by pure functions (``*_sql``) that return ``(sql, parameters)``; :class:`Queries`
+runs them on anything with the :class:`~sparseety.sinks.clickhouse.client.Store` ``query``
+method, so an HTTP front (the API, later) can serve the same answers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any, Protocol
+
+from sparseety.errors import SparseetyError
+
+PICO = Decimal(10**12)
+MODES = ("actual", "amortized", "list", "gpu")
+
+#: Grouping dimensions a caller may ask for, and the column (or expression) behind each.
+DIMENSIONS: dict[str, str] = {
+    "tenant": "tenant",
+    "model": "model",
+    "engine": "engine_name",
+    "lora": "ifNull(lora_name, '')",
+}
+_DURATION = re.compile(r"^(\d+)\s*([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class QueryError(SparseetyError):
+    """A query was asked with arguments it cannot answer (unknown mode, dimension, bucket)."""
+
+
+class Queryable(Protocol):
+    """What the query library needs from a store."""
+
+    database: str
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``15m``, ``1h``, ``2d``, ``1w`` -> timedelta.
+
+    Raises:
+        QueryError: anything else.
+    """
+    m = _DURATION.match(text.strip())
+    if m is None:
+        raise QueryError(f"bad duration {text!r}: use a number and s, m, h, d or w (e.g. 15m, 1h)")
+    return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
+
+
+def to_ns(t: datetime | int) -> int:
+    """Wall-clock ns of a datetime (naive means UTC) or an int already in ns."""
+    if isinstance(t, int):
+        return t
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return (t - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which requests a query sees.
+
+    Attributes:
+        since_ns: Finished at or after (wall-clock ns); None = no lower bound.
+        until_ns: Finished before; None = no upper bound.
+        tenants: Tenants the caller may see; None = all (an empty tuple sees nothing).
+    """
+
+    since_ns: int | None = None
+    until_ns: int | None = None
+    tenants: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        since: datetime | int | None = None,
+        until: datetime | int | None = None,
+        tenants: Sequence[str] | None = None,
+    ) -> Scope:
+        """A scope from datetimes (naive = UTC) or ns, and a tenant list."""
+        return cls(
+            None if since is None else to_ns(since),
+            None if until is None else to_ns(until),
+            None if tenants is None else tuple(tenants),
+        )
+
+    def where(self, alias: str = "", time_column: str = "finished_ts_ns") -> tuple[str, dict[str, Any]]:
+        """SQL conditions (``AND``-joined, ``1`` when none) and their parameters."""
+        p = f"{alias}." if alias else ""
+        conds: list[str] = []
+        params: dict[str, Any] = {}
+        if self.since_ns is not None:
+            conds.append(f"{p}{time_column} >= {{since_ns:Int64}}")
+            params["since_ns"] = self.since_ns
+        if self.until_ns is not None:
+            conds.append(f"{p}{time_column} < {{until_ns:Int64}}")
+            params["until_ns"] = self.until_ns
+        if self.tenants is not None:
+            conds.append(f"has({{tenants:Array(String)}}, {p}tenant)")
+            params["tenants"] = list(self.tenants)
+        return (" AND ".join(conds) or "1"), params
+
+
+def _dims(by: Sequence[str], alias: str = "") -> list[tuple[str, str]]:
+    out = []
+    for d in by:
+        if d not in DIMENSIONS:
+            raise QueryError(f"cannot group by {d!r}: choose from {', '.join(DIMENSIONS)}")
+        expr = DIMENSIONS[d]
+        if alias:
+            expr = re.sub(r"\b(tenant|model|engine_name|lora_name)\b", rf"{alias}.\1", expr)
+        out.append((d, expr))
+    return out
+
+
+def _bucket_expr(bucket: str | None, column: str) -> str | None:
+    if bucket is None:
+        return None
+    seconds = int(parse_duration(bucket).total_seconds())
+    return f"toStartOfInterval({column}, INTERVAL {seconds} SECOND, 'UTC')"
+
+
+def _group(
+    by: Sequence[str], bucket: str | None, alias: str = "", time_column: str = "finished_at"
+) -> tuple[str, str, list[str]]:
+    """(select list, GROUP BY/ORDER BY list, output key names) for dimensions and bucket."""
+    dims = _dims(by, alias)
+    select = [f"{expr} AS {name}" for name, expr in dims]
+    keys = [name for name, _ in dims]
+    b = _bucket_expr(bucket, f"{alias}.{time_column}" if alias else time_column)
+    if b is not None:
+        select.append(f"{b} AS bucket")
+        keys.append("bucket")
+    return ", ".join(select), ", ".join(keys), keys
+
+
+def _with_group(select: str, rest: str) -> str:
+    return f"{select}, {rest}" if select else rest
+
+
+def _group_clause(keys: str) -> str:
+    return f"GROUP BY {keys} ORDER BY {keys}" if keys else ""
+
+
+def _per_request(db: str, select: str, measures: str, where: str, keys: str) -> str:
+    """A grouped query over the per-request cost view (aliased ``c``)."""
+    return (
+        f"SELECT {_with_group(select, measures)} FROM {db}.request_costs_v AS c "
+        f"WHERE {where} {_group_clause(keys)}"
+    )
+
+
+# --- SQL builders (pure) --------------------------------------------------------------------------
+
+
+def cost_sql(
+    db: str, *, mode: str, by: Sequence[str], bucket: str | None, scope: Scope
+) -> tuple[str, dict[str, Any]]:
+    """Cost per group in one attribution mode (``docs/cost-model.md``)."""
+    if mode not in MODES:
+        raise QueryError(f"unknown attribution mode {mode!r}: choose from {', '.join(MODES)}")
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    if mode == "list":
+        measures = (
+            "sum(c.list_input_tokens) AS input_tokens, sum(c.list_cached_tokens) AS cached_tokens, "
+            "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
+            "countIf(NOT c.tokens_priced) AS unpriced_requests"
+        )
+    elif mode == "gpu":
+        measures = (
+            "sum(c.gpu_time_ns) AS gpu_time_ns, sum(c.gpu_pico) AS cost_pico, "
+            "countIf(NOT c.gpu_priced) AS unpriced_requests"
+        )
+    else:
+        cost = "c.actual_pico" if mode == "actual" else "(c.actual_pico + ifNull(d.delta_pico, 0))"
+        measures = (
+            "sum(c.actual_input_tokens) AS input_tokens, sum(c.cache_read_tokens) AS cached_tokens, "
+            f"sum(c.output_tokens) AS output_tokens, sum({cost}) AS cost_pico, "
+            "countIf(NOT c.tokens_priced) AS unpriced_requests"
+        )
+        if mode == "amortized":
+            measures += ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico"
+    join = (
+        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid"
+        if mode == "amortized"
+        else ""
+    )
+    sql = (
+        f"SELECT {_with_group(select, 'count() AS requests, ' + measures)} "
+        f"FROM {db}.request_costs_v AS c {join} WHERE {where} {_group_clause(keys)}"
+    )
+    return sql, params
+
+
+def savings_sql(
+    db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
+) -> tuple[str, dict[str, Any]]:
+    """Prefix-cache savings: positions read instead of computed, and what that saved."""
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    measures = (
+        "count() AS requests, sum(c.prompt_tokens) AS prompt_tokens, "
+        "sum(c.list_cached_tokens) AS cached_prompt_tokens, sum(c.cache_read_tokens) AS cache_read_tokens, "
+        "if(prompt_tokens = 0, 0, cached_prompt_tokens / prompt_tokens) AS hit_rate, "
+        "sum(toInt128(c.cache_read_tokens) * (c.input_price_micro - c.cached_price_micro)) AS saved_pico"
+    )
+    return _per_request(db, select, measures, where, keys), params
+
+
+def waste_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Compute thrown away: recomputed positions and rejected draft tokens."""
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    measures = (
+        "count() AS requests, sum(c.scheduled_tokens) AS computed_tokens, "
+        "sum(c.recomputed_tokens) AS recomputed_tokens, "
+        "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
+        "recomputed_tokens + draft_rejected_tokens AS waste_tokens, "
+        "if(computed_tokens = 0, 0, waste_tokens / computed_tokens) AS waste_share, "
+        "sum(toInt128(c.recomputed_tokens + c.draft_rejected_tokens) * c.input_price_micro) AS waste_pico, "
+        "sum(c.preemptions) AS preemptions, sum(c.evicted_tokens) AS evicted_tokens"
+    )
+    return _per_request(db, select, measures, where, keys), params
+
+
+def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    measures = (
+        "countIf(c.draft_accepted_tokens + c.draft_rejected_tokens > 0) AS requests_with_drafts, "
+        "sum(c.draft_accepted_tokens) AS draft_accepted_tokens, "
+        "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
+        "draft_accepted_tokens + draft_rejected_tokens AS draft_tokens, "
+        "if(draft_tokens = 0, 0, draft_accepted_tokens / draft_tokens) AS acceptance_rate, "
+        "sum(c.output_tokens) AS output_tokens, "
+        "if(output_tokens = 0, 0, draft_accepted_tokens / output_tokens) AS output_from_drafts, "
+        "sum(c.scheduled_tokens) AS computed_tokens, "
+        "if(computed_tokens = 0, 0, draft_rejected_tokens / computed_tokens) AS rejected_compute_share"
+    )
+    return _per_request(db, select, measures, where, keys), params
+
+
+def gpu_time_sql(
+    db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
+) -> tuple[str, dict[str, Any]]:
+    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time)."""
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    measures = (
+        "count() AS requests, sum(c.gpu_time_ns) AS gpu_time_ns, "
+        "if(sum(sum(c.gpu_time_ns)) OVER () = 0, 0, "
+        "gpu_time_ns / sum(sum(c.gpu_time_ns)) OVER ()) AS gpu_share, "
+        "sum(c.est_flops) AS est_flops, sum(c.gpu_pico) AS cost_pico, "
+        "countIf(NOT c.gpu_priced) AS unpriced_requests"
+    )
+    return _per_request(db, select, measures, where, keys), params
+
+
+def expert_load_sql(db: str, *, model: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Tokens routed to each (layer, expert), and each expert's share of its layer."""
+    where, params = scope.where("e")
+    if model is not None:
+        where += " AND e.model = {model:String}"
+        params["model"] = model
+    sql = (
+        "SELECT model, layer, expert, tokens, "
+        "if(sum(tokens) OVER (PARTITION BY model, layer) = 0, 0, "
+        "tokens / sum(tokens) OVER (PARTITION BY model, layer)) AS layer_share "
+        "FROM (SELECT e.model AS model, toUInt32(intDiv(i - 1, e.num_experts)) AS layer, "
+        "toUInt32((i - 1) % e.num_experts) AS expert, sum(c) AS tokens "
+        f"FROM {db}.expert_load AS e FINAL ARRAY JOIN e.counts AS c, arrayEnumerate(e.counts) AS i "
+        f"WHERE {where} GROUP BY model, layer, expert) "
+        "ORDER BY model, layer, expert"
+    )
+    return sql, params
+
+
+def duplication_sql(db: str, *, by: Sequence[str], scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Fleet prefix duplication: the same block computed on more than one engine."""
+    if any(d not in ("model",) for d in by):
+        raise QueryError("duplication groups by model only (blocks are shared across tenants)")
+    where, params = scope.where("b")
+    keys = ", ".join(by)
+    inner = (
+        "SELECT b.model AS model, b.block_hash AS block_hash, uniqExact(b.engine_name) AS engines, "
+        "count() AS computations, max(b.tokens) AS tokens "
+        f"FROM {db}.kv_blocks_v AS b WHERE b.role != 'cached' AND {where} GROUP BY model, block_hash"
+    )
+    measures = (
+        "count() AS blocks, countIf(engines > 1) AS duplicated_blocks, "
+        "sum(tokens * computations) AS computed_block_tokens, "
+        "sum(tokens * (engines - 1)) AS duplicated_tokens, "
+        "if(computed_block_tokens = 0, 0, duplicated_tokens / computed_block_tokens) AS duplicated_share"
+    )
+    sql = f"SELECT {_with_group(keys, measures)} FROM ({inner}) {_group_clause(keys)}"
+    return sql, params
+
+
+def duplicated_blocks_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:
+    """The blocks computed on the most engines."""
+    where, params = scope.where("b")
+    params["limit"] = limit
+    sql = (
+        "SELECT b.model AS model, lower(hex(b.block_hash)) AS block_hash, "
+        "uniqExact(b.engine_name) AS engines, arraySort(groupUniqArray(b.engine_name)) AS engine_names, "
+        "count() AS computations, max(b.tokens) AS tokens "
+        f"FROM {db}.kv_blocks_v AS b WHERE b.role != 'cached' AND {where} "
+        "GROUP BY model, b.block_hash HAVING engines > 1 "
+        "ORDER BY engines DESC, computations DESC, block_hash LIMIT {limit:UInt32}"
+    )
+    return sql, params
+
+
+def usage_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Windowed usage (topic usage) per group; finals and corrections summed."""
+    select, keys, _ = _group(by, bucket, "u", time_column="window_start")
+    where, params = scope.where("u", time_column="window_start_ns")
+    measures = (
+        "sum(u.requests) AS requests, sum(u.incomplete_requests) AS incomplete_requests, "
+        "sum(u.prompt_tokens) AS prompt_tokens, sum(u.output_tokens) AS output_tokens, "
+        "sum(u.cache_read_tokens) AS cache_read_tokens, "
+        "sum(u.uncached_computed_tokens) AS uncached_computed_tokens, "
+        "sum(u.recomputed_tokens) AS recomputed_tokens, "
+        "sum(u.draft_accepted_tokens) AS draft_accepted_tokens, "
+        "sum(u.draft_rejected_tokens) AS draft_rejected_tokens, sum(u.gpu_time_ns) AS gpu_time_ns, "
+        "sum(u.corrections) AS corrections"
+    )
+    sql = f"SELECT {_with_group(select, measures)} FROM {db}.usage_v AS u WHERE {where} {_group_clause(keys)}"
+    return sql, params
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def money(pico: Any) -> Decimal:
+    """Integer picodollars -> exact Decimal USD."""
+    return Decimal(int(pico)) / PICO
+
+
+def _finish(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Money columns (``*_pico``) become ``*_usd`` Decimals; buckets become aware UTC datetimes."""
+    out = []
+    for row in rows:
+        r: dict[str, Any] = {}
+        for k, v in row.items():
+            if k.endswith("_pico"):
+                r[k[: -len("_pico")] + "_usd"] = money(v)
+            elif isinstance(v, datetime) and v.tzinfo is None:
+                r[k] = v.replace(tzinfo=UTC)
+            else:
+                r[k] = v
+        out.append(r)
+    return out
+
+
+TOKEN_STATISTICS = (
+    "input_token_count",
+    "output_token_count",
+    "computed_token_count",
+    "cached_token_count",
+    "skipped_token_count",
+    "kv_cache_evicted_count",
+    "draft_token_count",
+    "draft_rejected_count",
+)
+
+
+class Queries:
+    """The query library over one store.
+
+    Args:
+        store: A :class:`~sparseety.sinks.clickhouse.client.Store` (or anything with its
+            ``database`` and ``query``).
+    """
+
+    def __init__(self, store: Queryable) -> None:
+        self.store = store
+        self.db = store.database
+
+    def _run(self, built: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        sql, params = built
+        return _finish(self.store.query(sql, params))
+
+    def cost(
+        self,
+        *,
+        mode: str = "actual",
+        by: Sequence[str] = ("tenant",),
+        bucket: str | None = None,
+        scope: Scope = Scope(),
+    ) -> list[dict[str, Any]]:
+        """Cost per group (``by`` dimensions, optional time ``bucket`` such as ``1h``).
+
+        Rows: the group keys, ``requests``, the token counts the mode charges (input, cached,
+        output; ``gpu_time_ns`` for ``gpu``), ``cost_usd`` and ``unpriced_requests`` (requests whose
+        model has no price at their finish time; they cost 0 here). ``amortized`` adds
+        ``shared_delta_usd``: what sharing moved onto (+) or off (-) the group.
+        """
+        return self._run(cost_sql(self.db, mode=mode, by=by, bucket=bucket, scope=scope))
+
+    def savings(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
+    ) -> list[dict[str, Any]]:
+        """Prefix-cache savings per group: hit rate and ``saved_usd`` = reads x (input - cached price)."""
+        return self._run(savings_sql(self.db, by=by, bucket=bucket, scope=scope))
+
+    def waste(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
+    ) -> list[dict[str, Any]]:
+        """Recomputed + rejected-draft tokens per group, their share of compute and their cost."""
+        return self._run(waste_sql(self.db, by=by, bucket=bucket, scope=scope))
+
+    def spec_efficiency(
+        self, *, by: Sequence[str] = ("model",), bucket: str | None = None, scope: Scope = Scope()
+    ) -> list[dict[str, Any]]:
+        """Speculative-decoding acceptance and the compute rejected drafts cost."""
+        return self._run(spec_sql(self.db, by=by, bucket=bucket, scope=scope))
+
+    def gpu_time(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
+    ) -> list[dict[str, Any]]:
+        """GPU time attributed per group, its share of the scope's total and its GPU-hour cost."""
+        return self._run(gpu_time_sql(self.db, by=by, bucket=bucket, scope=scope))
+
+    def expert_load(self, *, model: str | None = None, scope: Scope = Scope()) -> list[dict[str, Any]]:
+        """Tokens per (model, layer, expert) and each expert's share of its layer."""
+        return self._run(expert_load_sql(self.db, model=model, scope=scope))
+
+    def duplication(self, *, by: Sequence[str] = ("model",), scope: Scope = Scope()) -> list[dict[str, Any]]:
+        """Blocks computed on several engines (fleet prefix duplication), per model."""
+        return self._run(duplication_sql(self.db, by=by, scope=scope))
+
+    def duplicated_blocks(self, *, scope: Scope = Scope(), limit: int = 20) -> list[dict[str, Any]]:
+        """The most duplicated blocks: hash, engines that computed it, computations."""
+        return self._run(duplicated_blocks_sql(self.db, scope=scope, limit=limit))
+
+    def usage(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
+    ) -> list[dict[str, Any]]:
+        """Windowed usage (from the usage topic), by window start."""
+        return self._run(usage_sql(self.db, by=by, bucket=bucket, scope=scope))
+
+    def request(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, Any] | None:
+        """One request: every count, its cost in each mode and its segment timeline.
+
+        Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
+        """
+        where, params = scope.where()
+        params["uid"] = request_uid
+        rows = self.store.query(
+            f"SELECT * EXCEPT (_version) FROM {self.db}.requests_v "
+            f"WHERE request_uid = {{uid:String}} AND {where}",
+            params,
+        )
+        if not rows:
+            return None
+        out = _finish(rows)[0]
+        (costs,) = self._run(
+            (
+                "SELECT c.list_pico AS list_pico, c.actual_pico AS actual_pico, "
+                "c.actual_pico + ifNull(d.delta_pico, 0) AS amortized_pico, c.gpu_pico AS gpu_pico, "
+                "c.tokens_priced AS tokens_priced "
+                f"FROM {self.db}.request_costs_v AS c "
+                f"LEFT JOIN {self.db}.amortized_delta_v AS d ON c.request_uid = d.request_uid "
+                "WHERE c.request_uid = {uid:String}",
+                {"uid": request_uid},
+            )
+        )
+        out["cost"] = {m: costs[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
+        out["cost"]["priced"] = bool(costs["tokens_priced"])
+        out["segments"] = self.store.query(
+            "SELECT start, end, kind, status, draft_accepted, source_request_uid "
+            f"FROM {self.db}.token_segments_v WHERE request_uid = {{uid:String}} ORDER BY start",
+            {"uid": request_uid},
+        )
+        return out
+
+    def tokens_statistics(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, int] | None:
+        """The token counts of one request, as the HTTP API serves them.
+
+        ``computed_token_count`` = uncached computed + recomputed positions (excluding draft
+        verification); ``draft_token_count`` = drafts verified (accepted + rejected); so
+        computed + draft = every token the engine computed for the request.
+        """
+        where, params = scope.where()
+        params["uid"] = request_uid
+        rows = self.store.query(
+            "SELECT prompt_tokens AS input_token_count, output_tokens AS output_token_count, "
+            "toInt64(uncached_computed_tokens) + recomputed_tokens AS computed_token_count, "
+            "cache_read_tokens AS cached_token_count, skipped_tokens AS skipped_token_count, "
+            "evicted_tokens AS kv_cache_evicted_count, "
+            "toInt64(draft_accepted_tokens) + draft_rejected_tokens AS draft_token_count, "
+            "draft_rejected_tokens AS draft_rejected_count "
+            f"FROM {self.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
+            params,
+        )
+        if not rows:
+            return None
+        return {k: int(rows[0][k]) for k in TOKEN_STATISTICS}
+
+
+def group_key(row: Mapping[str, Any], by: Sequence[str]) -> tuple[Any, ...]:
+    """The group key of a result row (handy for tests and callers that index results)."""
+    return tuple(row[d] for d in by)

@@ -1,0 +1,180 @@
+"""Records -> table rows, column-oriented (pure: no I/O).
+
+One RequestAccounting becomes one ``requests`` row, one ``token_segments`` row per timeline
+segment, one ``kv_blocks`` row per block use and (when routing was captured) one ``expert_load``
+row. Child rows carry the request's ``_version`` so that readers can ignore rows of an older
+version of the same request (a newer version may have fewer segments or blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.sinks.clickhouse.tables import (
+    DEAD_LETTERS,
+    EXPERT_LOAD,
+    KV_BLOCKS,
+    REQUEST_FIELDS,
+    REQUESTS,
+    SINK_TABLES,
+    TOKEN_SEGMENTS,
+    USAGE,
+    Table,
+)
+
+_TS_MASK = (1 << 63) - 1
+_USAGE_FIELDS = USAGE.columns
+_SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid")
+_DLQ_FIELDS = DEAD_LETTERS.columns[3:]
+
+#: Records this module turns into rows.
+RECORDS = frozenset({ev.REQUEST_ACCOUNTING, ev.USAGE_WINDOW, ev.DEAD_LETTER})
+
+
+def request_version(record: Mapping[str, Any]) -> int:
+    """The ``_version`` of a request row: ``(complete << 63) | finished_ts_ns``.
+
+    Derived from content, not from when it was written: the same record always gets the same
+    version (a rewrite leaves FINAL unchanged), a complete record beats an incomplete one
+    (closed by idle timeout) whatever order they arrive in, and among records of the same
+    completeness the one that saw the later finish wins. A replay of an older range therefore
+    never regresses a newer record.
+    """
+    return (1 << 63 if record["complete"] else 0) | (max(0, int(record["finished_ts_ns"])) & _TS_MASK)
+
+
+class RowBuffer:
+    """Column-oriented rows for every sink table."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, dict[str, list[Any]]] = {
+            t.name: {c: [] for c in t.columns} for t in SINK_TABLES
+        }
+        req = self.columns[REQUESTS.name]
+        self._request_fields: list[tuple[Callable[[Any], None], str]] = [
+            (req[f].append, f) for f in REQUEST_FIELDS
+        ]
+        use = self.columns[USAGE.name]
+        self._usage_fields = [(use[f].append, f) for f in _USAGE_FIELDS]
+        dlq = self.columns[DEAD_LETTERS.name]
+        self._dlq_fields = [(dlq[f].append, f) for f in _DLQ_FIELDS]
+
+    def rows(self, table: Table | str) -> int:
+        """Rows buffered for ``table``."""
+        name = table if isinstance(table, str) else table.name
+        cols = self.columns[name]
+        return len(next(iter(cols.values())))
+
+    def total_rows(self) -> int:
+        """Rows buffered over all tables."""
+        return sum(self.rows(t) for t in SINK_TABLES)
+
+    def add(
+        self, record_name: str, record: Mapping[str, Any], *, topic: str, partition: int, offset: int
+    ) -> int:
+        """Append the rows of one record; return how many.
+
+        Raises:
+            KeyError: ``record_name`` is not one of :data:`RECORDS`.
+        """
+        if record_name == ev.REQUEST_ACCOUNTING:
+            return self.add_accounting(record)
+        if record_name == ev.USAGE_WINDOW:
+            return self.add_usage(record)
+        if record_name == ev.DEAD_LETTER:
+            return self.add_dead_letter(record, dlq_topic=topic, dlq_partition=partition, dlq_offset=offset)
+        raise KeyError(record_name)
+
+    def add_accounting(self, rec: Mapping[str, Any]) -> int:
+        """Rows of one RequestAccounting: request, segments, block uses, expert counts."""
+        version = request_version(rec)
+        uid = rec["request_uid"]
+        tenant, model, engine_name = rec["tenant"], rec["model"], rec["engine_name"]
+        finished = rec["finished_ts_ns"]
+        timeline = rec["timeline"]
+        segments = timeline["segments"]
+        uses = rec["block_uses"]
+        for append, f in self._request_fields:
+            append(rec[f])
+        req = self.columns[REQUESTS.name]
+        req["attention_window"].append(timeline.get("attention_window"))
+        req["segment_count"].append(len(segments))
+        req["block_use_count"].append(len(uses))
+        req["_version"].append(version)
+        n = 1
+
+        if segments:
+            seg = self.columns[TOKEN_SEGMENTS.name]
+            k = len(segments)
+            seg["request_uid"].extend([uid] * k)
+            seg["idx"].extend(range(k))
+            seg["_version"].extend([version] * k)
+            seg["tenant"].extend([tenant] * k)
+            seg["model"].extend([model] * k)
+            seg["engine_name"].extend([engine_name] * k)
+            seg["finished_ts_ns"].extend([finished] * k)
+            for f in _SEGMENT_FIELDS:
+                seg[f].extend([s[f] for s in segments])
+            n += k
+
+        if uses:
+            blk = self.columns[KV_BLOCKS.name]
+            k = len(uses)
+            blk["engine_id"].extend([rec["engine_id"]] * k)
+            blk["block_hash"].extend([u["block_hash"] for u in uses])
+            blk["lifetime_seq"].extend([u["lifetime_seq"] for u in uses])
+            blk["request_uid"].extend([uid] * k)
+            blk["idx"].extend(range(k))
+            blk["_version"].extend([version] * k)
+            blk["engine_name"].extend([engine_name] * k)
+            blk["tenant"].extend([tenant] * k)
+            blk["model"].extend([model] * k)
+            blk["finished_ts_ns"].extend([finished] * k)
+            blk["role"].extend([u["role"] for u in uses])
+            blk["tokens"].extend([u["tokens"] for u in uses])
+            n += k
+
+        counts = rec["expert_counts"]
+        if counts and rec["expert_num_layers"] > 0:
+            exp = self.columns[EXPERT_LOAD.name]
+            for col, value in (
+                ("model", model),
+                ("request_uid", uid),
+                ("_version", version),
+                ("tenant", tenant),
+                ("engine_name", engine_name),
+                ("finished_ts_ns", finished),
+                ("num_layers", rec["expert_num_layers"]),
+                ("num_experts", rec["expert_num_experts"]),
+                ("counts", list(counts)),
+            ):
+                exp[col].append(value)
+            n += 1
+        return n
+
+    def add_usage(self, rec: Mapping[str, Any]) -> int:
+        """The row of one UsageWindow (final or correction)."""
+        for append, f in self._usage_fields:
+            append(rec[f])
+        return 1
+
+    def add_dead_letter(
+        self, rec: Mapping[str, Any], *, dlq_topic: str, dlq_partition: int, dlq_offset: int
+    ) -> int:
+        """The row of one DeadLetter, keyed by its own position in the dlq topic."""
+        dlq = self.columns[DEAD_LETTERS.name]
+        dlq["dlq_topic"].append(dlq_topic)
+        dlq["dlq_partition"].append(dlq_partition)
+        dlq["dlq_offset"].append(dlq_offset)
+        for append, f in self._dlq_fields:
+            append(rec[f])
+        return 1
+
+    def extend(self, other: RowBuffer) -> None:
+        """Append every row of ``other``."""
+        for table, cols in other.columns.items():
+            mine = self.columns[table]
+            for col, values in cols.items():
+                mine[col].extend(values)

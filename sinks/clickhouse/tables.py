@@ -1,0 +1,182 @@
+"""The tables the sink writes: insert columns and the key that identifies a row.
+
+The DDL lives in ``migrations/``; this module names the columns the writer fills, in insert
+order (materialized columns excluded). A unit test checks both agree with ``system.columns``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table the sink writes.
+
+    Attributes:
+        name: Table name (without database).
+        columns: Columns the writer fills, in insert order.
+        key: The sorting key, which ReplacingMergeTree deduplicates on: a row's identity.
+    """
+
+    name: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]
+
+
+REQUESTS = Table(
+    "requests",
+    (
+        "request_uid",
+        "engine_name",
+        "engine_id",
+        "request_id",
+        "tenant",
+        "model",
+        "lora_name",
+        "engine_kind",
+        "arrival_ts_ns",
+        "first_scheduled_ts_ns",
+        "first_token_ts_ns",
+        "finished_ts_ns",
+        "finish_reason",
+        "complete",
+        "incomplete_reason",
+        "seq_gap",
+        "prompt_tokens",
+        "output_tokens",
+        "cache_read_tokens",
+        "uncached_computed_tokens",
+        "recomputed_tokens",
+        "draft_accepted_tokens",
+        "draft_rejected_tokens",
+        "skipped_tokens",
+        "evicted_tokens",
+        "scheduled_tokens",
+        "preemptions",
+        "steps",
+        "attention_pairs",
+        "attention_pairs_skipped",
+        "gpu_time_ns",
+        "est_flops",
+        "engine_prompt_tokens",
+        "engine_output_tokens",
+        "engine_cached_tokens",
+        "consistent",
+        "expert_num_layers",
+        "expert_num_experts",
+        "attention_window",
+        "segment_count",
+        "block_use_count",
+        "_version",
+    ),
+    ("tenant", "model", "request_uid"),
+)
+
+#: RequestAccounting fields copied verbatim into ``requests`` (the rest are derived).
+REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index("attention_window")]
+
+TOKEN_SEGMENTS = Table(
+    "token_segments",
+    (
+        "request_uid",
+        "idx",
+        "_version",
+        "tenant",
+        "model",
+        "engine_name",
+        "finished_ts_ns",
+        "start",
+        "end",
+        "kind",
+        "status",
+        "draft_accepted",
+        "source_request_uid",
+    ),
+    ("request_uid", "idx"),
+)
+
+KV_BLOCKS = Table(
+    "kv_blocks",
+    (
+        "engine_id",
+        "block_hash",
+        "lifetime_seq",
+        "request_uid",
+        "idx",
+        "_version",
+        "engine_name",
+        "tenant",
+        "model",
+        "finished_ts_ns",
+        "role",
+        "tokens",
+    ),
+    ("engine_id", "block_hash", "lifetime_seq", "request_uid", "idx"),
+)
+
+EXPERT_LOAD = Table(
+    "expert_load",
+    (
+        "model",
+        "request_uid",
+        "_version",
+        "tenant",
+        "engine_name",
+        "finished_ts_ns",
+        "num_layers",
+        "num_experts",
+        "counts",
+    ),
+    ("model", "request_uid"),
+)
+
+USAGE = Table(
+    "usage_1m",
+    (
+        "tenant",
+        "model",
+        "window_start_ns",
+        "engine_name",
+        "usage_id",
+        "kind",
+        "window_ns",
+        "requests",
+        "incomplete_requests",
+        "prompt_tokens",
+        "output_tokens",
+        "cache_read_tokens",
+        "uncached_computed_tokens",
+        "recomputed_tokens",
+        "draft_accepted_tokens",
+        "draft_rejected_tokens",
+        "skipped_tokens",
+        "evicted_tokens",
+        "gpu_time_ns",
+        "est_flops",
+    ),
+    ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
+)
+
+DEAD_LETTERS = Table(
+    "dead_letters",
+    (
+        "dlq_topic",
+        "dlq_partition",
+        "dlq_offset",
+        "error_type",
+        "reason",
+        "component",
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "value",
+        "ts_ns",
+    ),
+    ("dlq_topic", "dlq_partition", "dlq_offset"),
+)
+
+#: Every table the sink writes, in write order (parents before children).
+SINK_TABLES: tuple[Table, ...] = (REQUESTS, TOKEN_SEGMENTS, KV_BLOCKS, EXPERT_LOAD, USAGE, DEAD_LETTERS)
+BY_NAME = {t.name: t for t in SINK_TABLES}

@@ -1,0 +1,272 @@
+"""ClickHouseSink: the sink contract over a :class:`~sparseety.sinks.clickhouse.client.Store`.
+
+Records are buffered per partition in *chunks* (a contiguous offset range of one partition).
+:meth:`ClickHouseSink.flush` writes every pending chunk with one insert per table (all
+partitions together, so the store sees about one insert per table per flush), retrying with
+exponential backoff. When a table's insert keeps failing, the chunks are retried one by one to
+find the partitions at fault; those stay buffered and are reported in a
+:class:`~sparseety.errors.SinkWriteError`, the others count as written.
+
+Idempotency comes from the tables, not from the writer: every row has a deterministic key and
+the tables are ReplacingMergeTrees, so a chunk written twice (crash between write and offset
+commit, replay) reads back once under FINAL. Each insert also carries an
+``insert_deduplication_token`` that is reused only by retries of that same insert, so an insert
+that succeeded on the server but failed on the way back is not stored twice. Tokens are never
+derived from Kafka positions: the embedded broker keeps topics in memory, so after its restart the
+same offsets carry new records, and a position token would silently drop them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparseety.config import Config
+from sparseety.errors import SinkWriteError, StoreError
+from sparseety.sinks.base import Batch, FlushResult, Sink
+from sparseety.sinks.clickhouse.client import Store
+from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
+from sparseety.sinks.clickhouse.tables import SINK_TABLES, Table
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass(eq=False)
+class _Chunk:
+    topic: str
+    partition: int
+    first: int
+    last: int
+    rows: RowBuffer = field(default_factory=RowBuffer)
+    written: set[str] = field(default_factory=set)
+    sealed: bool = False
+
+    @property
+    def batch(self) -> Batch:
+        return Batch(self.topic, self.partition, self.first, self.last)
+
+    def pending_tables(self) -> list[Table]:
+        return [t for t in SINK_TABLES if t.name not in self.written and self.rows.rows(t)]
+
+
+class _InsertFailed(Exception):
+    """An insert failed after all its attempts (internal)."""
+
+
+class ClickHouseSink(Sink):
+    """Batched, idempotent writer of RequestAccounting, UsageWindow and DeadLetter records.
+
+    Args:
+        store: Where to write (tables in ``store.database``, migrated).
+        batch_max_rows: Flush when this many rows are buffered (see :meth:`should_flush`).
+        batch_interval_s: Flush when the oldest buffered row is this old.
+        max_retries: Extra attempts per insert before it counts as failing.
+        retry_backoff_s: First backoff; doubles per attempt, capped at 10 s.
+        own_store: Close ``store`` in :meth:`close`.
+        sleep, clock: Injected for tests.
+    """
+
+    records = RECORDS
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        batch_max_rows: int = 50_000,
+        batch_interval_s: float = 1.0,
+        max_retries: int = 8,
+        retry_backoff_s: float = 0.5,
+        own_store: bool = False,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.batch_max_rows = batch_max_rows
+        self.batch_interval_s = batch_interval_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._own_store = own_store
+        self._sleep = sleep
+        self._clock = clock
+        self._chunks: list[_Chunk] = []
+        self._open: dict[tuple[str, int], _Chunk] = {}
+        self._pending_rows = 0
+        self._oldest: float | None = None
+        self._token_prefix = uuid.uuid4().hex[:12]
+        self._inserts = itertools.count()
+        self.totals = FlushResult()
+
+    @classmethod
+    def from_config(cls, cfg: Config, **options: Any) -> ClickHouseSink:
+        """Open (and migrate) the configured store and build a sink that owns it.
+
+        Options: ``store`` (use this open store instead; not closed by the sink), ``owner``
+        (recorded as the owner of an embedded path), ``migrate`` (default True).
+        """
+        from sparseety.sinks.clickhouse.migrate import migrate
+
+        store = options.pop("store", None)
+        own = store is None
+        if store is None:
+            store = Store.open(cfg, owner=options.pop("owner", "sparseety sink"))
+        try:
+            if options.pop("migrate", True):
+                migrate(store)
+        except BaseException:
+            if own:
+                store.close()
+            raise
+        return cls(
+            store,
+            batch_max_rows=cfg.sink.batch_max_rows,
+            batch_interval_s=cfg.sink.batch_interval_s,
+            max_retries=cfg.sink.max_retries,
+            retry_backoff_s=cfg.sink.retry_backoff_s,
+            own_store=own,
+            **options,
+        )
+
+    # --- buffering --------------------------------------------------------------------------
+
+    def add(
+        self, record_name: str, record: Mapping[str, Any], *, topic: str, partition: int, offset: int
+    ) -> None:
+        chunk = self._open.get((topic, partition))
+        if chunk is None:
+            chunk = _Chunk(topic, partition, offset, offset)
+            self._open[(topic, partition)] = chunk
+            self._chunks.append(chunk)
+        elif offset <= chunk.last:
+            raise ValueError(
+                f"{topic}[{partition}] offset {offset} does not follow {chunk.last}: positions of a "
+                f"partition must increase"
+            )
+        self._pending_rows += chunk.rows.add(
+            record_name, record, topic=topic, partition=partition, offset=offset
+        )
+        chunk.last = offset
+        if self._oldest is None:
+            self._oldest = self._clock()
+
+    def pending_rows(self) -> int:
+        return self._pending_rows
+
+    def pending_batches(self) -> list[Batch]:
+        return [c.batch for c in self._chunks]
+
+    def should_flush(self) -> bool:
+        """Enough rows buffered, or the oldest buffered row waited ``batch_interval_s``."""
+        if self._pending_rows >= self.batch_max_rows:
+            return True
+        return self._oldest is not None and self._clock() - self._oldest >= self.batch_interval_s
+
+    def discard(self, topic: str, partition: int) -> int:
+        before = self._pending_rows
+        self._chunks = [c for c in self._chunks if (c.topic, c.partition) != (topic, partition)]
+        self._open.pop((topic, partition), None)
+        self._recount()
+        return before - self._pending_rows
+
+    def _recount(self) -> None:
+        self._pending_rows = sum(c.rows.rows(t) for c in self._chunks for t in c.pending_tables())
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def target(self, table: Table) -> str:
+        """``db.table`` an insert for ``table`` goes to."""
+        return self.store.table(table.name)
+
+    def flush(self) -> FlushResult:
+        result = FlushResult()
+        chunks = list(self._chunks)
+        for c in chunks:
+            c.sealed = True
+        self._open.clear()
+        failed: list[_Chunk] = []
+        for table in SINK_TABLES:
+            todo = [c for c in chunks if c not in failed and table in c.pending_tables()]
+            if not todo:
+                continue
+            try:
+                self._write(table, todo, result, self.max_retries)
+            except _InsertFailed as exc:
+                if len(todo) == 1:
+                    failed.append(todo[0])
+                    log.error("sink: writing %s for %s failed: %s", table.name, todo[0].batch, exc)
+                    continue
+                # Find the partitions at fault: one attempt per chunk (the store may be down).
+                for c in todo:
+                    try:
+                        self._write(table, [c], result, 0)
+                    except _InsertFailed as one:
+                        failed.append(c)
+                        log.error("sink: writing %s for %s failed: %s", table.name, c.batch, one)
+        done = [c for c in chunks if c not in failed]
+        result.written.extend(c.batch for c in done)
+        result.failed.extend(c.batch for c in failed)
+        self._chunks = [c for c in self._chunks if c not in done]
+        self._recount()
+        self._oldest = self._clock() if self._chunks else None
+        self.totals.merge(result)
+        if failed:
+            err = SinkWriteError(
+                f"sink could not write {len(failed)} batch(es) after {self.max_retries} retries: "
+                + ", ".join(
+                    f"{b.topic}[{b.partition}]@{b.first_offset}..{b.last_offset}" for b in result.failed
+                )
+                + "; they stay buffered and will be retried",
+                failed=[b.as_tuple() for b in result.failed],
+            )
+            err.fields["result"] = result
+            raise err
+        return result
+
+    def _write(self, table: Table, chunks: list[_Chunk], result: FlushResult, retries: int) -> None:
+        if len(chunks) == 1:
+            cols: list[list[Any]] = [chunks[0].rows.columns[table.name][c] for c in table.columns]
+        else:
+            cols = [
+                list(itertools.chain.from_iterable(ch.rows.columns[table.name][c] for ch in chunks))
+                for c in table.columns
+            ]
+        n = len(cols[0])
+        token = f"{self._token_prefix}-{next(self._inserts)}"
+        attempt = 0
+        while True:
+            try:
+                self.store.insert(
+                    self.target(table),
+                    cols,
+                    table.columns,
+                    settings={"insert_deduplication_token": token},
+                )
+                break
+            except StoreError as exc:
+                if attempt >= retries:
+                    raise _InsertFailed(str(exc)) from exc
+                delay = min(MAX_BACKOFF_S, self.retry_backoff_s * 2**attempt)
+                attempt += 1
+                log.warning(
+                    "sink: insert into %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                    table.name,
+                    attempt,
+                    retries + 1,
+                    delay,
+                    exc,
+                )
+                self._sleep(delay)
+        for c in chunks:
+            c.written.add(table.name)
+        result.rows[table.name] = result.rows.get(table.name, 0) + n
+        result.inserts += 1
+
+    def close(self) -> None:
+        if self._own_store:
+            self.store.close()

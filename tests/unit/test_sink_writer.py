@@ -1,0 +1,243 @@
+"""ClickHouseSink: rows land complete, rewrites change nothing, retries and failing partitions,
+and the sink entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import load_config
+from sparseety.errors import PluginLoadError, SinkWriteError, StoreError
+from sparseety.sinks import base
+from sparseety.sinks.clickhouse.client import Store
+from sparseety.sinks.clickhouse.migrate import migrate
+from sparseety.sinks.clickhouse.rows import request_version
+from sparseety.sinks.clickhouse.tables import SINK_TABLES
+from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from tests import factories as f
+
+
+@pytest.fixture
+def store(tmp_path_factory: pytest.TempPathFactory, unique: str) -> Iterator[Store]:
+    path = tmp_path_factory.getbasetemp() / "chdb-unit"
+    s = Store.open(load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"t{unique}"}))
+    try:
+        migrate(s)
+        yield s
+    finally:
+        s.command(f"DROP DATABASE IF EXISTS {s.database}")
+        s.close()
+
+
+def rich(uid: str, **over: Any) -> dict[str, Any]:
+    """A RequestAccounting with segments, block uses and expert counts."""
+    return f.accounting(
+        uid,
+        expert_num_layers=2,
+        expert_num_experts=2,
+        expert_counts=[3, 1, 0, 4],
+        block_uses=[
+            {"block_hash": b"\x00\xffh0", "lifetime_seq": 3, "role": "cached", "tokens": 4},
+            {"block_hash": b"h1", "lifetime_seq": 9, "role": "computed", "tokens": 4},
+        ],
+        **over,
+    )
+
+
+def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
+    """Every table's content under FINAL, in key order (the store as queries see it)."""
+    out = {}
+    for t in SINK_TABLES:
+        _, rows = store.query_rows(
+            f"SELECT {', '.join(t.columns)} FROM {store.table(t.name)} FINAL ORDER BY {', '.join(t.key)}"
+        )
+        out[t.name] = rows
+    return out
+
+
+def write(sink: ClickHouseSink, records: list[tuple[str, dict[str, Any]]], topic: str = "t") -> None:
+    for i, (name, rec) in enumerate(records):
+        sink.add(name, rec, topic=topic, partition=i % 2, offset=i)
+    sink.flush()
+
+
+def test_every_field_lands(store: Store) -> None:
+    rec = rich(f"{f.EID}/r1", lora_name="adapter", incomplete_reason=None)
+    write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, rec), (ev.USAGE_WINDOW, f.usage_window())])
+    (row,) = store.query(f"SELECT * FROM {store.database}.requests_v")
+    for field, value in rec.items():
+        if field not in ("block_uses", "timeline", "expert_counts"):
+            assert row[field] == value, field
+    assert (row["segment_count"], row["block_use_count"], row["_version"]) == (3, 2, request_version(rec))
+    segs = store.query(f"SELECT * FROM {store.database}.token_segments_v ORDER BY idx")
+    assert [{k: s[k] for k in rec["timeline"]["segments"][0]} for s in segs] == rec["timeline"]["segments"]
+    blocks = store.query(
+        "SELECT lower(hex(block_hash)) AS h, lifetime_seq, role, tokens "
+        f"FROM {store.database}.kv_blocks_v ORDER BY idx"
+    )
+    assert [tuple(b.values()) for b in blocks] == [
+        ("00ff6830", 3, "cached", 4),
+        (b"h1".hex(), 9, "computed", 4),
+    ]
+    (experts,) = store.query(
+        f"SELECT num_layers, num_experts, counts FROM {store.database}.expert_load FINAL"
+    )
+    assert experts == {"num_layers": 2, "num_experts": 2, "counts": [3, 1, 0, 4]}
+    (usage,) = store.query(f"SELECT * FROM {store.database}.usage_1m FINAL")
+    assert {k: usage[k] for k in f.usage_window()} == f.usage_window()
+
+
+def test_dead_letters_keep_raw_bytes_and_position(store: Store) -> None:
+    dl = f.dead_letter(value=b"\xc3\x01\xff\x00garbage", key=None)
+    sink = ClickHouseSink(store)
+    sink.add(ev.DEAD_LETTER, dl, topic="dlq", partition=1, offset=42)
+    sink.flush()
+    (row,) = store.query(
+        f"SELECT dlq_topic, dlq_partition, dlq_offset, topic, partition, offset, error_type, key, "
+        f"hex(value) AS value_hex FROM {store.database}.dead_letters FINAL"
+    )
+    assert row == {
+        "dlq_topic": "dlq",
+        "dlq_partition": 1,
+        "dlq_offset": 42,
+        "topic": "t",
+        "partition": 0,
+        "offset": 5,
+        "error_type": "BadMagicError",
+        "key": None,
+        "value_hex": b"\xc3\x01\xff\x00garbage".hex().upper(),
+    }
+
+
+def test_writing_the_same_records_again_changes_nothing(store: Store) -> None:
+    records = [(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r{i}")) for i in range(5)]
+    records += [(ev.USAGE_WINDOW, f.usage_window(usage_id=f"u{i}")) for i in range(3)]
+    records += [(ev.DEAD_LETTER, f.dead_letter())]
+    write(ClickHouseSink(store), records)
+    first = snapshot(store)
+    assert len(first["requests"]) == 5 and len(first["token_segments"]) == 15
+    write(ClickHouseSink(store), records)  # a crash between write and commit, then a re-read
+    write(ClickHouseSink(store), list(reversed(records[:5])), topic="other")  # a replay in another order
+    assert snapshot(store) == first
+    raw = store.query(f"SELECT count() AS n FROM {store.table('requests')}")[0]["n"]
+    assert raw >= 5  # duplicates may still be unmerged: FINAL hides them
+
+
+def test_a_complete_record_wins_over_an_incomplete_one_in_any_order(store: Store) -> None:
+    uid = f"{f.EID}/r1"
+    incomplete = rich(uid, complete=False, incomplete_reason="idle_timeout", finished_ts_ns=900)
+    complete = rich(uid, finished_ts_ns=500)
+    complete["timeline"]["segments"] = complete["timeline"]["segments"][:2]
+    complete["block_uses"] = complete["block_uses"][:1]
+    assert request_version(complete) > request_version(incomplete)
+    for order in ([incomplete, complete], [complete, incomplete]):
+        store.command(f"TRUNCATE TABLE {store.table('requests')}")
+        for t in ("token_segments", "kv_blocks"):
+            store.command(f"TRUNCATE TABLE {store.table(t)}")
+        for rec in order:
+            write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, rec)])
+        (row,) = store.query(f"SELECT complete, segment_count FROM {store.database}.requests_v")
+        assert row == {"complete": True, "segment_count": 2}
+        # the older version's third segment and second block are not current
+        assert store.query(f"SELECT count() AS n FROM {store.database}.token_segments_v") == [{"n": 2}]
+        assert store.query(f"SELECT count() AS n FROM {store.database}.kv_blocks_v") == [{"n": 1}]
+
+
+class FlakyStore:
+    """A Store whose inserts fail while ``fail`` says so."""
+
+    def __init__(self, store: Store, fail: Any) -> None:
+        self.store = store
+        self.fail = fail
+        self.calls: list[tuple[str, int, dict[str, Any]]] = []
+
+    def table(self, name: str) -> str:
+        return self.store.table(name)
+
+    def insert(self, table: str, columns: Any, names: Any, *, settings: dict[str, Any]) -> None:
+        n = len(columns[0])
+        self.calls.append((table, n, settings))
+        if self.fail(table, columns, names, len(self.calls)):
+            raise StoreError("Code: 210. NETWORK_ERROR (injected)", code=210)
+        self.store.insert(table, columns, names, settings=settings)
+
+
+def test_retries_with_backoff_then_succeeds(store: Store) -> None:
+    flaky = FlakyStore(store, lambda table, cols, names, call: call <= 3)
+    sleeps: list[float] = []
+    sink = ClickHouseSink(flaky, max_retries=5, retry_backoff_s=0.5, sleep=sleeps.append)  # type: ignore[arg-type]
+    sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=0)
+    result = sink.flush()
+    assert sleeps == [0.5, 1.0, 2.0]
+    assert result.rows == {"usage_1m": 1} and sink.pending_rows() == 0
+    # every attempt of one insert carries the same deduplication token
+    assert len({c[2]["insert_deduplication_token"] for c in flaky.calls}) == 1
+
+
+def test_a_partition_that_keeps_failing_stops_alone_and_keeps_its_data(store: Store) -> None:
+    broken = {"on": True}
+
+    def fail(table: str, cols: Any, names: Any, call: int) -> bool:
+        # rows of partition 1 (usage ids ending in 1) cannot be written
+        return bool(
+            broken["on"]
+            and "usage_1m" in table
+            and any(u.endswith("p1") for u in cols[names.index("usage_id")])
+        )
+
+    flaky = FlakyStore(store, fail)
+    sink = ClickHouseSink(flaky, max_retries=2, retry_backoff_s=0, sleep=lambda s: None)  # type: ignore[arg-type]
+    for p in (0, 1):
+        for o in range(3):
+            sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id=f"{o}p{p}"), topic="u", partition=p, offset=o)
+    with pytest.raises(SinkWriteError) as info:
+        sink.flush()
+    assert info.value.failed == [("u", 1, 0, 2)]
+    ids = {r["usage_id"] for r in store.query(f"SELECT usage_id FROM {store.table('usage_1m')} FINAL")}
+    assert ids == {"0p0", "1p0", "2p0"}
+    assert sink.pending_rows() == 3 and [b.as_tuple() for b in sink.pending_batches()] == [("u", 1, 0, 2)]
+    # more data for the stopped partition goes into a new batch; once the store heals, all lands
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="3p1"), topic="u", partition=1, offset=3)
+    broken["on"] = False
+    result = sink.flush()
+    assert [b.as_tuple() for b in result.written] == [("u", 1, 0, 2), ("u", 1, 3, 3)]
+    ids = {r["usage_id"] for r in store.query(f"SELECT usage_id FROM {store.table('usage_1m')} FINAL")}
+    assert ids == {"0p0", "1p0", "2p0", "0p1", "1p1", "2p1", "3p1"}
+
+
+def test_flush_triggers_by_size_and_time_and_discard(store: Store) -> None:
+    now = [100.0]
+    sink = ClickHouseSink(store, batch_max_rows=5, batch_interval_s=1.0, clock=lambda: now[0])
+    assert not sink.should_flush()
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="a"), topic="u", partition=0, offset=0)
+    assert not sink.should_flush()
+    now[0] += 1.0
+    assert sink.should_flush()
+    sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r1"), topic="t", partition=1, offset=0)  # 7 rows
+    assert sink.pending_rows() == 8 and sink.should_flush()
+    assert sink.discard("t", 1) == 7 and sink.pending_rows() == 1
+    with pytest.raises(ValueError, match="must increase"):
+        sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=0)
+
+
+def test_the_clickhouse_sink_is_registered() -> None:
+    assert base.load_sink_class("clickhouse") is ClickHouseSink
+    assert "clickhouse" in base.available_sinks()
+
+
+def test_sink_plugins_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    eps = [
+        EntryPoint("notasink", "sparseety.config:Config", base.ENTRY_POINT_GROUP),
+        EntryPoint("broken", "sparseety.no_such_module:X", base.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(base, "entry_points", lambda group: [e for e in eps if e.group == group])
+    with pytest.raises(PluginLoadError, match="not a subclass"):
+        base.load_sink_class("notasink")
+    with pytest.raises(PluginLoadError, match="failed to load"):
+        base.load_sink_class("broken")
+    with pytest.raises(PluginLoadError, match="registered: broken, notasink"):
+        base.load_sink_class("missing")
