@@ -131,6 +131,12 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
 
     tokenizer = _train_tokenizer()
     tokenizer.save_pretrained(out)
+    # transformers 5 records its backend class ("TokenizersBackend"), which transformers 4
+    # cannot resolve; the generic name loads with both.
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
 
     common = {
         "vocab_size": len(tokenizer),
@@ -207,7 +213,7 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: ``KIND PATH [--seed N]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Build a tiny random-weight checkpoint.")
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)
