@@ -151,7 +151,11 @@ class WorkerConfig(_Section):
     routing_wait_s: float = Field(10.0, ge=0)
     take_max: int = Field(500, ge=1)
     take_within_s: float = Field(0.2, gt=0)
-    web_port: int = Field(6066, ge=0, le=65535)
+    tick_interval_s: float = Field(5.0, gt=0)
+    metrics_port: int = Field(0, ge=0, le=65535)  # 0: no Prometheus endpoint
+    session_timeout_s: float = Field(30.0, gt=0)
+    commit_interval_s: float = Field(2.8, gt=0)
+    standby_replicas: int = Field(0, ge=0)
 
 
 class SinkConfig(_Section):
@@ -311,6 +315,30 @@ def load_config(
     data = _merge(data, env_overrides(env))
     data = _merge(data, overrides)
     return _validate(data, str(path) if path else "defaults+environment")
+
+
+def to_env(cfg: Config) -> dict[str, str]:
+    """``SPARSEETY_*`` variables that reproduce ``cfg`` in a child process (secrets included:
+    pass them only to processes you start, never print them)."""
+    out: dict[str, str] = {}
+    for name, value in cfg:
+        if isinstance(value, BaseModel):
+            for field_name, v in value:
+                if v is None:
+                    continue
+                if isinstance(v, SecretStr):
+                    v = v.get_secret_value()
+                text = (
+                    json.dumps(v)
+                    if isinstance(v, (dict, list))
+                    else str(v).lower()
+                    if isinstance(v, bool)
+                    else str(v)
+                )
+                out[f"{ENV_PREFIX}{name}_{field_name}".upper()] = text
+        else:
+            out[f"{ENV_PREFIX}{name}".upper()] = str(value)
+    return out
 
 
 def is_configured(env: Mapping[str, str]) -> bool:

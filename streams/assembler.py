@@ -29,11 +29,11 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from streams import prefix_index as pidx
-from streams import segments as sg
-from streams import windows
-from streams.flops import ModelShape
-from streams.state import (
+from sparseety.streams import prefix_index as pidx
+from sparseety.streams import segments as sg
+from sparseety.streams import windows
+from sparseety.streams.flops import ModelShape
+from sparseety.streams.state import (
     EpochState,
     HeadState,
     RequestState,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streams.state import WINDOW_COUNTERS, EpochState
+from sparseety.streams.state import WINDOW_COUNTERS, EpochState
 
 _FLOAT_COUNTERS = {"est_flops"}
 

@@ -93,9 +93,19 @@ class SimEngine:
             self.cache[h] = self.cache.get(h, 0) + 1
             self.cache.move_to_end(h)
         if new:
-            self._emit(ev.KV_STORED, {"block_hashes": new, "parent_block_hash": None, "block_size": self.bs,
-                                      "num_tokens": len(new) * self.bs, "lora_id": None, "medium": "GPU",
-                                      "group_kind": self._group_kind(), "sliding_window": self.window})
+            self._emit(
+                ev.KV_STORED,
+                {
+                    "block_hashes": new,
+                    "parent_block_hash": None,
+                    "block_size": self.bs,
+                    "num_tokens": len(new) * self.bs,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "group_kind": self._group_kind(),
+                    "sliding_window": self.window,
+                },
+            )
         self._evict()
 
     def _group_kind(self) -> str:
@@ -115,7 +125,9 @@ class SimEngine:
             del self.cache[victim]
             removed.append(victim)
         if removed:
-            self._emit(ev.KV_REMOVED, {"block_hashes": removed, "medium": "GPU", "group_kind": self._group_kind()})
+            self._emit(
+                ev.KV_REMOVED, {"block_hashes": removed, "medium": "GPU", "group_kind": self._group_kind()}
+            )
 
     def _hits(self, r: SimRequest) -> int:
         n = 0
@@ -128,10 +140,23 @@ class SimEngine:
 
     def run(self, requests: list[SimRequest], arrivals: dict[str, int] | None = None) -> list[dict[str, Any]]:
         arrivals = arrivals or {}
-        groups = [{"kind": self._group_kind(), "sliding_window": self.window, "block_size": self.bs, "num_layers": 2}]
-        self._emit(ev.ENGINE_STARTED, f.engine_started(block_size=self.bs, kv_cache_groups=groups,
-                                                        spec_method="ngram" if self.k else None,
-                                                        spec_num_tokens=self.k))
+        groups = [
+            {
+                "kind": self._group_kind(),
+                "sliding_window": self.window,
+                "block_size": self.bs,
+                "num_layers": 2,
+            }
+        ]
+        self._emit(
+            ev.ENGINE_STARTED,
+            f.engine_started(
+                block_size=self.bs,
+                kv_cache_groups=groups,
+                spec_method="ngram" if self.k else None,
+                spec_num_tokens=self.k,
+            ),
+        )
         waiting = list(requests)
         running: list[SimRequest] = []
         held: dict[str, list[bytes]] = {}
@@ -196,9 +221,18 @@ class SimEngine:
                     held.setdefault(rid, []).extend(new_blocks)
                     self._store(new_blocks)
             for r in started:
-                self._emit(ev.REQUEST_STARTED, f.request_started(
-                    r.rid, r.prompt, cached=r.cached_at_admission, hashes=r.hashes, tenant=r.tenant,
-                    max_tokens=r.max_tokens, arrival_ts_ns=self.t - self.step_ns))
+                self._emit(
+                    ev.REQUEST_STARTED,
+                    f.request_started(
+                        r.rid,
+                        r.prompt,
+                        cached=r.cached_at_admission,
+                        hashes=r.hashes,
+                        tenant=r.tenant,
+                        max_tokens=r.max_tokens,
+                        arrival_ts_ns=self.t - self.step_ns,
+                    ),
+                )
             # Apply outputs.
             final_rows = []
             for (rid, n, c, new), (k, a) in zip(rows, spec, strict=True):
@@ -206,21 +240,39 @@ class SimEngine:
                 r.computed = c + n - (k - a)
                 r.output.extend(new)
                 final_rows.append((rid, n, c, new))
-            self._emit(ev.STEP_BATCH, f.step_batch(self.step_no, final_rows, spec=spec if self.k else None,
-                                                   preempted=preempted, resumed=resumed))
+            self._emit(
+                ev.STEP_BATCH,
+                f.step_batch(
+                    self.step_no,
+                    final_rows,
+                    spec=spec if self.k else None,
+                    preempted=preempted,
+                    resumed=resumed,
+                ),
+            )
             for r in list(running):
                 if len(r.output) >= r.max_tokens:
                     running.remove(r)
                     self._release(held.pop(r.rid, []))
-                    out_hashes = block_hashes(r.tokens, self.bs)[len(r.hashes):]
-                    self._emit(ev.REQUEST_FINISHED, f.request_finished(
-                        r.rid, prompt=len(r.prompt), output=len(r.output), cached=r.cached_at_admission,
-                        num_preemptions=r.preemptions, output_block_hashes=out_hashes))
+                    out_hashes = block_hashes(r.tokens, self.bs)[len(r.hashes) :]
+                    self._emit(
+                        ev.REQUEST_FINISHED,
+                        f.request_finished(
+                            r.rid,
+                            prompt=len(r.prompt),
+                            output=len(r.output),
+                            cached=r.cached_at_admission,
+                            num_preemptions=r.preemptions,
+                            output_block_hashes=out_hashes,
+                        ),
+                    )
             self._evict()
         self._emit(ev.ENGINE_STOPPED, {"reason": "shutdown"})
         return self.events
 
-    def _schedule(self, r: SimRequest, budget: int) -> tuple[tuple[str, int, int, list[int]], tuple[int, int]] | None:
+    def _schedule(
+        self, r: SimRequest, budget: int
+    ) -> tuple[tuple[str, int, int, list[int]], tuple[int, int]] | None:
         remaining_prompt = len(r.tokens) - r.computed
         if remaining_prompt > 1:
             n = min(remaining_prompt, budget)
@@ -235,8 +287,9 @@ class SimEngine:
         return (r.rid, 1 + k, r.computed, new), (k, a)
 
 
-def workload(n: int, *, seed: int = 0, shared_prefix: int = 12, max_prompt: int = 40,
-             max_tokens: int = 12) -> list[SimRequest]:
+def workload(
+    n: int, *, seed: int = 0, shared_prefix: int = 12, max_prompt: int = 40, max_tokens: int = 12
+) -> list[SimRequest]:
     """``n`` requests of mixed lengths, most sharing a system prompt; two tenants."""
     rng = random.Random(seed)
     system = [rng.randrange(500) for _ in range(shared_prefix)]
@@ -244,5 +297,7 @@ def workload(n: int, *, seed: int = 0, shared_prefix: int = 12, max_prompt: int 
     for i in range(n):
         own = [rng.randrange(500) for _ in range(rng.randint(1, max_prompt))]
         prompt = (system + own) if i % 4 else own
-        out.append(SimRequest(f"r{i}", prompt, rng.randint(1, max_tokens), tenant="acme" if i % 2 else "globex"))
+        out.append(
+            SimRequest(f"r{i}", prompt, rng.randint(1, max_tokens), tenant="acme" if i % 2 else "globex")
+        )
     return out

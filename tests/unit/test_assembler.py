@@ -3,6 +3,7 @@ simulated engine runs (sums, disjointness, engine totals, order and duplicate in
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -11,11 +12,11 @@ from hypothesis import strategies as st
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from streams import segments as sg
-from streams.assembler import TIMELINES, USAGE, Assembler, Output
-from streams.state import MemoryStore, decode_state, encode_state
+from sparseety.streams import segments as sg
+from sparseety.streams.assembler import TIMELINES, USAGE, Assembler, Output
+from sparseety.streams.state import MemoryStore, decode_state, encode_state
 from tests import factories as f
-from tests.sim import SimEngine, SimRequest, workload
+from tests.sim import SimEngine, workload
 
 CFG = WorkerConfig(window_s=60, allowed_lateness_s=5, closed_retention_s=0)
 
@@ -33,7 +34,10 @@ def accounts(out: list[Output]) -> dict[str, dict[str, Any]]:
 
 
 def segs(acc: dict[str, Any]) -> list[tuple[int, int, str, str, bool]]:
-    return [(s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"]) for s in acc["timeline"]["segments"]]
+    return [
+        (s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"])
+        for s in acc["timeline"]["segments"]
+    ]
 
 
 # --- crafted scenarios -----------------------------------------------------------------------
@@ -62,13 +66,28 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
     prompt = list(range(12))
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
-        f.wrap(1, ev.KV_STORED, {"block_hashes": [b"a", b"b", b"c"], "parent_block_hash": None, "block_size": 4,
-                                 "num_tokens": 12, "lora_id": None, "medium": "GPU", "group_kind": "full_attention",
-                                 "sliding_window": None}),
+        f.wrap(
+            1,
+            ev.KV_STORED,
+            {
+                "block_hashes": [b"a", b"b", b"c"],
+                "parent_block_hash": None,
+                "block_size": 4,
+                "num_tokens": 12,
+                "lora_id": None,
+                "medium": "GPU",
+                "group_kind": "full_attention",
+                "sliding_window": None,
+            },
+        ),
         f.wrap(2, ev.REQUEST_STARTED, f.request_started("r1", prompt, hashes=[b"a", b"b", b"c"])),
         f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("r1", 12, 0, [1])])),
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=12, output=1)),
-        f.wrap(5, ev.REQUEST_STARTED, f.request_started("r2", prompt + [99, 98], cached=8, hashes=[b"a", b"b", b"c"])),
+        f.wrap(
+            5,
+            ev.REQUEST_STARTED,
+            f.request_started("r2", [*prompt, 99, 98], cached=8, hashes=[b"a", b"b", b"c"]),
+        ),
         f.wrap(6, ev.STEP_BATCH, f.step_batch(1, [("r2", 6, 8, [5])])),
         f.wrap(7, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=14, output=1, cached=8)),
     ]
@@ -77,18 +96,36 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
     assert r2["consistent"]
     assert (r2["cache_read_tokens"], r2["uncached_computed_tokens"]) == (8, 6)
     cached = [s for s in r2["timeline"]["segments"] if s["status"] == "cached"]
-    assert cached == [{"start": 0, "end": 8, "kind": "prompt", "status": "cached", "draft_accepted": False,
-                       "source_request_uid": f"{f.EID}/r1"}]
+    assert cached == [
+        {
+            "start": 0,
+            "end": 8,
+            "kind": "prompt",
+            "status": "cached",
+            "draft_accepted": False,
+            "source_request_uid": f"{f.EID}/r1",
+        }
+    ]
     uses = {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r2["block_uses"]}
     assert uses == {(b"a", "cached", 1), (b"b", "cached", 1), (b"c", "computed", 1)}
     r1 = accounts(out)[f"{f.EID}/r1"]
     assert {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r1["block_uses"]} == {
-        (b"a", "computed", 1), (b"b", "computed", 1), (b"c", "computed", 1)}
+        (b"a", "computed", 1),
+        (b"b", "computed", 1),
+        (b"c", "computed", 1),
+    }
 
 
 def test_block_evicted_then_computed_again_is_recomputed() -> None:
-    kv = {"parent_block_hash": None, "block_size": 4, "num_tokens": 4, "lora_id": None, "medium": "GPU",
-          "group_kind": "full_attention", "sliding_window": None}
+    kv = {
+        "parent_block_hash": None,
+        "block_size": 4,
+        "num_tokens": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "group_kind": "full_attention",
+        "sliding_window": None,
+    }
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
         f.wrap(1, ev.KV_STORED, {"block_hashes": [b"a"], **kv}),
@@ -121,8 +158,12 @@ def test_speculative_drafts_accepted_and_rejected() -> None:
     assert (acc["draft_accepted_tokens"], acc["draft_rejected_tokens"]) == (2, 4)
     assert acc["uncached_computed_tokens"] == 8 + 2  # prompt + one non-draft input per decode step
     assert acc["scheduled_tokens"] == 16
-    assert segs(acc) == [(0, 8, "prompt", "computed", False), (8, 9, "output", "computed", False),
-                         (9, 11, "output", "computed", True), (11, 13, "output", "computed", False)]
+    assert segs(acc) == [
+        (0, 8, "prompt", "computed", False),
+        (8, 9, "output", "computed", False),
+        (9, 11, "output", "computed", True),
+        (11, 13, "output", "computed", False),
+    ]
 
 
 def test_preemption_recomputes_and_rereads_cache() -> None:
@@ -140,8 +181,12 @@ def test_preemption_recomputes_and_rereads_cache() -> None:
     assert acc["preemptions"] == 1 and acc["consistent"]
     assert (acc["cache_read_tokens"], acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 5, 10)
     assert acc["scheduled_tokens"] == 15
-    assert segs(acc) == [(0, 4, "prompt", "computed", False), (4, 8, "prompt", "recomputed", False),
-                         (8, 9, "output", "recomputed", False), (9, 11, "output", "computed", False)]
+    assert segs(acc) == [
+        (0, 4, "prompt", "computed", False),
+        (4, 8, "prompt", "recomputed", False),
+        (8, 9, "output", "recomputed", False),
+        (9, 11, "output", "computed", False),
+    ]
 
 
 def test_sliding_window_evicts_whole_blocks_and_skips_the_rest() -> None:
@@ -160,8 +205,11 @@ def test_sliding_window_evicts_whole_blocks_and_skips_the_rest() -> None:
     # Before the last step 22 were computed: (22 - 8 + 1) // 4 = 3 blocks = 12 positions freed.
     assert (acc["evicted_tokens"], acc["skipped_tokens"]) == (12, 3)
     assert acc["timeline"]["attention_window"] == 8
-    assert segs(acc)[:3] == [(0, 12, "prompt", "evicted", False), (12, 15, "prompt", "skipped", False),
-                             (15, 20, "prompt", "computed", False)]
+    assert segs(acc)[:3] == [
+        (0, 12, "prompt", "evicted", False),
+        (12, 15, "prompt", "skipped", False),
+        (15, 20, "prompt", "computed", False),
+    ]
     assert acc["attention_pairs_skipped"] > 0 and acc["consistent"]
 
 
@@ -170,8 +218,11 @@ def test_gpu_time_is_split_by_flops() -> None:
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
         f.wrap(1, ev.REQUEST_STARTED, f.request_started("big", list(range(64)), hashes=[])),
         f.wrap(2, ev.REQUEST_STARTED, f.request_started("small", list(range(4)), hashes=[])),
-        f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("big", 64, 0, [1]), ("small", 4, 0, [1])],
-                                              duration_ns=10_000_000)),
+        f.wrap(
+            3,
+            ev.STEP_BATCH,
+            f.step_batch(0, [("big", 64, 0, [1]), ("small", 4, 0, [1])], duration_ns=10_000_000),
+        ),
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("big", prompt=64, output=1)),
         f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("small", prompt=4, output=1)),
     ]
@@ -206,7 +257,9 @@ def test_windows_final_then_correction_for_late_requests() -> None:
     finals = [u for u in usage if u["kind"] == "final"]
     corrections = [u for u in usage if u["kind"] == "correction"]
     assert [(u["window_start_ns"], u["requests"], u["prompt_tokens"]) for u in finals] == [
-        (t0, 2, 6), (t0 + minute, 1, 3)]
+        (t0, 2, 6),
+        (t0 + minute, 1, 3),
+    ]
     assert [(u["window_start_ns"], u["requests"], u["prompt_tokens"]) for u in corrections] == [(t0, 1, 2)]
     assert corrections[0]["usage_id"].endswith(f"/correction/{f.EID}/r3")
     assert asm.stats.corrections == 1
@@ -230,8 +283,12 @@ def test_idle_requests_close_on_heartbeat_and_silent_engines_on_tick() -> None:
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), ts_ns=t),
         f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", [1, 2], hashes=[]), ts_ns=t),
-        f.wrap(2, ev.HEARTBEAT, {"queued": 0, "produced": 2, "dropped": 0, "spilled": 0, "drained": 0},
-               ts_ns=t + 11_000_000_000),
+        f.wrap(
+            2,
+            ev.HEARTBEAT,
+            {"queued": 0, "produced": 2, "dropped": 0, "spilled": 0, "drained": 0},
+            ts_ns=t + 11_000_000_000,
+        ),
     ]
     acc = accounts(run(events, cfg)[0])[f"{f.EID}/r1"]
     assert acc["incomplete_reason"] == "idle_timeout"
@@ -255,8 +312,11 @@ def test_proxy_requests_are_accounted_from_totals() -> None:
     acc = accounts(run(events)[0])[f"{f.EID}/p1"]
     assert acc["engine_kind"] == "proxy"
     assert (acc["prompt_tokens"], acc["cache_read_tokens"], acc["uncached_computed_tokens"]) == (20, 16, 8)
-    assert segs(acc) == [(0, 16, "prompt", "cached", False), (16, 20, "prompt", "computed", False),
-                         (20, 25, "output", "computed", False)]
+    assert segs(acc) == [
+        (0, 16, "prompt", "cached", False),
+        (16, 20, "prompt", "computed", False),
+        (20, 25, "output", "computed", False),
+    ]
 
 
 def test_routing_is_joined_and_waits_for_the_last_step() -> None:
@@ -264,16 +324,28 @@ def test_routing_is_joined_and_waits_for_the_last_step() -> None:
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started(routing_capture=True, moe_num_experts=2, moe_top_k=1)),
         f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", [1, 2, 3], hashes=[])),
         f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 3, 0, [4])])),
-        f.wrap(0, ev.MOE_ROUTING, {"step": 0, "req_ids": ["r1"], "num_layers": 1, "num_experts": 2,
-                                   "expert_counts": [2, 1]}, stream="worker-0"),
+        f.wrap(
+            0,
+            ev.MOE_ROUTING,
+            {"step": 0, "req_ids": ["r1"], "num_layers": 1, "num_experts": 2, "expert_counts": [2, 1]},
+            stream="worker-0",
+        ),
         f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 3, [5])])),
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=3, output=2)),
     ]
     out, _ = run(events)
     assert not accounts(out)  # waits for step 1's routing
-    late, _ = run([*events, f.wrap(1, ev.MOE_ROUTING, {"step": 1, "req_ids": ["r1"], "num_layers": 1,
-                                                       "num_experts": 2, "expert_counts": [0, 1]},
-                                   stream="worker-0")])
+    late, _ = run(
+        [
+            *events,
+            f.wrap(
+                1,
+                ev.MOE_ROUTING,
+                {"step": 1, "req_ids": ["r1"], "num_layers": 1, "num_experts": 2, "expert_counts": [0, 1]},
+                stream="worker-0",
+            ),
+        ]
+    )
     acc = accounts(late)[f"{f.EID}/r1"]
     assert acc["expert_counts"] == [2, 2] and (acc["expert_num_layers"], acc["expert_num_experts"]) == (1, 2)
 
@@ -316,10 +388,14 @@ def test_state_round_trips_through_json() -> None:
 def _check_invariants(acc: dict[str, Any]) -> None:
     segments = acc["timeline"]["segments"]
     assert segments[0]["start"] == 0
-    assert all(a["end"] == b["start"] for a, b in zip(segments, segments[1:]))
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(segments))
     assert segments[-1]["end"] == acc["prompt_tokens"] + acc["output_tokens"]
-    assert acc["scheduled_tokens"] == (acc["uncached_computed_tokens"] + acc["recomputed_tokens"]
-                                       + acc["draft_accepted_tokens"] + acc["draft_rejected_tokens"])
+    assert acc["scheduled_tokens"] == (
+        acc["uncached_computed_tokens"]
+        + acc["recomputed_tokens"]
+        + acc["draft_accepted_tokens"]
+        + acc["draft_rejected_tokens"]
+    )
     by_status: dict[str, int] = {}
     for s in segments:
         by_status[s["status"]] = by_status.get(s["status"], 0) + s["end"] - s["start"]
@@ -327,19 +403,23 @@ def _check_invariants(acc: dict[str, Any]) -> None:
     assert by_status.get("evicted", 0) == acc["evicted_tokens"]
 
 
-sim_params = st.fixed_dictionaries({
-    "seed": st.integers(0, 10_000),
-    "spec_k": st.sampled_from([0, 2]),
-    "preempt_prob": st.sampled_from([0.0, 0.15]),
-    "cache_blocks": st.sampled_from([8, 32, 256]),
-    "n": st.integers(1, 14),
-})
+sim_params = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 10_000),
+        "spec_k": st.sampled_from([0, 2]),
+        "preempt_prob": st.sampled_from([0.0, 0.15]),
+        "cache_blocks": st.sampled_from([8, 32, 256]),
+        "n": st.integers(1, 14),
+    }
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(sim_params)
 def test_simulated_runs_are_consistent_with_engine_totals(p: dict[str, Any]) -> None:
-    sim = SimEngine(seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"], cache_blocks=p["cache_blocks"])
+    sim = SimEngine(
+        seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"], cache_blocks=p["cache_blocks"]
+    )
     reqs = workload(p["n"], seed=p["seed"])
     out, _ = run(sim.run(reqs))
     accs = accounts(out)
@@ -360,8 +440,9 @@ def test_simulated_runs_are_consistent_with_engine_totals(p: dict[str, Any]) -> 
 def test_shuffling_nearby_events_and_duplicating_them_changes_nothing(
     p: dict[str, Any], rnd: random.Random, span: int
 ) -> None:
-    events = SimEngine(seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"],
-                       cache_blocks=p["cache_blocks"]).run(workload(p["n"], seed=p["seed"]))
+    events = SimEngine(
+        seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"], cache_blocks=p["cache_blocks"]
+    ).run(workload(p["n"], seed=p["seed"]))
     expected, _ = run(events)
     messy: list[dict[str, Any]] = []
     i = 0
@@ -376,7 +457,8 @@ def test_shuffling_nearby_events_and_duplicating_them_changes_nothing(
     got, asm = run(messy)
     assert accounts(got) == accounts(expected)
     assert sorted((o.key, str(o.record)) for o in got if o.topic == USAGE) == sorted(
-        (o.key, str(o.record)) for o in expected if o.topic == USAGE)
+        (o.key, str(o.record)) for o in expected if o.topic == USAGE
+    )
     assert asm.stats.duplicates == len(messy) - len(events)
 
 
@@ -384,19 +466,39 @@ def test_state_per_request_is_segments_not_tokens() -> None:
     # A 128k-token prompt, half from the prefix cache, decoded 64 tokens in chunked prefill of 8k.
     bs, prompt = 16, 131_072
     hashes = [i.to_bytes(16, "big") for i in range(prompt // bs)]
-    kv = {"parent_block_hash": None, "block_size": bs, "num_tokens": prompt // 2, "lora_id": None,
-          "medium": "GPU", "group_kind": "full_attention", "sliding_window": None}
+    kv = {
+        "parent_block_hash": None,
+        "block_size": bs,
+        "num_tokens": prompt // 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "group_kind": "full_attention",
+        "sliding_window": None,
+    }
     events = [
-        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(block_size=bs, kv_cache_groups=[
-            {"kind": "full_attention", "sliding_window": None, "block_size": bs, "num_layers": 2}])),
+        f.wrap(
+            0,
+            ev.ENGINE_STARTED,
+            f.engine_started(
+                block_size=bs,
+                kv_cache_groups=[
+                    {"kind": "full_attention", "sliding_window": None, "block_size": bs, "num_layers": 2}
+                ],
+            ),
+        ),
         f.wrap(1, ev.KV_STORED, {"block_hashes": hashes[: len(hashes) // 2], **kv}),
-        f.wrap(2, ev.REQUEST_STARTED, f.request_started("long", [], hashes=hashes, prompt_len=prompt,
-                                                        num_cached_tokens=prompt // 2)),
+        f.wrap(
+            2,
+            ev.REQUEST_STARTED,
+            f.request_started("long", [], hashes=hashes, prompt_len=prompt, num_cached_tokens=prompt // 2),
+        ),
     ]
     seq, c = 3, prompt // 2
     while c < prompt:
         n = min(8192, prompt - c)
-        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])])))
+        events.append(
+            f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])]))
+        )
         seq, c = seq + 1, c + n
     for i in range(63):
         events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", 1, prompt + i, [2])])))
@@ -409,8 +511,11 @@ def test_state_per_request_is_segments_not_tokens() -> None:
     assert size <= 1024 * 1024, size  # the block list dominates (8192 hashes); segments are few
     req = store.get(f"r|{f.EID}|long")
     assert len(req.segments) <= 3
-    out = asm.apply(f.wrap(seq, ev.REQUEST_FINISHED, f.request_finished("long", prompt=prompt, output=64,
-                                                                         cached=prompt // 2)))
+    out = asm.apply(
+        f.wrap(
+            seq, ev.REQUEST_FINISHED, f.request_finished("long", prompt=prompt, output=64, cached=prompt // 2)
+        )
+    )
     assert accounts(out)[f"{f.EID}/long"]["consistent"]
 
 

@@ -1,0 +1,259 @@
+"""The Faust worker: a thin shell that decodes, calls the assembler, sends, and checkpoints.
+
+Per batch of events (``take_events``), per partition:
+
+1. decode each event (bad bytes or invalid events become DeadLetter records: never dropped);
+2. fold it with the partition's :class:`~streams.assembler.Assembler`;
+3. send the outputs and wait until Kafka acknowledged them;
+4. write the state keys the batch changed to the changelog-backed table, epoch keys last.
+
+Faust acks the batch's events after the body returns and commits offsets only after flushing
+its producer, so a crash at any point replays events whose effects are either absent or
+recognised by the per-key seq guards (see ``streams/state.py``). Outputs are keyed and
+deterministic: re-sent ones overwrite themselves downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import faust
+
+from sparseety import events as ev
+from sparseety.config import Config
+from sparseety.errors import DecodeError, EncodeError
+from sparseety.kafka import faust_broker_settings, make_decoder, make_encoder
+from sparseety.streams import metrics
+from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
+from sparseety.streams.state import decode_state, encode_state
+
+log = logging.getLogger("sparseety.worker")
+
+STATE_TABLE = "state"
+
+
+class TableStore:
+    """The assembler's StateStore over one partition of a Faust table (raw bytes keys/values).
+
+    Decoded values are cached; ``flush`` serialises the dirty ones and sends them to the
+    table's changelog partition, epoch and head keys last (see ``streams/state.py``).
+    """
+
+    def __init__(self, table: Any, partition: int) -> None:
+        self.table = table
+        self.partition = partition
+        self.cache: dict[str, Any] = {}
+        self.dirty: set[str] = set()
+        self.deleted: set[str] = set()
+
+    @property
+    def _raw(self) -> Any:
+        return self.table.data  # the memory Store: .data (dict) and ._key_partition
+
+    def get(self, key: str) -> Any | None:
+        value = self.cache.get(key)
+        if value is None:
+            raw = self._raw.data.get(key.encode())
+            if raw is None:
+                return None
+            value = self.cache[key] = decode_state(raw)
+        return value
+
+    def put(self, key: str, value: Any) -> None:
+        self.cache[key] = value
+        self.dirty.add(key)
+        self.deleted.discard(key)
+
+    def delete(self, key: str) -> None:
+        self.cache.pop(key, None)
+        self.dirty.discard(key)
+        self.deleted.add(key)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        # Faust's memory store knows each key's changelog partition; only ours are ours.
+        owner = self._raw._key_partition
+        raw_prefix = prefix.encode()
+        found = {
+            k.decode()
+            for k in list(self._raw.data)
+            if k.startswith(raw_prefix) and owner.get(k) == self.partition
+        }
+        found.update(k for k in self.cache if k.startswith(prefix))
+        return iter(sorted(found - self.deleted))
+
+    def flush(self) -> int:
+        """Write dirty keys (epoch and head keys last) and deletions; return values written."""
+        store = self._raw
+        for key in sorted(self.dirty, key=lambda k: k[0] in "en"):
+            raw_key = key.encode()
+            value = encode_state(self.cache[key])
+            store.data[raw_key] = value
+            store._key_partition[raw_key] = self.partition
+            self.table.send_changelog(self.partition, raw_key, value)
+        for key in self.deleted:
+            raw_key = key.encode()
+            store.data.pop(raw_key, None)
+            store._key_partition.pop(raw_key, None)
+            self.table.send_changelog(self.partition, raw_key, None)
+        written = len(self.dirty) + len(self.deleted)
+        self.dirty.clear()
+        self.deleted.clear()
+        return written
+
+
+class AssemblerWorker:
+    """Holds one assembler per assigned partition and runs batches through them."""
+
+    def __init__(self, app: faust.App, cfg: Config, table: Any, topics: dict[str, Any]) -> None:
+        self.app = app
+        self.cfg = cfg
+        self.table = table
+        self.topics = topics
+        self.decoder = make_decoder(cfg)
+        self.encoders = {
+            TIMELINES: make_encoder(cfg, "RequestAccounting", cfg.topics.timelines),
+            USAGE: make_encoder(cfg, "UsageWindow", cfg.topics.usage),
+            DLQ: make_encoder(cfg, "DeadLetter", cfg.topics.dlq),
+        }
+        self.partitions: dict[int, tuple[TableStore, Assembler]] = {}
+
+    def reset(self) -> None:
+        """Forget cached state (after a rebalance the table is the truth)."""
+        self.partitions.clear()
+
+    def _for(self, partition: int) -> tuple[TableStore, Assembler]:
+        pair = self.partitions.get(partition)
+        if pair is None:
+            store = TableStore(self.table, partition)
+            pair = self.partitions[partition] = (store, Assembler(self.cfg.worker, store))
+        return pair
+
+    async def process(self, events: list[Any]) -> None:
+        by_partition: dict[int, list[Any]] = defaultdict(list)
+        for event in events:
+            by_partition[event.message.partition].append(event)
+        for partition, batch in by_partition.items():
+            store, asm = self._for(partition)
+            outputs: list[Output] = []
+            started = time.perf_counter()
+            for event in batch:
+                msg = event.message
+                try:
+                    _, decoded = self.decoder.decode(msg.value)
+                    ev.validate_engine_event(decoded, raw=msg.value)
+                except DecodeError as exc:
+                    exc.at(msg.topic, msg.partition, msg.offset)
+                    outputs.append(dead_letter(exc, msg.key, "assembler"))
+                    metrics.DEAD_LETTERS.labels("assembler", type(exc).__name__).inc()
+                    continue
+                outputs.extend(asm.apply(decoded))
+            metrics.EVENTS_IN.inc(len(batch))
+            metrics.FOLD_SECONDS.observe(time.perf_counter() - started)
+            await self.send(outputs)
+            store.flush()
+            self._export(asm)
+
+    async def tick(self, assigned: set[int]) -> None:
+        """Processing-time housekeeping for every assigned partition, busy or not."""
+        for partition in assigned:
+            self._for(partition)
+        for _, (store, asm) in list(self.partitions.items()):
+            outputs = asm.tick()
+            if outputs:
+                await self.send(outputs)
+                store.flush()
+
+    async def send(self, outputs: list[Output]) -> None:
+        """Send and wait for Kafka's acknowledgement (before the state that caused them is written)."""
+        pending = []
+        for out in outputs:
+            try:
+                value = self.encoders[out.topic].encode(out.record)
+            except EncodeError as exc:  # a bug upstream; keep the evidence
+                log.error("cannot encode %s %s: %s", out.record_name, out.key, exc)
+                metrics.DEAD_LETTERS.labels("assembler-output", "EncodeError").inc()
+                continue
+            # force: publish now instead of attaching to the current event (which would only be
+            # published at commit, after this batch, and so could not be awaited here).
+            fut = await self.topics[out.topic].send(key=out.key.encode(), value=value, force=True)
+            pending.append(fut)
+            metrics.OUTPUTS.labels(out.topic).inc()
+        if pending:
+            await asyncio.gather(*pending)
+
+    def _export(self, asm: Assembler) -> None:
+        metrics.export(id(asm), asm.stats)
+
+
+def dead_letter(exc: DecodeError, key: bytes | None, component: str) -> Output:
+    """A DeadLetter output for a payload that could not be used."""
+    record = {
+        "error_type": type(exc).__name__,
+        "reason": str(exc),
+        "component": component,
+        "topic": exc.topic or "",
+        "partition": exc.partition if exc.partition is not None else -1,
+        "offset": exc.offset if exc.offset is not None else -1,
+        "key": key,
+        "value": exc.raw,
+        "ts_ns": time.time_ns(),
+    }
+    dlq_key = key.decode(errors="replace") if key else f"{exc.topic}/{exc.partition}/{exc.offset}"
+    return Output(DLQ, dlq_key, ev.DEAD_LETTER, record)
+
+
+def create_app(cfg: Config) -> faust.App:
+    """The assembler's Faust app for ``cfg`` (topics must exist: see ``sparseety.kafka.ensure_topics``)."""
+    w = cfg.worker
+    app = faust.App(
+        w.app_id,
+        **faust_broker_settings(cfg),
+        store="memory://",
+        topic_partitions=cfg.topics.partitions,
+        topic_replication_factor=cfg.topics.replication_factor,
+        table_standby_replicas=w.standby_replicas,
+        broker_session_timeout=w.session_timeout_s,
+        broker_heartbeat_interval=min(3.0, w.session_timeout_s / 3),
+        broker_commit_interval=w.commit_interval_s,
+        consumer_auto_offset_reset="earliest",
+        web_enabled=False,
+        datadir=str(cfg.data_path / "faust" / w.app_id),
+    )
+
+    def raw_topic(name: str) -> Any:
+        return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+    source = raw_topic(cfg.topics.engine_events)
+    topics = {
+        TIMELINES: raw_topic(cfg.topics.timelines),
+        USAGE: raw_topic(cfg.topics.usage),
+        DLQ: raw_topic(cfg.topics.dlq),
+    }
+    raw = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    table = app.Table(STATE_TABLE, partitions=cfg.topics.partitions, schema=raw)
+    worker = AssemblerWorker(app, cfg, table, topics)
+    app.sparseety_worker = worker  # type: ignore[attr-defined]
+
+    @app.agent(source)
+    async def assemble(stream: Any) -> None:
+        async for batch in stream.take_events(w.take_max, within=w.take_within_s):
+            await worker.process(batch)
+
+    @app.on_partitions_revoked.connect
+    async def _revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
+        worker.reset()
+
+    @app.timer(w.tick_interval_s)
+    async def housekeeping() -> None:
+        if not app.rebalancing:
+            assigned = {
+                tp.partition for tp in app.consumer.assignment() if tp.topic == cfg.topics.engine_events
+            }
+            await worker.tick(assigned)
+
+    return app

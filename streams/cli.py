@@ -1,0 +1,37 @@
+"""``sparseety worker``: run the assembler (a Faust worker) against the configured Kafka."""
+
+from __future__ import annotations
+
+import click
+
+from sparseety.cli_context import CliContext, pass_ctx
+
+
+@click.command("worker")
+@click.option(
+    "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
+)
+@pass_ctx
+def worker(c: CliContext, loglevel: str) -> None:
+    """Run an assembler worker: engine events in, request accounting and usage windows out.
+
+    Start several with the same configuration to share the partitions (one consumer group).
+    """
+    from faust import Worker
+
+    from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.streams.app import create_app
+
+    cfg = c.cfg
+    wait_for_kafka(cfg)
+    ensure_topics(cfg)
+    if cfg.worker.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.worker.metrics_port)
+    (cfg.data_path / "faust").mkdir(parents=True, exist_ok=True)
+    app = create_app(cfg)
+    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+
+COMMANDS = [worker]

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the assembler worker (names ``sparseety:<noun>_<unit>``)."""
+
+from __future__ import annotations
+
+from dataclasses import astuple, fields
+
+from prometheus_client import Counter, Histogram
+
+from sparseety.streams.assembler import Stats
+
+EVENTS_IN = Counter("sparseety:worker_events_total", "Engine events consumed by the assembler.")
+OUTPUTS = Counter("sparseety:worker_outputs_total", "Records sent by the assembler.", ["topic"])
+DEAD_LETTERS = Counter(
+    "sparseety:dead_letters_total", "Inputs sent to the dead-letter topic.", ["component", "error_type"]
+)
+FOLD_SECONDS = Histogram("sparseety:worker_batch_fold_seconds", "Time to fold one partition batch.")
+ASSEMBLER = Counter(
+    "sparseety:assembler_events_total",
+    "Assembler outcomes: duplicates dropped, events reordered, events lost (gaps), late events, "
+    "requests closed, incomplete requests, window corrections.",
+    ["outcome"],
+)
+
+_last: dict[int, tuple[int, ...]] = {}
+_names = [f.name for f in fields(Stats)]
+
+
+def export(key: int, stats: Stats) -> None:
+    """Add what changed in ``stats`` since the last export of the same assembler."""
+    now = astuple(stats)
+    before = _last.get(key, (0,) * len(now))
+    for name, a, b in zip(_names, before, now, strict=True):
+        if b > a and name != "events":
+            ASSEMBLER.labels(name).inc(b - a)
+    _last[key] = now

@@ -1,0 +1,124 @@
+"""Helpers for tests that run real components: produce events, run workers, read topics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from sparseety.config import Config, to_env
+from sparseety.kafka import make_decoder, make_encoder, make_producer
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def produce_events(cfg: Config, events: Iterable[dict[str, Any]], topic: str | None = None) -> int:
+    """Encode EngineEvents and produce them keyed by engine name; returns the count."""
+    topic = topic or cfg.topics.engine_events
+    enc = make_encoder(cfg, "EngineEvent", topic)
+    producer = make_producer(cfg)
+    n = 0
+    for e in events:
+        producer.produce(topic, key=e["engine_name"].encode(), value=enc.encode(e))
+        n += 1
+        if n % 1000 == 0:
+            producer.poll(0)
+    assert producer.flush(60) == 0, "events not delivered"
+    return n
+
+
+def produce_raw(cfg: Config, topic: str, items: Iterable[tuple[bytes | None, bytes]]) -> None:
+    producer = make_producer(cfg)
+    for key, value in items:
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(30) == 0
+
+
+def read_topic(
+    cfg: Config, topic: str, *, decode: bool = True, quiet_s: float = 1.0
+) -> list[tuple[Any, ...]]:
+    """Everything currently in ``topic``: (partition, offset, key, decoded record or raw value).
+
+    Reads until the topic stays quiet for ``quiet_s``: this broker reports the high watermark at
+    record-batch granularity, so the watermark cannot tell where a partition ends.
+    """
+    consumer = Consumer(
+        cfg.kafka.librdkafka(**{"group.id": "reader", "enable.auto.commit": False, "fetch.wait.max.ms": 20})
+    )
+    md = consumer.list_topics(topic, timeout=10).topics[topic]
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.partitions])
+    dec = make_decoder(cfg)
+    out = []
+    while True:
+        msg = consumer.poll(quiet_s)
+        if msg is None:
+            break
+        if msg.error():
+            continue
+        value = dec.decode(msg.value())[1] if decode else msg.value()
+        out.append((msg.partition(), msg.offset(), msg.key(), value))
+    consumer.close()
+    return out
+
+
+def latest_by_key(records: list[tuple[Any, ...]]) -> dict[bytes, Any]:
+    """What a compacted topic (or a ReplacingMergeTree) keeps: the last value per key."""
+    out: dict[bytes, Any] = {}
+    for _, _, key, value in sorted(records, key=lambda r: (r[0], r[1])):
+        out[key] = value
+    return out
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.5, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class ComponentProcess:
+    """A ``sparseety`` subcommand in its own process, configured through SPARSEETY_* variables."""
+
+    def __init__(self, cfg: Config, args: list[str], log: Path) -> None:
+        self.cfg, self.args, self.log = cfg, args, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ComponentProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+        env.update(to_env(self.cfg))
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(VENV_BIN / "sparseety"), *self.args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
