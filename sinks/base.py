@@ -93,7 +93,8 @@ class Sink(abc.ABC):
     ) -> None:
         """Buffer one record read at ``topic``/``partition``/``offset``.
 
-        Positions of one partition must come in increasing order.
+        Positions of one partition must not go back; several records may share one position
+        (a processor may derive several records from one input record).
         """
 
     @abc.abstractmethod

@@ -56,6 +56,10 @@ class Price:
     effective_from_ns: int = 0
     note: str = ""
 
+    def __post_init__(self) -> None:
+        # money is never a float: whatever came in goes through its text to a checked Decimal
+        object.__setattr__(self, "usd", parse_usd(self.usd, where=f"{self.model} {self.token_class}"))
+
     @property
     def micro(self) -> int:
         """The price in integer micro-USD."""

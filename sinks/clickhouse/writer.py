@@ -143,10 +143,10 @@ class ClickHouseSink(Sink):
             chunk = _Chunk(topic, partition, offset, offset)
             self._open[(topic, partition)] = chunk
             self._chunks.append(chunk)
-        elif offset <= chunk.last:
+        elif offset < chunk.last:
             raise ValueError(
-                f"{topic}[{partition}] offset {offset} does not follow {chunk.last}: positions of a "
-                f"partition must increase"
+                f"{topic}[{partition}] offset {offset} is before {chunk.last}: positions of a "
+                f"partition must not go back (several records may share one)"
             )
         self._pending_rows += chunk.rows.add(
             record_name, record, topic=topic, partition=partition, offset=offset

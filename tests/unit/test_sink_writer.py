@@ -220,8 +220,10 @@ def test_flush_triggers_by_size_and_time_and_discard(store: Store) -> None:
     sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r1"), topic="t", partition=1, offset=0)  # 7 rows
     assert sink.pending_rows() == 8 and sink.should_flush()
     assert sink.discard("t", 1) == 7 and sink.pending_rows() == 1
-    with pytest.raises(ValueError, match="must increase"):
-        sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=0)
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="b"), topic="u", partition=0, offset=5)
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="c"), topic="u", partition=0, offset=5)
+    with pytest.raises(ValueError, match="must not go back"):
+        sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=4)
 
 
 def test_the_clickhouse_sink_is_registered() -> None:

@@ -1,0 +1,485 @@
+"""Sink commands: ``sink``, ``replay``, ``db``, ``query`` and ``prices``.
+
+Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports (Faust, clickhouse-connect,
+aiokafka) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from sparseety.cli_context import CliContext, pass_ctx
+from sparseety.config import Config
+
+FORMAT = click.option(
+    "--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True
+)
+
+
+def _topic(cfg: Config, name: str) -> str:
+    """A topic by role (timelines, usage, dlq, engine-events) or by its full name."""
+    roles = {
+        "timelines": cfg.topics.timelines,
+        "usage": cfg.topics.usage,
+        "dlq": cfg.topics.dlq,
+        "engine-events": cfg.topics.engine_events,
+    }
+    return roles.get(name, name)
+
+
+@contextlib.contextmanager
+def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
+    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.migrate import ensure_migrated
+
+    store = Store.open(cfg, owner=owner)
+    try:
+        if check:
+            ensure_migrated(store)
+        yield store
+    finally:
+        store.close()
+
+
+def _echo(rows: Any, fmt: str) -> None:
+    from sparseety.sinks.output import render
+
+    click.echo(render(rows if isinstance(rows, list) else [rows], fmt))
+
+
+# --- sink --------------------------------------------------------------------------------------
+
+
+@click.command("sink")
+@click.option("--sink", "sink_name", default="clickhouse", show_default=True, help="Registered sink.")
+@click.option("--session-timeout", type=float, default=30.0, show_default=True, help="Consumer session, s.")
+@click.option("--commit-interval", type=float, default=2.8, show_default=True, help="Offset commits, s.")
+@click.option(
+    "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
+)
+@click.option("--crash-after-writes", type=int, default=None, hidden=True)
+@pass_ctx
+def sink_cmd(
+    c: CliContext,
+    sink_name: str,
+    session_timeout: float,
+    commit_interval: float,
+    loglevel: str,
+    crash_after_writes: int | None,
+) -> None:
+    """Write the timelines, usage and dlq topics to the store (a Faust worker).
+
+    Batches are written before their offsets are committed (at-least-once); the tables are
+    idempotent, so nothing is counted twice. This process owns an embedded (chDB) store.
+    """
+    from faust import Worker
+
+    from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.sinks.base import load_sink_class
+    from sparseety.sinks.consumer import create_app
+
+    cfg = c.cfg
+    sink_cls = load_sink_class(sink_name)
+    wait_for_kafka(cfg)
+    ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
+    (cfg.data_path / "faust").mkdir(parents=True, exist_ok=True)
+    sink = sink_cls.from_config(cfg, owner=f"sparseety sink (pid {__import__('os').getpid()})")
+    try:
+        app = create_app(
+            cfg,
+            sink,
+            session_timeout_s=session_timeout,
+            commit_interval_s=commit_interval,
+            crash_after_writes=crash_after_writes,
+        )
+        Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    finally:
+        sink.close()
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+@click.command("replay")
+@click.option("--topic", required=True, help="timelines, usage, dlq, engine-events or a topic name.")
+@click.option("--from", "start", default="beginning", show_default=True, help="Offset, time, 2h, beginning.")
+@click.option("--to", "stop", default="end", show_default=True, help="Offset, time, 30m, end (exclusive).")
+@click.option("--partition", "partitions", type=int, multiple=True, help="Only these partitions.")
+@click.option("--processor", default=None, help="Registered processor (default: the topic's).")
+@click.option("--dry-run", is_flag=True, help="Report what would change; write nothing.")
+@click.option(
+    "--idle", type=float, default=1.0, show_default=True, help="Quiet seconds that end a partition."
+)
+@FORMAT
+@pass_ctx
+def replay_cmd(
+    c: CliContext,
+    topic: str,
+    start: str,
+    stop: str,
+    partitions: tuple[int, ...],
+    processor: str | None,
+    dry_run: bool,
+    idle: float,
+    fmt: str,
+) -> None:
+    """Re-read a topic range through the same processor and sink (idempotent)."""
+    from sparseety.sinks.clickhouse.dryrun import DryRunSink
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from sparseety.sinks.processors import load_processor, processor_for_topic
+    from sparseety.sinks.replay import Replay, parse_bound
+
+    cfg = c.cfg
+    name = _topic(cfg, topic)
+    now = time.time_ns()
+    lo, hi = parse_bound(start, now_ns=now), parse_bound(stop, now_ns=now)
+    proc = load_processor(processor, cfg) if processor else processor_for_topic(cfg, name)
+    with _store(cfg, "sparseety replay", check=False) as store:
+        migrate(store)
+        sink_cls = DryRunSink if dry_run else ClickHouseSink
+        sink = sink_cls(
+            store,
+            batch_max_rows=cfg.sink.batch_max_rows,
+            max_retries=cfg.sink.max_retries,
+            retry_backoff_s=cfg.sink.retry_backoff_s,
+        )
+        try:
+            click.echo(f"replaying {name} [{lo}, {hi}){' (dry run)' if dry_run else ''}", err=True)
+            with click.progressbar(length=1, label="records", file=click.get_text_stream("stderr")) as bar:
+
+                def progress(done: int, total: int) -> None:
+                    bar.length = max(total, 1)
+                    bar.update(done - bar.pos)
+
+                report = Replay(
+                    cfg,
+                    name,
+                    lo,
+                    hi,
+                    sink,
+                    proc,
+                    partitions=list(partitions) or None,
+                    idle_s=idle,
+                    progress=progress,
+                    dry_run=dry_run,
+                ).run()
+            if isinstance(sink, DryRunSink):
+                report.diff = sink.diff()
+        finally:
+            sink.close()
+    _print_report(report, fmt)
+
+
+def _print_report(report: Any, fmt: str) -> None:
+    from sparseety.sinks.output import render
+
+    click.echo(
+        f"{report.records_in_range} records in range ({report.records_read} read) in "
+        f"{report.seconds:.2f} s: {report.records_per_s:,.0f} records/s, "
+        f"{report.written.total_rows} rows {'staged' if report.dry_run else 'written'} "
+        f"({report.rows_per_s:,.0f} rows/s)",
+        err=True,
+    )
+    if report.undecodable:
+        click.echo(
+            f"{len(report.undecodable)} undecodable records (already dead-lettered by the live sink), "
+            f"first at partition {report.undecodable[0][0]} offset {report.undecodable[0][1]}",
+            err=True,
+        )
+    if report.rejected:
+        click.echo(f"{report.rejected} records the sink does not store were skipped", err=True)
+    if report.dry_run:
+        rows = [{"table": t, **counts} for t, counts in report.diff.items()]
+    else:
+        rows = [{"table": t, "rows_written": n} for t, n in report.written.rows.items()]
+    click.echo(render(rows, fmt))
+
+
+# --- db ----------------------------------------------------------------------------------------
+
+
+@click.group("db")
+def db() -> None:
+    """The store's schema (versioned migrations)."""
+
+
+@db.command("migrate")
+@pass_ctx
+def db_migrate(c: CliContext) -> None:
+    """Apply pending migrations (idempotent; ON CLUSTER when clickhouse.cluster is set)."""
+    from sparseety.sinks.clickhouse.migrate import migrate
+
+    with _store(c.cfg, "sparseety db migrate", check=False) as store:
+        applied = migrate(store)
+        where = f"{store!r}" + (f" on cluster {store.cluster}" if store.cluster else "")
+        if applied:
+            for m in applied:
+                click.echo(f"applied {m.version:03d}_{m.name} to {where}")
+        else:
+            click.echo(f"{where} is up to date")
+
+
+@db.command("status")
+@FORMAT
+@pass_ctx
+def db_status(c: CliContext, fmt: str) -> None:
+    """List migrations and whether each is applied; exit 1 when some are pending."""
+    from sparseety.sinks.clickhouse.migrate import status
+
+    with _store(c.cfg, "sparseety db status", check=False) as store:
+        states = status(store)
+    rows = [
+        {
+            "version": s.version,
+            "name": s.name,
+            "applied": s.applied,
+            "applied_at": None
+            if s.applied_ns is None
+            else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.applied_ns / 1e9)),
+            "checksum_ok": s.checksum_ok,
+        }
+        for s in states
+    ]
+    _echo(rows, fmt)
+    if not all(s.applied and s.checksum_ok for s in states):
+        raise SystemExit(1)
+
+
+# --- query -------------------------------------------------------------------------------------
+
+
+def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Any:
+    from sparseety.sinks.clickhouse.queries import Scope
+    from sparseety.sinks.replay import parse_bound
+
+    now = time.time_ns()
+
+    def bound(text: str | None) -> int | None:
+        if text is None:
+            return None
+        b = parse_bound(text, now_ns=now)
+        if b.kind not in ("time", "end"):
+            raise click.BadParameter(f"{text!r} is not a time (use ISO-8601 or a duration ago like 1h)")
+        return b.value
+
+    return Scope(bound(since), bound(until), tuple(tenants) or None)
+
+
+def scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options every query shares: time range, tenants, output format."""
+    for opt in reversed(
+        [
+            click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h)."),
+            click.option("--until", help="Finished before: ISO-8601 time or a duration ago."),
+            click.option("--tenant", "tenants", multiple=True, help="Only these tenants (repeatable)."),
+            FORMAT,
+        ]
+    ):
+        fn = opt(fn)
+    return fn
+
+
+def grouped(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option(
+            "--by",
+            multiple=True,
+            type=click.Choice(["tenant", "model", "engine", "lora"]),
+            help=f"Group by (repeatable; default {default}).",
+        )(fn)
+        return click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(fn)
+
+    return deco
+
+
+def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
+    from sparseety.sinks.clickhouse.queries import Queries
+
+    with _store(c.cfg, "sparseety query") as store:
+        rows = call(Queries(store))
+    _echo(rows, fmt)
+
+
+@click.group("query")
+def query() -> None:
+    """Ask the store: costs, savings, waste, experts, duplication, one request."""
+
+
+@query.command("cost")
+@click.option(
+    "--mode", type=click.Choice(["actual", "amortized", "list", "gpu"]), default="actual", show_default=True
+)
+@grouped("tenant")
+@scoped
+@pass_ctx
+def query_cost(
+    c: CliContext,
+    mode: str,
+    by: tuple[str, ...],
+    bucket: str | None,
+    since: str | None,
+    until: str | None,
+    tenants: tuple[str, ...],
+    fmt: str,
+) -> None:
+    """Cost per tenant/model/engine/time bucket in one attribution mode (docs/cost-model.md)."""
+    scope = _scope(since, until, tenants)
+    _run_query(c, fmt, lambda q: q.cost(mode=mode, by=by or ("tenant",), bucket=bucket, scope=scope))
+
+
+def _simple(name: str, method: str, default_by: str, doc: str) -> click.Command:
+    @grouped(default_by)
+    @scoped
+    @pass_ctx
+    def cmd(
+        c: CliContext,
+        by: tuple[str, ...],
+        bucket: str | None,
+        since: str | None,
+        until: str | None,
+        tenants: tuple[str, ...],
+        fmt: str,
+    ) -> None:
+        scope = _scope(since, until, tenants)
+        _run_query(c, fmt, lambda q: getattr(q, method)(by=by or (default_by,), bucket=bucket, scope=scope))
+
+    cmd.__doc__ = doc
+    return query.command(name)(cmd)
+
+
+_simple("savings", "savings", "tenant", "Prefix-cache savings: hit rate and money saved.")
+_simple("waste", "waste", "tenant", "Recomputed and rejected-draft tokens, their share and cost.")
+_simple("spec", "spec_efficiency", "model", "Speculative decoding: acceptance and rejected compute.")
+_simple("gpu", "gpu_time", "tenant", "GPU time attributed per group and its share.")
+_simple("usage", "usage", "tenant", "Windowed usage from the usage topic.")
+
+
+@query.command("experts")
+@click.option("--model", default=None, help="Only this model.")
+@scoped
+@pass_ctx
+def query_experts(
+    c: CliContext, model: str | None, since: str | None, until: str | None, tenants: tuple[str, ...], fmt: str
+) -> None:
+    """Tokens routed to each (layer, expert) and its share of the layer."""
+    scope = _scope(since, until, tenants)
+    _run_query(c, fmt, lambda q: q.expert_load(model=model, scope=scope))
+
+
+@query.command("duplication")
+@click.option("--top", type=int, default=0, help="Also list the N most duplicated blocks.")
+@scoped
+@pass_ctx
+def query_duplication(
+    c: CliContext, top: int, since: str | None, until: str | None, tenants: tuple[str, ...], fmt: str
+) -> None:
+    """Fleet prefix duplication: blocks computed on several engines, per model."""
+    scope = _scope(since, until, tenants)
+    if top:
+        _run_query(c, fmt, lambda q: q.duplicated_blocks(scope=scope, limit=top))
+    else:
+        _run_query(c, fmt, lambda q: q.duplication(scope=scope))
+
+
+@query.command("request")
+@click.argument("request_uid")
+@click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
+@FORMAT
+@pass_ctx
+def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
+    """One request: every count, its cost in each mode and its segment timeline."""
+    from sparseety.sinks.clickhouse.queries import Queries, Scope
+
+    with _store(c.cfg, "sparseety query") as store:
+        found = Queries(store).request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
+    if found is None:
+        raise click.ClickException(f"no request {request_uid!r}")
+    if fmt == "json":
+        _echo(found, fmt)
+        return
+    segments = found.pop("segments")
+    cost = found.pop("cost")
+    _echo([{"field": k, "value": v} for k, v in found.items()], fmt)
+    click.echo()
+    _echo([{"mode": k, "usd": v} for k, v in cost.items()], fmt)
+    click.echo()
+    _echo(segments, fmt)
+
+
+@query.command("tokens")
+@click.argument("request_uid")
+@FORMAT
+@pass_ctx
+def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
+    """Token statistics of one request (what the HTTP API serves)."""
+    from sparseety.sinks.clickhouse.queries import Queries
+
+    with _store(c.cfg, "sparseety query") as store:
+        found = Queries(store).tokens_statistics(request_uid)
+    if found is None:
+        raise click.ClickException(f"no request {request_uid!r}")
+    _echo(found, fmt)
+
+
+# --- prices ------------------------------------------------------------------------------------
+
+
+@click.group("prices")
+def prices() -> None:
+    """Prices per model and class (USD per 1M tokens, or per GPU-hour), with effective dates."""
+
+
+@prices.command("set")
+@click.option("--model", required=True)
+@click.option(
+    "--class",
+    "token_class",
+    required=True,
+    type=click.Choice(["input", "cached_input", "output", "gpu_hour"]),
+)
+@click.option("--usd", required=True, help="USD per 1M tokens (per GPU-hour for gpu_hour), e.g. 0.15.")
+@click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
+@click.option("--note", default="")
+@pass_ctx
+def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_from: str, note: str) -> None:
+    """Set one price."""
+    from sparseety.sinks.clickhouse.prices import Price, parse_time, parse_usd, set_prices
+
+    price = Price(model, token_class, parse_usd(usd), parse_time(effective_from), note)
+    with _store(c.cfg, "sparseety prices") as store:
+        set_prices(store, [price])
+    click.echo(f"{model} {token_class}: ${price.usd} from {effective_from or 'always'}")
+
+
+@prices.command("load")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@pass_ctx
+def prices_load(c: CliContext, path: str) -> None:
+    """Set prices from a TOML ([[prices]]) or CSV (model,token_class,usd,effective_from) file."""
+    from sparseety.sinks.clickhouse.prices import load_prices_file, set_prices
+
+    entries = load_prices_file(path)
+    with _store(c.cfg, "sparseety prices") as store:
+        n = set_prices(store, entries)
+    click.echo(f"{n} prices set from {path}")
+
+
+@prices.command("list")
+@click.option("--model", default=None)
+@FORMAT
+@pass_ctx
+def prices_list(c: CliContext, model: str | None, fmt: str) -> None:
+    """List stored prices."""
+    from sparseety.sinks.clickhouse.prices import list_prices
+
+    with _store(c.cfg, "sparseety prices") as store:
+        _echo(list_prices(store, model), fmt)
+
+
+COMMANDS = [sink_cmd, replay_cmd, db, query, prices]

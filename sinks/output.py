@@ -1,0 +1,90 @@
+"""Result rows -> text: an aligned table, JSON or CSV (pure)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+FORMATS = ("table", "json", "csv")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON/CSV-friendly value: exact decimals as text, times as ISO-8601 UTC, bytes as hex."""
+    if isinstance(value, Decimal):
+        return format(value.normalize(), "f") if value == value.to_integral() else format(value, "f")
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _cell(value: Any) -> str:
+    """A compact cell for the table view."""
+    if value is None:
+        return "-"
+    if isinstance(value, Decimal):
+        return f"{value:.6f}"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_cell(v) for v in value)
+    return str(_plain(value))
+
+
+def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
+    """Rows as text in ``fmt`` (``table``, ``json`` or ``csv``).
+
+    Raises:
+        ValueError: unknown format.
+    """
+    if fmt == "json":
+        return json.dumps([_plain(r) for r in rows], indent=2)
+    columns: list[str] = []
+    for r in rows:
+        columns.extend(k for k in r if k not in columns)
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(columns)
+        for r in rows:
+            writer.writerow(
+                [
+                    _plain(r.get(c, "")) if not isinstance(r.get(c), list) else json.dumps(_plain(r.get(c)))
+                    for c in columns
+                ]
+            )
+        return buf.getvalue().rstrip("\n")
+    if fmt != "table":
+        raise ValueError(f"unknown format {fmt!r}: choose from {', '.join(FORMATS)}")
+    if not rows:
+        return "(no rows)"
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    numeric = [all(_is_number(r.get(c)) for r in rows) for c in columns]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    out = [line(columns), line(["-" * w for w in widths])]
+    out.extend(line(row) for row in cells)
+    return "\n".join(out)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
