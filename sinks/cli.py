@@ -47,9 +47,12 @@ def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
 
 
 def _echo(rows: Any, fmt: str) -> None:
-    from sparseety.sinks.output import render
+    from sparseety.sinks.output import render, render_object
 
-    click.echo(render(rows if isinstance(rows, list) else [rows], fmt))
+    if isinstance(rows, dict) and fmt == "json":
+        click.echo(render_object(rows))
+    else:
+        click.echo(render(rows if isinstance(rows, list) else [rows], fmt))
 
 
 # --- sink --------------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ def _cell(value: Any) -> str:
     return str(_plain(value))
 
 
+def render_object(obj: dict[str, Any]) -> str:
+    """One object (a request, token statistics) as JSON."""
+    return json.dumps(_plain(obj), indent=2)
+
+
 def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
     """Rows as text in ``fmt`` (``table``, ``json`` or ``csv``).
 
