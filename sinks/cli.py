@@ -90,8 +90,7 @@ def sink_cmd(
     sink_cls = load_sink_class(sink_name)
     wait_for_kafka(cfg)
     ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
-    (cfg.data_path / "faust").mkdir(parents=True, exist_ok=True)
-    sink = sink_cls.from_config(cfg, owner=f"sparseety sink (pid {__import__('os').getpid()})")
+    sink = sink_cls.from_config(cfg)
     try:
         app = create_app(
             cfg,

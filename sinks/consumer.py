@@ -82,6 +82,18 @@ def dead_letter_record(exc: DecodeError, key: bytes | None, component: str = COM
     }
 
 
+def fail_closed() -> None:
+    """Exit at once, acknowledging nothing.
+
+    An unexpected error must not reach Faust's take loop: it would ack the batch on its way out
+    and the next commit would skip records that were never written. Exiting without cleanup
+    leaves the offsets where they are, and the restarted sink re-reads the batch.
+    """
+    log.critical("sink: unexpected error; exiting without acknowledging the batch", exc_info=True)
+    logging.shutdown()
+    os._exit(70)
+
+
 class SinkWorker:
     """Runs batches of consumed messages through a sink (the Faust-independent part).
 
@@ -122,21 +134,27 @@ class SinkWorker:
     async def process(self, messages: Sequence[Message]) -> None:
         """Decode, add and write one batch; hold the messages of partitions that failed."""
         async with self.lock:
-            dead: list[tuple[bytes | None, dict[str, Any]]] = []
-            for m in messages:
-                self._add(m, dead)
-            if dead:
-                await self.send_dead_letters(dead)
-                self.dead_letters += len(dead)
-            await self._flush()
-            self._hold([m for m in messages if (m.topic, m.partition) in self._pending()])
+            try:
+                dead: list[tuple[bytes | None, dict[str, Any]]] = []
+                for m in messages:
+                    self._add(m, dead)
+                if dead:
+                    await self.send_dead_letters(dead)
+                    self.dead_letters += len(dead)
+                await self._flush()
+                self._hold([m for m in messages if (m.topic, m.partition) in self._pending()])
+            except Exception:
+                fail_closed()
 
     async def retry(self) -> None:
         """Write what failed before (called by a timer while partitions are stopped)."""
         if not self.sink.pending_batches():
             return
         async with self.lock:
-            await self._flush()
+            try:
+                await self._flush()
+            except Exception:
+                fail_closed()
 
     def revoked(self, tps: set[TP]) -> None:
         """Partitions taken away: drop their buffered rows and held messages (never acked, so
@@ -255,6 +273,8 @@ def create_app(
 
     from sparseety.kafka import faust_broker_settings
 
+    datadir = cfg.data_path / "faust" / cfg.sink.group_id
+    datadir.mkdir(parents=True, exist_ok=True)
     app = faust.App(
         cfg.sink.group_id,
         **faust_broker_settings(cfg),
@@ -268,7 +288,7 @@ def create_app(
         broker_commit_interval=commit_interval_s,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
-        datadir=str(cfg.data_path / "faust" / cfg.sink.group_id),
+        datadir=str(datadir),
     )
     raw: dict[str, Any] = {
         "key_type": bytes,

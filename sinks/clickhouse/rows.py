@@ -9,6 +9,7 @@ version of the same request (a newer version may have fewer segments or blocks).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import itemgetter
 from typing import Any
 
 from sparseety import events as ev
@@ -27,6 +28,9 @@ from sparseety.sinks.clickhouse.tables import (
 _TS_MASK = (1 << 63) - 1
 _USAGE_FIELDS = USAGE.columns
 _SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid")
+_segment_values = itemgetter(*_SEGMENT_FIELDS)
+_BLOCK_FIELDS = ("block_hash", "lifetime_seq", "role", "tokens")
+_block_values = itemgetter(*_BLOCK_FIELDS)
 _DLQ_FIELDS = DEAD_LETTERS.columns[3:]
 
 #: Records this module turns into rows.
@@ -60,6 +64,7 @@ class RowBuffer:
         self._usage_fields = [(use[f].append, f) for f in _USAGE_FIELDS]
         dlq = self.columns[DEAD_LETTERS.name]
         self._dlq_fields = [(dlq[f].append, f) for f in _DLQ_FIELDS]
+        self._first_columns = [(t.name, self.columns[t.name][t.columns[0]]) for t in SINK_TABLES]
 
     def rows(self, table: Table | str) -> int:
         """Rows buffered for ``table``."""
@@ -70,6 +75,17 @@ class RowBuffer:
     def total_rows(self) -> int:
         """Rows buffered over all tables."""
         return sum(self.rows(t) for t in SINK_TABLES)
+
+    def mark(self) -> dict[str, int]:
+        """Rows per table now (for :meth:`rollback`)."""
+        return {name: len(first) for name, first in self._first_columns}
+
+    def rollback(self, mark: dict[str, int]) -> None:
+        """Drop everything appended since ``mark`` (a record that failed half-way)."""
+        for name, cols in self.columns.items():
+            n = mark[name]
+            for values in cols.values():
+                del values[n:]
 
     def add(
         self, record_name: str, record: Mapping[str, Any], *, topic: str, partition: int, offset: int
@@ -91,8 +107,6 @@ class RowBuffer:
         """Rows of one RequestAccounting: request, segments, block uses, expert counts."""
         version = request_version(rec)
         uid = rec["request_uid"]
-        tenant, model, engine_name = rec["tenant"], rec["model"], rec["engine_name"]
-        finished = rec["finished_ts_ns"]
         timeline = rec["timeline"]
         segments = timeline["segments"]
         uses = rec["block_uses"]
@@ -111,41 +125,32 @@ class RowBuffer:
             seg["request_uid"].extend([uid] * k)
             seg["idx"].extend(range(k))
             seg["_version"].extend([version] * k)
-            seg["tenant"].extend([tenant] * k)
-            seg["model"].extend([model] * k)
-            seg["engine_name"].extend([engine_name] * k)
-            seg["finished_ts_ns"].extend([finished] * k)
-            for f in _SEGMENT_FIELDS:
-                seg[f].extend([s[f] for s in segments])
+            for f, values in zip(
+                _SEGMENT_FIELDS, zip(*map(_segment_values, segments), strict=True), strict=True
+            ):
+                seg[f].extend(values)
             n += k
 
         if uses:
             blk = self.columns[KV_BLOCKS.name]
             k = len(uses)
-            blk["engine_id"].extend([rec["engine_id"]] * k)
-            blk["block_hash"].extend([u["block_hash"] for u in uses])
-            blk["lifetime_seq"].extend([u["lifetime_seq"] for u in uses])
             blk["request_uid"].extend([uid] * k)
             blk["idx"].extend(range(k))
             blk["_version"].extend([version] * k)
-            blk["engine_name"].extend([engine_name] * k)
-            blk["tenant"].extend([tenant] * k)
-            blk["model"].extend([model] * k)
-            blk["finished_ts_ns"].extend([finished] * k)
-            blk["role"].extend([u["role"] for u in uses])
-            blk["tokens"].extend([u["tokens"] for u in uses])
+            for f, values in zip(_BLOCK_FIELDS, zip(*map(_block_values, uses), strict=True), strict=True):
+                blk[f].extend(values)
             n += k
 
         counts = rec["expert_counts"]
         if counts and rec["expert_num_layers"] > 0:
             exp = self.columns[EXPERT_LOAD.name]
             for col, value in (
-                ("model", model),
+                ("model", rec["model"]),
                 ("request_uid", uid),
                 ("_version", version),
-                ("tenant", tenant),
-                ("engine_name", engine_name),
-                ("finished_ts_ns", finished),
+                ("tenant", rec["tenant"]),
+                ("engine_name", rec["engine_name"]),
+                ("finished_ts_ns", rec["finished_ts_ns"]),
                 ("num_layers", rec["expert_num_layers"]),
                 ("num_experts", rec["expert_num_experts"]),
                 ("counts", list(counts)),

@@ -82,10 +82,6 @@ TOKEN_SEGMENTS = Table(
         "request_uid",
         "idx",
         "_version",
-        "tenant",
-        "model",
-        "engine_name",
-        "finished_ts_ns",
         "start",
         "end",
         "kind",
@@ -98,21 +94,8 @@ TOKEN_SEGMENTS = Table(
 
 KV_BLOCKS = Table(
     "kv_blocks",
-    (
-        "engine_id",
-        "block_hash",
-        "lifetime_seq",
-        "request_uid",
-        "idx",
-        "_version",
-        "engine_name",
-        "tenant",
-        "model",
-        "finished_ts_ns",
-        "role",
-        "tokens",
-    ),
-    ("engine_id", "block_hash", "lifetime_seq", "request_uid", "idx"),
+    ("request_uid", "idx", "_version", "block_hash", "lifetime_seq", "role", "tokens"),
+    ("request_uid", "idx"),
 )
 
 EXPERT_LOAD = Table(

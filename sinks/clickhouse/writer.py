@@ -148,9 +148,13 @@ class ClickHouseSink(Sink):
                 f"{topic}[{partition}] offset {offset} is before {chunk.last}: positions of a "
                 f"partition must not go back (several records may share one)"
             )
-        self._pending_rows += chunk.rows.add(
-            record_name, record, topic=topic, partition=partition, offset=offset
-        )
+        mark = chunk.rows.mark()
+        try:
+            added = chunk.rows.add(record_name, record, topic=topic, partition=partition, offset=offset)
+        except Exception:
+            chunk.rows.rollback(mark)  # a half-appended record would misalign the columns
+            raise
+        self._pending_rows += added
         chunk.last = offset
         if self._oldest is None:
             self._oldest = self._clock()
@@ -177,6 +181,13 @@ class ClickHouseSink(Sink):
     def _recount(self) -> None:
         self._pending_rows = sum(c.rows.rows(t) for c in self._chunks for t in c.pending_tables())
 
+    def _seal(self) -> list[_Chunk]:
+        """Close every open chunk (later records start new ones); return all to write."""
+        self._open.clear()
+        for c in self._chunks:
+            c.sealed = True
+        return list(self._chunks)
+
     # --- writing ----------------------------------------------------------------------------
 
     def target(self, table: Table) -> str:
@@ -184,11 +195,24 @@ class ClickHouseSink(Sink):
         return self.store.table(table.name)
 
     def flush(self) -> FlushResult:
+        result = self._write_chunks(self._seal())
+        self.totals.merge(result)
+        if result.failed:
+            err = SinkWriteError(
+                f"sink could not write {len(result.failed)} batch(es) after {self.max_retries} retries: "
+                + ", ".join(
+                    f"{b.topic}[{b.partition}]@{b.first_offset}..{b.last_offset}" for b in result.failed
+                )
+                + "; they stay buffered and will be retried",
+                failed=[b.as_tuple() for b in result.failed],
+            )
+            err.fields["result"] = result
+            raise err
+        return result
+
+    def _write_chunks(self, chunks: list[_Chunk]) -> FlushResult:
+        """Write ``chunks``, one insert per table; the result names the chunks that failed."""
         result = FlushResult()
-        chunks = list(self._chunks)
-        for c in chunks:
-            c.sealed = True
-        self._open.clear()
         failed: list[_Chunk] = []
         for table in SINK_TABLES:
             todo = [c for c in chunks if c not in failed and table in c.pending_tables()]
@@ -214,28 +238,18 @@ class ClickHouseSink(Sink):
         self._chunks = [c for c in self._chunks if c not in done]
         self._recount()
         self._oldest = self._clock() if self._chunks else None
-        self.totals.merge(result)
-        if failed:
-            err = SinkWriteError(
-                f"sink could not write {len(failed)} batch(es) after {self.max_retries} retries: "
-                + ", ".join(
-                    f"{b.topic}[{b.partition}]@{b.first_offset}..{b.last_offset}" for b in result.failed
-                )
-                + "; they stay buffered and will be retried",
-                failed=[b.as_tuple() for b in result.failed],
-            )
-            err.fields["result"] = result
-            raise err
         return result
 
     def _write(self, table: Table, chunks: list[_Chunk], result: FlushResult, retries: int) -> None:
         if len(chunks) == 1:
             cols: list[list[Any]] = [chunks[0].rows.columns[table.name][c] for c in table.columns]
         else:
-            cols = [
-                list(itertools.chain.from_iterable(ch.rows.columns[table.name][c] for ch in chunks))
-                for c in table.columns
-            ]
+            cols = []
+            for c in table.columns:
+                merged = list(chunks[0].rows.columns[table.name][c])
+                for ch in chunks[1:]:
+                    merged.extend(ch.rows.columns[table.name][c])
+                cols.append(merged)
         n = len(cols[0])
         token = f"{self._token_prefix}-{next(self._inserts)}"
         attempt = 0

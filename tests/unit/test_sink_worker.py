@@ -7,10 +7,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from sparseety import events as ev
 from sparseety.config import load_config
 from sparseety.errors import SinkWriteError
 from sparseety.kafka import make_decoder, make_encoder
+from sparseety.sinks import consumer
 from sparseety.sinks.base import Batch, FlushResult, Sink
 from sparseety.sinks.consumer import SinkWorker
 from tests import factories as f
@@ -162,3 +165,24 @@ def test_revoked_partitions_drop_their_buffer_and_held_messages() -> None:
     assert sink.pending_rows() == 0 and worker.held == {}
     asyncio.run(worker.retry())
     assert controls.acked == []  # never acked: the new owner re-reads from the last commit
+
+
+def test_an_unexpected_error_exits_without_acknowledging(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(consumer.os, "_exit", fake_exit)
+    sink = MemorySink()
+    worker, controls, _ = make_worker(sink)
+
+    def broken_flush() -> FlushResult:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(sink, "flush", broken_flush)
+    with pytest.raises(Exited) as info:
+        asyncio.run(worker.process([accounting(0)]))
+    assert info.value.args == (70,)
+    assert controls.acked == []

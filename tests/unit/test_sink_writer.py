@@ -243,3 +243,16 @@ def test_sink_plugins_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         base.load_sink_class("broken")
     with pytest.raises(PluginLoadError, match="registered: broken, notasink"):
         base.load_sink_class("missing")
+
+
+def test_a_record_that_fails_half_way_leaves_no_partial_rows(store: Store) -> None:
+    sink = ClickHouseSink(store)
+    broken = rich(f"{f.EID}/r1")
+    del broken["block_uses"][1]["tokens"]  # fails after the request row and segments were appended
+    with pytest.raises(KeyError):
+        sink.add(ev.REQUEST_ACCOUNTING, broken, topic="t", partition=0, offset=0)
+    sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r2"), topic="t", partition=0, offset=1)
+    assert sink.flush().rows == {"requests": 1, "token_segments": 3, "kv_blocks": 2, "expert_load": 1}
+    assert [r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")] == [
+        f"{f.EID}/r2"
+    ]

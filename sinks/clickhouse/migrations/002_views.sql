@@ -6,15 +6,17 @@ CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
 SELECT *, finished_at FROM {db}.requests FINAL;
 
 CREATE OR REPLACE VIEW {db}.token_segments_v{on_cluster} AS
-SELECT s.*
+SELECT s.*, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name, r.finished_ts_ns AS finished_ts_ns
 FROM {db}.token_segments AS s FINAL
-INNER JOIN (SELECT request_uid, _version FROM {db}.requests FINAL) AS r
+INNER JOIN (SELECT request_uid, _version, tenant, model, engine_name, finished_ts_ns FROM {db}.requests FINAL) AS r
     ON s.request_uid = r.request_uid AND s._version = r._version;
 
 CREATE OR REPLACE VIEW {db}.kv_blocks_v{on_cluster} AS
-SELECT b.*
+SELECT b.*, r.engine_id AS engine_id, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name,
+       r.finished_ts_ns AS finished_ts_ns
 FROM {db}.kv_blocks AS b FINAL
-INNER JOIN (SELECT request_uid, _version FROM {db}.requests FINAL) AS r
+INNER JOIN (SELECT request_uid, _version, engine_id, tenant, model, engine_name, finished_ts_ns
+            FROM {db}.requests FINAL) AS r
     ON b.request_uid = r.request_uid AND b._version = r._version;
 
 CREATE OR REPLACE VIEW {db}.usage_v{on_cluster} AS
