@@ -1,0 +1,84 @@
+"""Tenant from an HTTP header, for vLLM's OpenAI API server.
+
+Only the request body reaches vLLM's engine core (``vllm_xargs`` becomes
+``SamplingParams.extra_args``); headers stay in the API server process. This ASGI middleware
+copies the ``X-Sparseety-Tenant`` header into the JSON body as ``vllm_xargs.tenant`` (the header
+wins over a tenant already in the body) for POSTs to ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/responses``. Enable it with::
+
+    python -m vllm.entrypoints.openai.api_server ... \\
+        --middleware sparseety.producers.vllm.middleware.TenantHeaderMiddleware
+
+Put it behind a gateway that sets (or strips) the header: a client that can set it can bill
+another tenant.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+HEADER = b"x-sparseety-tenant"
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def with_tenant(body: bytes, tenant: str) -> bytes:
+    """``body`` with ``vllm_xargs.tenant`` set; unchanged when it is not a JSON object."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict):
+        return body
+    xargs = data.get("vllm_xargs")
+    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), "tenant": tenant}
+    return json.dumps(data).encode()
+
+
+class TenantHeaderMiddleware:
+    """Pure ASGI middleware (``app.add_middleware(TenantHeaderMiddleware)``)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+            await self.app(scope, receive, send)
+            return
+        tenant = next((v for k, v in scope.get("headers", []) if k.lower() == HEADER), None)
+        if not tenant:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = with_tenant(b"".join(chunks), tenant.decode("latin-1"))
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        scope = dict(scope, headers=headers)
+        await self.app(
+            scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send
+        )
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay

@@ -1,0 +1,227 @@
+"""Background-thread builders: vLLM objects captured by the hooks -> SparSEEty payloads.
+
+The hooks hand over references (``SchedulerOutput``, the ``EngineCoreOutputs`` returned by
+``update_from_output``, ``Request`` objects, KV events) plus the few values vLLM mutates later
+(read on the hot path). Everything here runs on the emitter's thread, in the order the events
+were emitted, so the small per-request memos below need no lock.
+
+Block hashes have ONE byte form everywhere (RequestStarted, RequestFinished, KV events): the low
+64 bits of vLLM's block hash, 8 bytes big-endian. That is exactly vLLM's integer form of an
+``ExternalBlockHash`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default) written out, and
+the last 8 bytes of its bytes form, so it does not depend on that switch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.producers.privacy import PromptPolicy
+
+_MASK64 = (1 << 64) - 1
+
+
+def block_hash_bytes(h: Any) -> bytes:
+    """The canonical 8-byte form of a vLLM block hash (``bytes`` or ``int``)."""
+    if isinstance(h, int):
+        return (h & _MASK64).to_bytes(8, "big")
+    b = bytes(h)
+    return b[-8:] if len(b) >= 8 else b.rjust(8, b"\0")
+
+
+def _finish_reason(reason: Any) -> str:
+    text = str(reason) if reason is not None else "abort"
+    return text.rsplit(".", 1)[-1].lower()
+
+
+class RecordBuilder:
+    """Builds the payloads of one engine epoch (emitter thread only).
+
+    Args:
+        policy: Prompt privacy policy.
+        served_model_name: Model name for requests without a LoRA adapter.
+        block_size: Scheduler block size (the granularity of KV events).
+        hash_block_size: Granularity of ``Request.block_hashes``.
+        group_kinds: KV cache group kinds by group index (BlockRemoved carries only the index).
+        spec_enabled: Whether the engine runs speculative decoding (spec columns are filled).
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: PromptPolicy,
+        served_model_name: str,
+        block_size: int,
+        hash_block_size: int,
+        group_kinds: list[str],
+        spec_enabled: bool,
+    ) -> None:
+        self.policy = policy
+        self.served = served_model_name
+        self.block_size = block_size or hash_block_size or 1
+        self.hash_block_size = hash_block_size or self.block_size
+        self.group_kinds = group_kinds or ["full_attention"]
+        self.spec_enabled = spec_enabled
+        self._admitted_cached: dict[str, int] = {}
+        self._reported_cached: dict[str, int] = {}
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _block_hashes(self, req: Any, start_tokens: int, end_tokens: int | None) -> list[bytes]:
+        hashes = getattr(req, "block_hashes", None) or []
+        if self.hash_block_size == self.block_size:
+            lo = start_tokens // self.block_size
+            hi = None if end_tokens is None else end_tokens // self.block_size
+            return [block_hash_bytes(h) for h in hashes[lo:hi]]
+        from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+        view = resolve_block_hashes(list(hashes), self.hash_block_size, self.block_size)
+        n = len(view)
+        lo = start_tokens // self.block_size
+        hi = n if end_tokens is None else min(n, end_tokens // self.block_size)
+        return [block_hash_bytes(view[i]) for i in range(lo, hi)]
+
+    def request_started(self, req: Any, num_cached: int) -> tuple[str, dict[str, Any]]:
+        rid = req.request_id
+        prompt_len = int(req.num_prompt_tokens)
+        self._admitted_cached[rid] = num_cached
+        ids, hashes = self.policy.fields(req.prompt_token_ids)
+        sp = req.sampling_params
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        tenant = extra.get("tenant", "") if isinstance(extra, dict) else ""
+        lora = getattr(req, "lora_request", None)
+        lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+        return ev.REQUEST_STARTED, {
+            "request_id": rid,
+            "arrival_ts_ns": int((req.arrival_time or 0) * 1e9),
+            "prompt_len": prompt_len,
+            "prompt_token_ids": ids,
+            "prompt_token_hashes": hashes,
+            "num_cached_tokens": int(num_cached),
+            "block_hashes": self._block_hashes(req, 0, prompt_len),
+            "max_tokens": getattr(sp, "max_tokens", None) if sp is not None else None,
+            "tenant": str(tenant) if tenant is not None else "",
+            "model": lora_name or self.served,
+            "lora_name": lora_name,
+            "priority": int(getattr(req, "priority", 0) or 0),
+        }
+
+    def request_finished(
+        self,
+        req: Any,
+        reason: Any,
+        stop_reason: Any,
+        num_prompt: int,
+        num_output: int,
+        num_preemptions: int,
+    ) -> tuple[str, dict[str, Any]]:
+        rid = req.request_id
+        admitted = self._admitted_cached.pop(rid, 0)
+        cached = self._reported_cached.pop(rid, admitted)
+        return ev.REQUEST_FINISHED, {
+            "request_id": rid,
+            "finish_reason": _finish_reason(reason),
+            "stop_reason": None if stop_reason is None else str(stop_reason),
+            "num_prompt_tokens": int(num_prompt),
+            "num_output_tokens": int(num_output),
+            "num_cached_tokens": int(cached),
+            "num_preemptions": int(num_preemptions),
+            "output_block_hashes": self._block_hashes(
+                req, num_prompt // self.block_size * self.block_size, None
+            ),
+            "first_token_ts_ns": 0,
+            "chunk_arrival_ns": [],
+        }
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def step(
+        self,
+        so: Any,
+        outputs: Any,
+        spec: dict[str, tuple[int, int]] | None,
+        step: int,
+        start_mono_ns: int,
+        end_mono_ns: int,
+        preempted_before: frozenset[str],
+    ) -> tuple[str, dict[str, Any]]:
+        nst = so.num_scheduled_tokens
+        rids = list(nst)
+        before: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        cached_reqs = so.scheduled_cached_reqs
+        before.update(zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens, strict=False))
+        new_tokens: dict[str, list[int]] = {}
+        reported = self._reported_cached
+        for eco in (outputs or {}).values():
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    new_tokens[o.request_id] = o.new_token_ids
+                ps = o.prefill_stats
+                if ps is not None:
+                    reported[o.request_id] = int(ps.num_cached_tokens)
+        num_new: list[int] = []
+        token_ids: list[int] = []
+        for rid in rids:
+            toks = new_tokens.get(rid)
+            if toks:
+                num_new.append(len(toks))
+                token_ids.extend(toks)
+            else:
+                num_new.append(0)
+        if self.spec_enabled:
+            spec = spec or {}
+            proposed = [spec[r][0] if r in spec else 0 for r in rids]
+            accepted = [spec[r][1] if r in spec else 0 for r in rids]
+        else:
+            proposed, accepted = [], []
+        preempted = set(so.preempted_req_ids or ()) | preempted_before
+        resumed = getattr(cached_reqs, "resumed_req_ids", None)
+        if resumed is None:  # vLLM < 0.11: a flag per cached request
+            flags = getattr(cached_reqs, "resumed_from_preemption", [])
+            resumed = {r for r, f in zip(cached_reqs.req_ids, flags, strict=False) if f}
+        return ev.STEP_BATCH, {
+            "step": step,
+            "start_mono_ns": start_mono_ns,
+            "duration_ns": max(0, end_mono_ns - start_mono_ns),
+            "req_ids": rids,
+            "num_scheduled_tokens": list(nst.values()),
+            "num_computed_before": [before.get(r, 0) for r in rids],
+            "num_new_tokens": num_new,
+            "new_token_ids": token_ids,
+            "spec_proposed": proposed,
+            "spec_accepted": accepted,
+            "preempted_req_ids": sorted(preempted),
+            "resumed_req_ids": sorted(resumed),
+        }
+
+    # --- KV events -------------------------------------------------------------------------------
+
+    def kv_event(self, e: Any) -> tuple[str, dict[str, Any]]:
+        name = type(e).__name__
+        if name == "BlockStored":
+            parent = e.parent_block_hash
+            kind = getattr(e, "kv_cache_spec_kind", None) or self._kind(getattr(e, "group_idx", None))
+            return ev.KV_STORED, {
+                "block_hashes": [block_hash_bytes(h) for h in e.block_hashes],
+                "parent_block_hash": None if parent is None else block_hash_bytes(parent),
+                "block_size": int(e.block_size),
+                "num_tokens": len(e.token_ids or ()),
+                "lora_id": e.lora_id,
+                "medium": e.medium,
+                "group_kind": str(kind),
+                "sliding_window": getattr(e, "kv_cache_spec_sliding_window", None),
+            }
+        if name == "BlockRemoved":
+            return ev.KV_REMOVED, {
+                "block_hashes": [block_hash_bytes(h) for h in e.block_hashes],
+                "medium": e.medium,
+                "group_kind": self._kind(getattr(e, "group_idx", None)),
+            }
+        if name == "AllBlocksCleared":
+            return ev.KV_CLEARED, {"medium": getattr(e, "medium", None)}
+        raise TypeError(f"unknown KV event {name}")
+
+    def _kind(self, group_idx: int | None) -> str:
+        if group_idx is None or not 0 <= group_idx < len(self.group_kinds):
+            return self.group_kinds[0]
+        return self.group_kinds[group_idx]

@@ -1,0 +1,164 @@
+"""The vLLM plugin in a real engine (tiny Llama, multiprocess layout): tokens, cached tokens and
+drafts equal vLLM's own numbers; KV events equal vLLM's ZMQ publisher's; seqs are gap-free."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import Config
+from tests.e2e.conftest import EnginePool, OfflineEngine, engine_config, free_port, start_offline, tiny_model
+from tests.e2e.engine_events import ZmqKvSubscriber, engine_events, engine_rid, finished_ids, kv_view
+from tests.recorded import reconstruct, seq_gaps
+
+SYSTEM = [
+    "You are a careful assistant for the serving fleet. Answer briefly and cite the report. " * 4,
+    "The scheduler decides at every step which requests run and which blocks are freed. " * 4,
+]
+QUESTIONS = ["What is two plus two?", "Name three colours.", "Summarise the report, please.", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def llama(engine_pool: EnginePool, broker: Config, e2e_dir: Path) -> OfflineEngine:
+    def start() -> OfflineEngine:
+        from vllm.config import KVEventsConfig
+
+        cfg = engine_config(broker, e2e_dir / "llama", "llama")
+        port = free_port()
+        # vLLM binds wildcard endpoints and connects to others: bind, and subscribe over loopback.
+        kv = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic="kv"
+        )
+        llm = start_offline(
+            cfg,
+            tiny_model("llama"),
+            enable_prefix_caching=True,
+            block_size=32,
+            max_model_len=512,
+            num_gpu_blocks_override=64,
+            max_num_seqs=16,
+            enforce_eager=True,
+            kv_events_config=kv,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            },
+        )
+        zmq = ZmqKvSubscriber(f"tcp://127.0.0.1:{port}")
+        time.sleep(1.0)  # let the subscription reach the publisher before the first KV event
+        return OfflineEngine(cfg, llm, zmq=zmq, on_close=zmq.close)
+
+    return engine_pool.get("llama", start)  # type: ignore[no-any-return]
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            key = m.name + "".join(f"|{k}={v}" for k, v in sorted(m.labels.items()) if k == "source")
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _generate(
+    engine: OfflineEngine, prompts: list[str], params: list[Any]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    outs = engine.llm.generate(prompts, params, use_tqdm=False)
+    ids = {o.request_id for o in outs}
+
+    def done(events: list[dict[str, Any]]) -> bool:
+        ours = {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+        return ids <= ours
+
+    return outs, engine_events(engine.cfg, done)
+
+
+def test_tokens_and_cached_tokens_equal_request_output(llama: OfflineEngine) -> None:
+    from vllm import SamplingParams
+
+    prompts = [s + q for s in SYSTEM for q in QUESTIONS]
+    params = [
+        SamplingParams(max_tokens=8 + 5 * i, temperature=0, extra_args={"tenant": f"tenant-{i % 3}"})
+        for i in range(len(prompts))
+    ]
+    first, _ = _generate(llama, prompts, params)
+    # A second turn of each conversation: the first turn (prompt + answer) is its prefix.
+    turn2 = [p + o.outputs[0].text + " And then?" for p, o in zip(prompts, first, strict=True)]
+    second, events = _generate(llama, turn2, params)
+    steps = reconstruct(events)
+    cached_hits = 0
+    for i, out in enumerate(first + second):
+        rid = engine_rid(events, out.request_id)
+        got = steps[rid]
+        started, finished = got["started"], got["finished"]
+        assert started["prompt_token_ids"] == list(out.prompt_token_ids)
+        assert started["prompt_len"] == len(out.prompt_token_ids)
+        assert got["output"] == list(out.outputs[0].token_ids)
+        assert started["num_cached_tokens"] == out.num_cached_tokens
+        assert finished["num_cached_tokens"] == out.num_cached_tokens
+        assert finished["num_prompt_tokens"] == len(out.prompt_token_ids)
+        assert finished["num_output_tokens"] == len(out.outputs[0].token_ids)
+        assert finished["finish_reason"] == out.outputs[0].finish_reason
+        assert started["tenant"] == f"tenant-{i % len(prompts) % 3}"
+        assert len(started["block_hashes"]) == len(out.prompt_token_ids) // 32
+        cached_hits += out.num_cached_tokens > 0
+    assert cached_hits >= len(prompts)  # shared system prompts and second turns hit the cache
+
+
+def test_accepted_drafts_equal_vllm_spec_decode_counter(llama: OfflineEngine) -> None:
+    from vllm import SamplingParams
+
+    before = _metrics(llama.llm)
+    prompts = [("one two three four " * 6) + f"five {i}" for i in range(6)]
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True) for _ in prompts]
+    outs, events = _generate(llama, prompts, params)
+    after = _metrics(llama.llm)
+    steps = reconstruct(events)
+    rids = [engine_rid(events, o.request_id) for o in outs]
+    accepted = sum(steps[r]["accepted"] for r in rids)
+    proposed = sum(steps[r]["proposed"] for r in rids)
+    assert accepted > 0
+    assert (
+        accepted
+        == after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+    )
+    assert (
+        proposed == after["vllm:spec_decode_num_draft_tokens"] - before["vllm:spec_decode_num_draft_tokens"]
+    )
+    for o, r in zip(outs, rids, strict=True):
+        assert steps[r]["output"] == list(o.outputs[0].token_ids)
+    started = [ev.payload(e) for e in events if ev.payload_type(e) == ev.ENGINE_STARTED]
+    assert started[0]["spec_method"] == "ngram" and started[0]["spec_num_tokens"] == 3
+
+
+def test_kv_events_equal_vllm_zmq_publisher_and_seqs_are_gap_free(llama: OfflineEngine) -> None:
+    from vllm import SamplingParams
+
+    # Distinct prompts of ~6 blocks each overflow the 64-block cache: blocks are evicted.
+    prompts = [
+        f"Request number {i}. " + ("The quick brown fox jumps over the lazy dog. " * 14) for i in range(30)
+    ]
+    _, events = _generate(llama, prompts, [SamplingParams(max_tokens=4, temperature=0) for _ in prompts])
+    ours = kv_view(events)
+    zmq = llama.extra["zmq"]
+    deadline = time.monotonic() + 10
+    while len(zmq.view()) < len(ours) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    theirs = zmq.view()
+    assert any(k[0] == "removed" for k in ours), "the workload should evict blocks"
+    assert ours == theirs
+    stored = {h for k in ours if k[0] == "stored" for h in k[1]}
+    started = [ev.payload(e) for e in events if ev.payload_type(e) == ev.REQUEST_STARTED]
+    # RequestStarted carries the same byte form of block hashes as the KV events.
+    assert {h for s in started for h in s["block_hashes"]} <= stored
+    assert all(not gaps for gaps in seq_gaps(events).values())
+    first = min(events, key=lambda e: e["seq"])
+    assert ev.payload_type(first) == ev.ENGINE_STARTED
+    assert {e["engine_id"] for e in events} == {first["engine_id"]}
