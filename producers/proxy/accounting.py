@@ -1,0 +1,181 @@
+"""What the proxy learns about one request from the OpenAI-compatible exchange (pure logic).
+
+A :class:`Exchange` is fed the request body and then either the whole JSON response or the
+server-sent events one by one; it ends as a RequestStarted + RequestFinished pair of payloads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparseety import events as ev
+
+ACCOUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def split_events(buffer: bytearray) -> list[bytes]:
+    """Remove and return the complete server-sent events (each with its blank-line terminator)."""
+    out: list[bytes] = []
+    while True:
+        ends = [(i, n) for sep, n in ((b"\n\n", 2), (b"\r\n\r\n", 4)) if (i := buffer.find(sep)) >= 0]
+        if not ends:
+            return out
+        i, n = min(ends)
+        out.append(bytes(buffer[: i + n]))
+        del buffer[: i + n]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data:`` payload of one server-sent event (lines joined), or None."""
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+@dataclass
+class Exchange:
+    """One accounted request.
+
+    Args:
+        arrival_ts_ns: Wall clock when the proxy received it.
+        body: The parsed request body (a dict, or {} when not JSON).
+        tenant: Who it is billed to.
+    """
+
+    arrival_ts_ns: int
+    body: dict[str, Any]
+    tenant: str
+    response_id: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+    chunk_arrival_ns: list[int] = field(default_factory=list)
+    status: int = 0
+    injected_usage: bool = False
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def prepare_stream_usage(self) -> bool:
+        """Ask the upstream for a usage chunk when the client did not; True if the body changed
+        (the proxy then hides that chunk from the client)."""
+        if not self.streaming:
+            return False
+        opts = self.body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            return False
+        self.body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+        self.injected_usage = True
+        return True
+
+    def on_json(self, status: int, payload: Any) -> None:
+        """A whole (non-streamed) response."""
+        self.status = status
+        if isinstance(payload, dict):
+            self.response_id = str(payload.get("id") or "")
+            self.usage = payload.get("usage") or {}
+            choices = payload.get("choices") or []
+            if choices and isinstance(choices[0], dict):
+                self.finish_reason = str(choices[0].get("finish_reason") or "")
+
+    def on_event(self, data: bytes, now_ns: int | None = None) -> bool:
+        """One streamed event's data; returns False when the client must not see it (the
+        usage-only chunk the proxy asked for)."""
+        if data.strip() == b"[DONE]":
+            return True
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return True
+        if not isinstance(chunk, dict):
+            return True
+        now_ns = now_ns if now_ns is not None else time.time_ns()
+        self.response_id = self.response_id or str(chunk.get("id") or "")
+        choices = chunk.get("choices") or []
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            if c.get("finish_reason"):
+                self.finish_reason = str(c["finish_reason"])
+        if choices and not _role_only(choices):
+            self.chunk_arrival_ns.append(now_ns)
+        return not (self.injected_usage and not choices and chunk.get("usage"))
+
+    def payloads(self, request_id: str, finish_reason: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """RequestStarted and RequestFinished for this exchange."""
+        usage = self.usage if isinstance(self.usage, dict) else {}
+        prompt = int(usage.get("prompt_tokens") or 0)
+        output = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = min(int((details or {}).get("cached_tokens") or 0), prompt)
+        reason = finish_reason or self.finish_reason or ("error" if self.status >= 400 else "stop")
+        max_tokens = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        return [
+            (
+                ev.REQUEST_STARTED,
+                {
+                    "request_id": request_id,
+                    "arrival_ts_ns": self.arrival_ts_ns,
+                    "prompt_len": prompt,
+                    "prompt_token_ids": [],
+                    "prompt_token_hashes": [],
+                    "num_cached_tokens": cached,
+                    "block_hashes": [],
+                    "max_tokens": int(max_tokens) if isinstance(max_tokens, int) else None,
+                    "tenant": self.tenant,
+                    "model": str(self.body.get("model") or ""),
+                    "lora_name": None,
+                    "priority": int(self.body.get("priority") or 0)
+                    if isinstance(self.body.get("priority"), int)
+                    else 0,
+                },
+            ),
+            (
+                ev.REQUEST_FINISHED,
+                {
+                    "request_id": request_id,
+                    "finish_reason": reason,
+                    "stop_reason": None,
+                    "num_prompt_tokens": prompt,
+                    "num_output_tokens": output,
+                    "num_cached_tokens": cached,
+                    "num_preemptions": 0,
+                    "output_block_hashes": [],
+                    "first_token_ts_ns": self.chunk_arrival_ns[0] if self.chunk_arrival_ns else 0,
+                    "chunk_arrival_ns": list(self.chunk_arrival_ns),
+                },
+            ),
+        ]
+
+
+def _role_only(choices: list[Any]) -> bool:
+    """The opening chat chunk: a role and no content yet."""
+    for c in choices:
+        delta = c.get("delta") if isinstance(c, dict) else None
+        if (
+            not isinstance(delta, dict)
+            or "role" not in delta
+            or delta.get("content")
+            or c.get("finish_reason")
+        ):
+            return False
+    return True
+
+
+def tenant_of(headers: dict[str, str], body: dict[str, Any], api_keys: dict[str, str], header: str) -> str:
+    """Tenant: the trusted header, else the API key's tenant, else ``vllm_xargs.tenant``."""
+    value = headers.get(header.lower())
+    if value:
+        return value
+    auth = headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+    if key and key in api_keys:
+        return api_keys[key]
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and xargs.get("tenant"):
+        return str(xargs["tenant"])
+    return ""

@@ -1,0 +1,297 @@
+"""OpenAI-compatible proxy producer: request-level events for engines without hooks.
+
+Every request is forwarded to the upstream unchanged (method, path, query, headers, body) and
+every response comes back unchanged, streamed as it arrives. For ``POST /v1/chat/completions``
+and ``/v1/completions`` the proxy also records a RequestStarted + RequestFinished pair
+(``engine_kind = proxy``) once the response is complete: prompt, completion and cached tokens
+from ``usage`` (``prompt_tokens_details.cached_tokens`` where the engine reports it), the finish
+reason, and for streams the wall clock of each chunk. Two exceptions to "unchanged", both on
+accounted endpoints: the proxy asks for ``identity`` encoding so it can read the stream, and a
+streaming request without ``stream_options.include_usage`` gets it added, with the resulting
+usage-only chunk withheld from the client (every other chunk passes byte for byte).
+
+The proxy's own Prometheus metrics are at ``/sparseety/metrics`` (``/metrics`` goes upstream).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from sparseety import __version__
+from sparseety import events as ev
+from sparseety.config import Config
+from sparseety.producers.emitter import Emitter, new_epoch
+from sparseety.producers.proxy.accounting import (
+    ACCOUNTED_PATHS,
+    Exchange,
+    event_data,
+    split_events,
+    tenant_of,
+)
+
+log = logging.getLogger("sparseety.producer.proxy")
+
+#: Hop-by-hop headers (RFC 9110 §7.6.1) and those httpx/uvicorn recompute.
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
+
+
+def _forward_headers(headers: Mapping[str, str], *, identity: bool) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
+    if identity:
+        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
+        out["accept-encoding"] = "identity"
+    return out
+
+
+def _response_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+class ProxyProducer:
+    """The proxy's state: upstream client, emitter, tenant rules.
+
+    Args:
+        cfg: Configuration (kafka, topics, producer sections).
+        upstream: Base URL of the OpenAI-compatible server (``http://host:port``).
+        api_keys: API key -> tenant.
+        tenant_header: Trusted header naming the tenant (set by a gateway).
+        engine_name: Stable name of this proxy (the Kafka key).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        upstream: str,
+        *,
+        api_keys: Mapping[str, str] | None = None,
+        tenant_header: str = "X-Sparseety-Tenant",
+        engine_name: str,
+    ) -> None:
+        self.cfg = cfg
+        self.upstream = upstream.rstrip("/")
+        self.api_keys = dict(api_keys or {})
+        self.tenant_header = tenant_header.lower()
+        self.engine_name = engine_name
+        self.emitter: Emitter | None = None
+        self.client: httpx.AsyncClient | None = None
+        self._n = itertools.count()
+        self._recent: OrderedDict[str, None] = OrderedDict()
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0))
+        self.emitter = Emitter(self.cfg, engine_name=self.engine_name, epoch=new_epoch())
+        served = await self._served_model()
+        self.emitter.emit_record(
+            ev.ENGINE_STARTED,
+            {
+                "model": self.upstream,
+                "served_model_name": served,
+                "engine_kind": "proxy",
+                "engine_version": "",
+                "sparseety_version": __version__,
+                "host": __import__("socket").gethostname(),
+                "pid": __import__("os").getpid(),
+                "kv_cache_groups": [],
+                "privacy_mode": "none",
+            }
+            | _engine_started_defaults(),
+        )
+        log.info("sparseety proxy: forwarding to %s as engine %s", self.upstream, self.emitter.engine_id)
+
+    async def stop(self) -> None:
+        if self.emitter is not None:
+            self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": "shutdown"})
+            self.emitter.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _served_model(self) -> str:
+        assert self.client is not None
+        try:
+            r = await self.client.get("/v1/models", timeout=5.0)
+            data = r.json().get("data") or []
+            return str(data[0].get("id", "")) if data else ""
+        except Exception:
+            return ""
+
+    def _request_id(self, response_id: str) -> str:
+        rid = response_id or f"proxy-{next(self._n)}"
+        if rid in self._recent:  # clients may reuse X-Request-Id; ids must be unique per epoch
+            rid = f"{rid}#{next(self._n)}"
+        self._recent[rid] = None
+        if len(self._recent) > 100_000:
+            self._recent.popitem(last=False)
+        return rid
+
+    def record(self, exchange: Exchange, finish_reason: str | None = None) -> None:
+        assert self.emitter is not None
+        rid = self._request_id(exchange.response_id)
+        for payload_type, payload in exchange.payloads(rid, finish_reason):
+            self.emitter.emit_record(payload_type, payload)
+
+    # --- forwarding ------------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response:
+        assert self.client is not None
+        path = request.url.path
+        body = await request.body()
+        accounted = request.method == "POST" and path in ACCOUNTED_PATHS
+        if not accounted:
+            return await self._plain(request, body)
+        try:
+            parsed = json.loads(body) if body else {}
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            return await self._plain(request, body)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        exchange = Exchange(
+            arrival_ts_ns=time.time_ns(),
+            body=parsed,
+            tenant=tenant_of(headers, parsed, self.api_keys, self.tenant_header),
+        )
+        if exchange.prepare_stream_usage():
+            body = json.dumps(exchange.body).encode()
+        upstream_req = self.client.build_request(
+            request.method,
+            path,
+            params=request.query_params,
+            headers=_forward_headers(request.headers, identity=True),
+            content=body,
+        )
+        try:
+            resp = await self.client.send(upstream_req, stream=True)
+        except httpx.HTTPError as exc:
+            exchange.status = 502
+            self.record(exchange, "error")
+            return Response(f"upstream unreachable: {exc}", status_code=502)
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if not is_sse:
+            data = await resp.aread()
+            await resp.aclose()
+            try:
+                exchange.on_json(resp.status_code, json.loads(data))
+            except ValueError:
+                exchange.status = resp.status_code
+            self.record(exchange)
+            return Response(data, status_code=resp.status_code, headers=_response_headers(resp.headers))
+        exchange.status = resp.status_code
+        return StreamingResponse(
+            self._relay(resp, exchange), status_code=resp.status_code, headers=_response_headers(resp.headers)
+        )
+
+    async def _relay(self, resp: httpx.Response, exchange: Exchange) -> AsyncIterator[bytes]:
+        buffer = bytearray()
+        finished = False
+        try:
+            async for raw in resp.aiter_raw():
+                buffer += raw
+                for event in split_events(buffer):
+                    data = event_data(event)
+                    if data is None or exchange.on_event(data):
+                        yield event
+            if buffer:
+                yield bytes(buffer)
+            finished = True
+        finally:
+            await resp.aclose()
+            self.record(exchange, None if finished else "abort")
+
+    async def _plain(self, request: Request, body: bytes) -> Response:
+        assert self.client is not None
+        upstream_req = self.client.build_request(
+            request.method,
+            request.url.path,
+            params=request.query_params,
+            headers=_forward_headers(request.headers, identity=False),
+            content=body,
+        )
+        try:
+            resp = await self.client.send(upstream_req, stream=True)
+        except httpx.HTTPError as exc:
+            return Response(f"upstream unreachable: {exc}", status_code=502)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for raw in resp.aiter_raw():
+                    yield raw
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(
+            relay(), status_code=resp.status_code, headers=_response_headers(resp.headers)
+        )
+
+
+def _engine_started_defaults() -> dict[str, Any]:
+    return {
+        "block_size": 0,
+        "enable_prefix_caching": False,
+        "prefix_hash_algo": "",
+        "kv_cache_dtype": "",
+        "dtype": "",
+        "spec_method": None,
+        "spec_num_tokens": 0,
+        "moe_num_experts": 0,
+        "moe_top_k": 0,
+        "num_layers": 0,
+        "hidden_size": 0,
+        "intermediate_size": 0,
+        "num_attention_heads": 0,
+        "num_kv_heads": 0,
+        "head_dim": 0,
+        "vocab_size": 0,
+        "max_num_seqs": 0,
+        "max_num_batched_tokens": 0,
+        "max_model_len": 0,
+        "num_gpu_blocks": 0,
+        "routing_capture": False,
+    }
+
+
+def create_app(proxy: ProxyProducer) -> FastAPI:
+    """The FastAPI application around ``proxy`` (started and stopped with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/sparseety/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
+    async def forward(request: Request, path: str) -> Response:
+        return await proxy.handle(request)
+
+    return app
