@@ -113,7 +113,7 @@ class Emitter:
         stream: ``core`` for the engine-core process, ``worker-<rank>`` for model runners.
         producer_factory: Builds the Kafka client from librdkafka settings (tests pass fakes).
         stall_s: A client with unacknowledged messages and no progress for this long is
-            recreated (doubling while Kafka stays away, up to 5 minutes).
+            recreated (doubling while Kafka stays away, up to 30 s).
     """
 
     def __init__(
@@ -502,7 +502,7 @@ class Emitter:
         why = "fatal error" if self._fatal else f"no delivery progress for {self._stall_s:.0f} s"
         self._fatal = False
         self.stats.restarts += 1
-        self._stall_s = min(self._stall_s * 2, 300.0)
+        self._stall_s = min(self._stall_s * 2, 30.0)
         (log.warning if self.stats.restarts <= 3 else log.debug)(
             "sparseety producer %s: recreating the Kafka client (%s, %d messages unacknowledged)",
             self.stream,
