@@ -108,7 +108,8 @@ class Emitter:
 
     Args:
         cfg: The configuration (kafka, topics, schema registry, producer sections).
-        engine_name: Stable engine name: the Kafka key.
+        engine_name: Stable engine name: the Kafka key. None: not known yet; the Kafka client
+            starts connecting anyway and :meth:`bind` names the stream before the first event.
         epoch: This engine start's epoch (``engine_id = engine_name@epoch``).
         stream: ``core`` for the engine-core process, ``worker-<rank>`` for model runners.
         producer_factory: Builds the Kafka client from librdkafka settings (tests pass fakes).
@@ -120,26 +121,27 @@ class Emitter:
         self,
         cfg: Config,
         *,
-        engine_name: str,
-        epoch: str,
+        engine_name: str | None,
+        epoch: str | None,
         stream: str = ev.CORE_STREAM,
         producer_factory: Callable[[dict[str, Any]], Any] | None = None,
         stall_s: float = 10.0,
     ) -> None:
         self.cfg = cfg
-        self.engine_name = engine_name
-        self.epoch = epoch
-        self.engine_id = ev.engine_id(engine_name, epoch)
+        self.engine_name = ""
+        self.epoch = ""
+        self.engine_id = ""
         self.stream = stream
         self.topic = cfg.topics.engine_events
-        self._key = engine_name.encode()
+        self._key = b""
         pc = cfg.producer
         self._qmax = pc.queue_max_events
         self._limit = pc.memory_limit_bytes
         self._hb_interval = pc.heartbeat_interval_s
         self._flush_timeout = pc.flush_timeout_s
-        self._journal_dir = cfg.spill_path / _safe(engine_name) / _safe(stream)
+        self._journal_dir = cfg.spill_path / "_unbound" / _safe(stream)
         self._journal_max = pc.spill_max_bytes
+        self._bound = threading.Event()
         self._factory = producer_factory or _confluent_producer
         self._stall_base = self._stall_s = stall_s
 
@@ -171,10 +173,27 @@ class Emitter:
         self._exported: dict[str, int] = {}
         self._logged_errors: set[str] = set()
 
+        if engine_name is not None and epoch is not None:
+            self.bind(engine_name, epoch)
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sparseety-emitter-{stream}", daemon=True)
         self._thread.start()
+
+    def bind(self, engine_name: str, epoch: str) -> None:
+        """Name the stream (once, before the first event)."""
+        if self._bound.is_set():
+            raise SparseetyError(f"emitter already bound to {self.engine_id}", stream=self.stream)
+        self.engine_name = engine_name
+        self.epoch = epoch
+        self.engine_id = ev.engine_id(engine_name, epoch)
+        self._key = engine_name.encode()
+        self._journal_dir = self.cfg.spill_path / _safe(engine_name) / _safe(self.stream)
+        self._bound.set()
+
+    @property
+    def bound(self) -> bool:
+        return self._bound.is_set()
 
     # --- hot path ----------------------------------------------------------------------------
 
@@ -186,7 +205,7 @@ class Emitter:
         """
         with self._lock:
             seq = next(self._seq)
-            if len(self._q) >= self._qmax or self._closed:
+            if len(self._q) >= self._qmax or self._closed or not self.engine_id:
                 self._queue_full += 1
                 return
             self._q.append((seq, time.time_ns(), time.monotonic_ns(), build, args))
@@ -273,6 +292,12 @@ class Emitter:
                 if self._stopping.wait(5.0):
                     return
         self._new_producer()
+        # The Kafka client connects meanwhile; the journal and the key need the stream's name.
+        while not self._bound.wait(0.05):
+            if self._stopping.is_set():
+                return
+            if self._producer is not None:
+                self._producer.poll(0)
         leftovers = self._journal_dir.is_dir() and any(self._journal_dir.glob("*.seg"))
         if leftovers and self._open_journal() and self._journal:
             log.info(
@@ -304,7 +329,7 @@ class Emitter:
                 "queue.buffering.max.messages": 10_000_000,
                 "reconnect.backoff.ms": 100,
                 "reconnect.backoff.max.ms": 2000,
-                "client.id": f"sparseety-{_safe(self.engine_name)}-{self.stream}",
+                "client.id": f"sparseety-{self.stream}",
                 "error_cb": self._on_error,
                 "logger": _rdkafka_log,
             },

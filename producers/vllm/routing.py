@@ -115,7 +115,9 @@ class RoutingCapture:
         self.num_experts = num_experts
         self.top_k = top_k
         self.stream = f"worker-{rank}"
-        self.emitter: Emitter | None = None
+        # Started now, bound to the engine epoch at the first step: the Kafka client connects
+        # during warm-up instead of lagging behind the engine core's stream.
+        self.emitter = Emitter(cfg, engine_name=None, epoch=None, stream=self.stream)
         self.current: tuple[str, str, int] | None = None
         self.layers: list[tuple[int, Any]] = []
         self.num_layers = 0
@@ -165,9 +167,10 @@ class RoutingCapture:
             return
         layers, self.layers = self.layers, []
         em = self.emitter
-        if em is None or em.epoch != stamp[1]:
-            if em is not None:
-                em.close(1.0)
+        if not em.bound:
+            em.bind(stamp[0], stamp[1])
+        elif em.epoch != stamp[1]:  # a new engine epoch in the same worker process
+            em.close(1.0)
             em = self.emitter = Emitter(self.cfg, engine_name=stamp[0], epoch=stamp[1], stream=self.stream)
         batch = self.runner.input_batch
         n = batch.num_reqs
@@ -177,8 +180,15 @@ class RoutingCapture:
 
     def close(self) -> None:
         _CAPTURES.pop(id(self), None)
-        if self.emitter is not None:
-            self.emitter.close()
+        self.emitter.close()
+
+
+def flush_in_process(timeout: float) -> None:
+    """Deliver routing captured in this process (engine core and worker share one process when
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) before the engine core's EngineStopped goes out."""
+    for cap in list(_CAPTURES.values()):
+        if cap.emitter.bound:
+            cap.emitter.wait_idle(timeout)
 
 
 def _worker_rank() -> tuple[int, bool]:

@@ -258,6 +258,9 @@ class EngineSession:
             self._stopped = True
         if self._deferred:
             self._flush_deferred()
+        from sparseety.producers.vllm import routing
+
+        routing.flush_in_process(2.0)
         self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})
         t0 = time.monotonic()
         self.emitter.close(timeout)

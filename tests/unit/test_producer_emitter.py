@@ -269,3 +269,18 @@ def test_emit_never_raises_after_close(tmp_path: Path, n: int) -> None:
     for i in range(n):
         em.emit(_payload, i)
     assert em.counters()["dropped"] == n
+
+
+def test_unbound_emitter_connects_first_and_names_its_stream_later(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    world = World()
+    em = Emitter(cfg, engine_name=None, epoch=None, stream="worker-0", producer_factory=world.factory)
+    _wait(lambda: world.clients == 1)  # the Kafka client exists before the stream has a name
+    em.emit(_payload, 0)  # too early: dropped, and counted
+    em.bind("e", "7")
+    em.emit(_payload, 1)
+    em.close()
+    dec = make_decoder(cfg)
+    got = [dec.decode(v)[1] for v in world.delivered]
+    assert [(e["engine_id"], e["stream"], e["seq"]) for e in got] == [("e@7", "worker-0", 1)]
+    assert em.counters()["dropped"] == 1
