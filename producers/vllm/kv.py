@@ -7,7 +7,7 @@ step's RequestStarted/StepBatch:
 * :class:`KvTee` (the default, zero configuration beyond ``enable_kv_cache_events``): the
   patched ``Scheduler.__init__`` wraps whatever publisher vLLM created (``zmq`` keeps serving
   external subscribers; ``null`` publishes nowhere else).
-* :class:`SparseetyEventPublisher`, registered as ``sparseety`` in vLLM's
+* ``SparseetyEventPublisher`` (:func:`publisher_class`), registered as ``sparseety`` in vLLM's
   ``EventPublisherFactory``. vLLM's config validation only accepts ``null``/``zmq`` by name, so it
   can be selected only with a ``KVEventsConfig`` object whose ``publisher`` is set after
   validation (offline ``LLM(...)``); the CLI cannot name it. When selected, the tee is not added.
@@ -52,44 +52,44 @@ class KvTee:
         return getattr(self._inner, name)
 
 
-def _publisher_base() -> type:
-    try:
-        from vllm.distributed.kv_events import EventPublisher
-
-        return EventPublisher
-    except Exception:  # pragma: no cover - vLLM without KV events
-        return object
+_publisher_cls: type | None = None
 
 
-class SparseetyEventPublisher(_publisher_base()):  # type: ignore[misc]
-    """vLLM ``EventPublisher`` that hands batches to the session bound by the scheduler hook.
+def publisher_class() -> type:
+    """vLLM ``EventPublisher`` subclass that hands batches to the session bound by the scheduler
+    hook (defined on first use, so importing this module does not import vLLM).
 
-    vLLM builds it (inside ``Scheduler.__init__``) before our session exists; batches published
-    before :meth:`bind` (none in practice: publishing starts with the first step) are dropped.
+    vLLM builds it inside ``Scheduler.__init__``, before our session exists; batches published
+    before ``bind`` (none in practice: publishing starts with the first step) are dropped.
     """
+    global _publisher_cls
+    if _publisher_cls is not None:
+        return _publisher_cls
+    from vllm.distributed.kv_events import EventPublisher
 
-    def __init__(self, data_parallel_rank: int = 0, **_config: Any) -> None:
-        try:
+    class SparseetyEventPublisher(EventPublisher):  # type: ignore[misc]
+        def __init__(self, data_parallel_rank: int = 0, **_config: Any) -> None:
             super().__init__(data_parallel_rank)
-        except TypeError:
-            super().__init__()
-        self._session: Any = None
+            self._session: Any = None
 
-    def bind(self, session: Any) -> None:
-        self._session = session
+        def bind(self, session: Any) -> None:
+            self._session = session
 
-    def publish(self, events: Any) -> None:
-        session = self._session
-        if session is None:
-            return
-        try:
-            session.on_kv_batch(events)
-        except Exception as exc:
-            log.warning("sparseety: KV event publisher disabled after an error: %r", exc)
+        def publish(self, events: Any) -> None:
+            session = self._session
+            if session is None:
+                return
+            try:
+                session.on_kv_batch(events)
+            except Exception as exc:
+                log.warning("sparseety: KV event publisher disabled after an error: %r", exc)
+                self._session = None
+
+        def shutdown(self) -> None:
             self._session = None
 
-    def shutdown(self) -> None:
-        self._session = None
+    _publisher_cls = SparseetyEventPublisher
+    return _publisher_cls
 
 
 def register_publisher() -> None:
@@ -98,7 +98,7 @@ def register_publisher() -> None:
 
     registry = getattr(EventPublisherFactory, "_registry", {})
     if PUBLISHER_NAME not in registry:
-        EventPublisherFactory.register_publisher(PUBLISHER_NAME, SparseetyEventPublisher)
+        EventPublisherFactory.register_publisher(PUBLISHER_NAME, publisher_class())
 
 
 def attach(scheduler: Any, session: Any) -> str:
@@ -106,7 +106,7 @@ def attach(scheduler: Any, session: Any) -> str:
     pub = getattr(scheduler, "kv_event_publisher", None)
     if pub is None:
         return "none (no kv_event_publisher on the scheduler)"
-    if isinstance(pub, SparseetyEventPublisher):
+    if _publisher_cls is not None and isinstance(pub, _publisher_cls):
         pub.bind(session)
         return "sparseety publisher"
     if isinstance(pub, KvTee):

@@ -1,0 +1,295 @@
+"""The vLLM plugin's logic without an engine: payload builders, the hot-path session with
+stand-in scheduler objects, the KV tee, activation, privacy and the tenant middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import PrivacyConfig
+from sparseety.producers.privacy import PromptPolicy, token_hasher
+from sparseety.producers.vllm import kv, plugin
+from sparseety.producers.vllm.middleware import TenantHeaderMiddleware, with_tenant
+from sparseety.producers.vllm.records import RecordBuilder, block_hash_bytes
+from sparseety.producers.vllm.session import STEP_STAMP, EngineSession
+
+
+def _builder(**over: Any) -> RecordBuilder:
+    kw: dict[str, Any] = {
+        "policy": PromptPolicy(PrivacyConfig()),
+        "served_model_name": "tiny",
+        "block_size": 4,
+        "hash_block_size": 4,
+        "group_kinds": ["full_attention", "sliding_window"],
+        "spec_enabled": True,
+    }
+    return RecordBuilder(**(kw | over))
+
+
+def _req(rid: str, prompt: list[int], **over: Any) -> SimpleNamespace:
+    sp = SimpleNamespace(max_tokens=8, extra_args=over.pop("extra_args", {"tenant": "acme"}))
+    base = {
+        "request_id": rid,
+        "prompt_token_ids": prompt,
+        "num_prompt_tokens": len(prompt),
+        "block_hashes": [bytes([i]) * 32 for i in range(len(prompt) // 4 + 2)],
+        "sampling_params": sp,
+        "lora_request": None,
+        "priority": 0,
+        "arrival_time": 1.5,
+        "prefill_stats": SimpleNamespace(num_cached_tokens=4),
+        "status": "RUNNING",
+        "stop_reason": None,
+        "num_output_tokens": 3,
+        "num_preemptions": 0,
+    }
+    ns = SimpleNamespace(**(base | over))
+    ns.is_finished = lambda: False
+    ns.get_finished_reason = lambda: "FinishReason.LENGTH"
+    return ns
+
+
+def test_block_hash_bytes_is_vllms_int_form_written_out() -> None:
+    h = bytes(range(32))
+    as_int = int.from_bytes(h, "big") & ((1 << 64) - 1)  # vLLM's maybe_convert_block_hash
+    assert block_hash_bytes(h) == block_hash_bytes(as_int) == as_int.to_bytes(8, "big") == h[-8:]
+    assert block_hash_bytes(b"\x01") == b"\x00" * 7 + b"\x01"
+
+
+def test_request_started_payload() -> None:
+    b = _builder()
+    kind, p = b.request_started(_req("r1-abc", list(range(10))), 4)
+    assert kind == ev.REQUEST_STARTED
+    assert p["prompt_token_ids"] == list(range(10)) and p["prompt_token_hashes"] == []
+    assert p["block_hashes"] == [block_hash_bytes(bytes([i]) * 32) for i in range(2)]  # 10 // 4 full blocks
+    assert (p["tenant"], p["model"], p["num_cached_tokens"], p["arrival_ts_ns"]) == (
+        "acme",
+        "tiny",
+        4,
+        1_500_000_000,
+    )
+    _, p = b.request_started(
+        _req("r2", [1, 2], extra_args=None, lora_request=SimpleNamespace(lora_name="ad")), 0
+    )
+    assert (p["tenant"], p["model"], p["lora_name"]) == ("", "ad", "ad")
+
+
+def test_privacy_modes() -> None:
+    key = "k" * 16
+    hashed = PromptPolicy(PrivacyConfig(mode="hashed", key=key)).fields([5, 6, 5])
+    assert hashed[0] == [] and hashed[1][0] == hashed[1][2] != hashed[1][1]
+    assert hashed[1] == token_hasher(key)([5, 6, 5]) != token_hasher("j" * 16)([5, 6, 5])
+    assert PromptPolicy(PrivacyConfig(mode="none")).fields([5]) == ([], [])
+    assert PromptPolicy(PrivacyConfig()).fields([5]) == ([5], [])
+
+
+def _so(new: list[tuple[str, int]], cached: list[tuple[str, int]], nst: dict[str, int], **over: Any) -> Any:
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum(nst.values()),
+        num_scheduled_tokens=nst,
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            num_computed_tokens=[c for _, c in cached],
+            resumed_req_ids=over.pop("resumed", set()),
+        ),
+        scheduled_spec_decode_tokens=over.pop("spec", {}),
+        preempted_req_ids=over.pop("preempted", None),
+    )
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, tuple[Any, ...]]] = []
+        self.engine_name, self.epoch, self.engine_id = "e", "1", "e@1"
+
+    def emit(self, build: Any, *args: Any) -> None:
+        self.items.append((build, args))
+
+    def emit_record(self, payload_type: str, payload: dict[str, Any]) -> None:
+        self.items.append((lambda: (payload_type, payload), ()))
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+    def built(self) -> list[tuple[str, dict[str, Any]]]:
+        return [build(*args) for build, args in self.items]
+
+
+def _session(requests: dict[str, Any]) -> tuple[EngineSession, _Recorder]:
+    rec = _Recorder()
+    sched = SimpleNamespace(requests=requests)
+    return EngineSession(None, sched, rec, _builder()), rec  # type: ignore[arg-type]
+
+
+def _out(tokens: dict[str, list[int]], cached: dict[str, int] | None = None) -> dict[int, Any]:
+    cached = cached or {}
+    outs = [
+        SimpleNamespace(
+            request_id=r,
+            new_token_ids=t,
+            prefill_stats=SimpleNamespace(num_cached_tokens=cached[r]) if r in cached else None,
+        )
+        for r, t in tokens.items()
+    ]
+    return {0: SimpleNamespace(outputs=outs)}
+
+
+def test_one_step_orders_admission_step_and_finish() -> None:
+    a, b = _req("a", list(range(9))), _req("b", list(range(5)))
+    s, rec = _session({"a": a, "b": b})
+    so = _so([("a", 4)], [("b", 5)], {"a": 5, "b": 4}, spec={"b": [7, 8, 9]}, resumed={"b"})
+    s.on_schedule(so, 100)
+    assert getattr(so, STEP_STAMP) == ("e", "1", 0)
+    s.on_free(b)  # never admitted in this session: nothing to report
+    mro = SimpleNamespace(sampled_token_ids=[[1], [2, 3, 4]], req_id_to_index={"a": 0, "b": 1})
+    spec = s.before_update(so, mro)
+    assert spec == {"b": (3, 2)}
+    s.on_free(a)  # finishes inside update_from_output wait for the StepBatch
+    s.after_update(so, _out({"a": [1], "b": [2, 3]}, {"a": 4}), spec, 350)
+    kinds = [k for k, _ in rec.built()]
+    assert kinds == [ev.REQUEST_STARTED, ev.STEP_BATCH, ev.REQUEST_FINISHED]
+    step = rec.built()[1][1]
+    assert step["req_ids"] == ["a", "b"]
+    assert step["num_scheduled_tokens"] == [5, 4] and step["num_computed_before"] == [4, 5]
+    assert step["num_new_tokens"] == [1, 2] and step["new_token_ids"] == [1, 2, 3]
+    assert step["spec_proposed"] == [0, 3] and step["spec_accepted"] == [0, 2]
+    assert step["resumed_req_ids"] == ["b"] and (step["start_mono_ns"], step["duration_ns"]) == (100, 250)
+    fin = rec.built()[2][1]
+    assert (fin["request_id"], fin["finish_reason"], fin["num_cached_tokens"]) == ("a", "length", 4)
+    assert fin["output_block_hashes"] == [block_hash_bytes(h) for h in a.block_hashes[2:]]
+    ev.validate_engine_event(
+        ev.envelope(
+            engine_name="e",
+            engine_id_="e@1",
+            stream="core",
+            seq=0,
+            ts_ns=0,
+            mono_ns=0,
+            payload_type=ev.STEP_BATCH,
+            payload=step,
+        )
+    )
+
+
+def test_empty_steps_carry_preemptions_and_aborts_go_out_at_once() -> None:
+    a = _req("a", list(range(4)))
+    s, rec = _session({"a": a})
+    s.on_schedule(_so([], [], {}, preempted={"x"}), 1)  # nothing scheduled: no step number used
+    so = _so([("a", 0)], [], {"a": 4})
+    s.on_schedule(so, 2)
+    s.after_update(
+        so, _out({}), s.before_update(so, SimpleNamespace(sampled_token_ids=[], req_id_to_index={})), 3
+    )
+    assert rec.built()[1][1]["preempted_req_ids"] == ["x"] and rec.built()[1][1]["step"] == 0
+    s.on_free(a)  # an abort between steps
+    assert [k for k, _ in rec.built()][-1] == ev.REQUEST_FINISHED
+
+
+def test_kv_tee_forwards_then_publishes_and_survives_errors() -> None:
+    published: list[Any] = []
+    inner = SimpleNamespace(publish=published.append, shutdown=lambda: None, marker=1)
+    seen: list[Any] = []
+    tee = kv.KvTee(inner, SimpleNamespace(on_kv_batch=seen.append))
+    tee.publish("batch")
+    assert seen == ["batch"] == published and tee.marker == 1
+
+    def boom(_: Any) -> None:
+        raise RuntimeError("x")
+
+    tee = kv.KvTee(inner, SimpleNamespace(on_kv_batch=boom))
+    tee.publish("b2")
+    assert published[-1] == "b2"
+
+
+def _kv(name: str, **fields: Any) -> Any:
+    return type(name, (SimpleNamespace,), {})(**fields)
+
+
+def test_kv_event_payloads() -> None:
+    b = _builder()
+    stored = _kv(
+        "BlockStored",
+        block_hashes=[1, 2],
+        parent_block_hash=None,
+        token_ids=list(range(8)),
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+        group_idx=1,
+    )
+    kind, p = b.kv_event(stored)
+    assert kind == ev.KV_STORED and p["block_hashes"] == [block_hash_bytes(1), block_hash_bytes(2)]
+    assert (p["num_tokens"], p["group_kind"], p["sliding_window"]) == (8, "sliding_window", 64)
+    kind, p = b.kv_event(
+        _kv("BlockRemoved", block_hashes=[b"\x00" * 24 + b"\x07" * 8], medium=None, group_idx=1)
+    )
+    assert (
+        kind == ev.KV_REMOVED and p["group_kind"] == "sliding_window" and p["block_hashes"] == [b"\x07" * 8]
+    )
+    assert b.kv_event(_kv("AllBlocksCleared"))[0] == ev.KV_CLEARED
+
+
+def test_register_is_inert_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(plugin, "install", lambda: calls.append(1))
+    for var in ("SPARSEETY_CONFIG", "SPARSEETY_KAFKA_BOOTSTRAP"):
+        monkeypatch.delenv(var, raising=False)
+    plugin.register()
+    assert calls == []
+    monkeypatch.setenv("SPARSEETY_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    plugin.register()
+    assert calls == [1]
+
+
+def test_register_never_raises_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def missing_seam() -> None:
+        raise plugin.PluginVersionError("vLLM 9.9 has no Scheduler.schedule; this plugin covers vLLM 0.32")
+
+    monkeypatch.setattr(plugin, "install", missing_seam)
+    monkeypatch.setenv("SPARSEETY_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    with caplog.at_level(logging.WARNING, logger="sparseety"):
+        plugin.register()
+    assert "vLLM plugin disabled" in caplog.text and "no Scheduler.schedule" in caplog.text
+
+
+def test_tenant_header_middleware_rewrites_the_body() -> None:
+    assert json.loads(with_tenant(b'{"vllm_xargs": {"tenant": "x", "k": 1}}', "acme")) == {
+        "vllm_xargs": {"tenant": "acme", "k": 1}
+    }
+    assert with_tenant(b"not json", "acme") == b"not json"
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen["body"] = (await receive())["body"]
+        seen["length"] = dict(scope["headers"])[b"content-length"]
+
+    mw = TenantHeaderMiddleware(app)
+    body = b'{"model": "m"}'
+    chunks = [
+        {"type": "http.request", "body": body[:5], "more_body": True},
+        {"type": "http.request", "body": body[5:], "more_body": False},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return chunks.pop(0)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-length", b"14"), (b"x-sparseety-tenant", b"gw")],
+    }
+    asyncio.run(mw(scope, receive, None))
+    assert json.loads(seen["body"]) == {"model": "m", "vllm_xargs": {"tenant": "gw"}}
+    assert seen["length"] == str(len(seen["body"])).encode()
