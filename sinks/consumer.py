@@ -106,6 +106,7 @@ class SinkWorker:
         partitions: Pause/resume/ack controls.
         crash_after_writes: Test hook: SIGKILL this process right after that many writes, before
             the batch is acknowledged (the window between write and offset commit).
+        max_rows: Write as soon as this many rows are buffered, also within a batch.
     """
 
     def __init__(
@@ -117,8 +118,10 @@ class SinkWorker:
         partitions: Partitions,
         *,
         crash_after_writes: int | None = None,
+        max_rows: int = 50_000,
     ) -> None:
         self.sink = sink
+        self.max_rows = max_rows
         self.decoder = decoder
         self.dlq_topic = dlq_topic
         self.send_dead_letters = send_dead_letters
@@ -138,6 +141,8 @@ class SinkWorker:
                 dead: list[tuple[bytes | None, dict[str, Any]]] = []
                 for m in messages:
                     self._add(m, dead)
+                    if self.sink.pending_rows() >= self.max_rows:
+                        await self._flush()  # bounds memory; the batch is still acked after all of it
                 if dead:
                     await self.send_dead_letters(dead)
                     self.dead_letters += len(dead)
@@ -314,6 +319,7 @@ def create_app(
         send_dead_letters,
         FaustPartitions(app),
         crash_after_writes=crash_after_writes,
+        max_rows=cfg.sink.batch_max_rows,
     )
     app.sparseety_sink = worker  # type: ignore[attr-defined]
     within = cfg.sink.batch_interval_s

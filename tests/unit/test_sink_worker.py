@@ -186,3 +186,21 @@ def test_an_unexpected_error_exits_without_acknowledging(monkeypatch: pytest.Mon
         asyncio.run(worker.process([accounting(0)]))
     assert info.value.args == (70,)
     assert controls.acked == []
+
+
+def test_a_large_batch_is_written_in_parts_before_its_end() -> None:
+    sink = MemorySink()
+    worker, controls, _ = make_worker(sink)
+    worker.max_rows = 2
+    writes = []
+    flush = sink.flush
+
+    def counting_flush() -> FlushResult:
+        writes.append(len(sink.buffer))
+        return flush()
+
+    sink.flush = counting_flush  # type: ignore[method-assign]
+    msgs = [accounting(i) for i in range(5)]
+    asyncio.run(worker.process(msgs))
+    assert writes == [2, 2, 1] and len(sink.stored) == 5
+    assert all(m.refs == 1 for m in msgs) and controls.paused == set()  # nothing held
