@@ -103,7 +103,7 @@ def register_publisher() -> None:
 
 def attach(scheduler: Any, session: Any) -> str:
     """Route the scheduler's KV events to ``session``; returns how (for the log line)."""
-    pub = getattr(scheduler, "kv_event_publisher", None)
+    pub: Any = getattr(scheduler, "kv_event_publisher", None)
     if pub is None:
         return "none (no kv_event_publisher on the scheduler)"
     if _publisher_cls is not None and isinstance(pub, _publisher_cls):
