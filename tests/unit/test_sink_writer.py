@@ -253,6 +253,6 @@ def test_a_record_that_fails_half_way_leaves_no_partial_rows(store: Store) -> No
         sink.add(ev.REQUEST_ACCOUNTING, broken, topic="t", partition=0, offset=0)
     sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r2"), topic="t", partition=0, offset=1)
     assert sink.flush().rows == {"requests": 1, "token_segments": 3, "kv_blocks": 2, "expert_load": 1}
-    assert [r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")] == [
-        f"{f.EID}/r2"
-    ]
+    assert [
+        r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")
+    ] == [f"{f.EID}/r2"]
