@@ -52,7 +52,7 @@ class KvTee:
         return getattr(self._inner, name)
 
 
-_publisher_cls: type | None = None
+_publisher_cls: Any = None
 
 
 def publisher_class() -> type:
