@@ -113,9 +113,10 @@ class ClickHouseSink(Sink):
         from sparseety.sinks.clickhouse.migrate import migrate
 
         store = options.pop("store", None)
+        owner = options.pop("owner", "sparseety sink")
         own = store is None
         if store is None:
-            store = Store.open(cfg, owner=options.pop("owner", "sparseety sink"))
+            store = Store.open(cfg, owner=owner)
         try:
             if options.pop("migrate", True):
                 migrate(store)

@@ -256,3 +256,12 @@ def test_a_record_that_fails_half_way_leaves_no_partial_rows(store: Store) -> No
     assert [
         r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")
     ] == [f"{f.EID}/r2"]
+
+
+def test_from_config_shares_an_open_store(store: Store) -> None:
+    cfg = load_config(clickhouse={"dsn": f"chdb://{store.target.path}", "database": store.database})
+    sink = ClickHouseSink.from_config(cfg, store=store, owner="ignored")
+    sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=0)
+    sink.flush()
+    sink.close()  # not its store: still open
+    assert store.query(f"SELECT count() AS n FROM {store.table('usage_1m')}") == [{"n": 1}]
