@@ -93,8 +93,8 @@ class Sink(abc.ABC):
     ) -> None:
         """Buffer one record read at ``topic``/``partition``/``offset``.
 
-        Positions of one partition must not go back; several records may share one position
-        (a processor may derive several records from one input record).
+        Several records may share one position (a processor may derive several records from one
+        input record); a position before the previous one of the partition starts a new batch.
         """
 
     @abc.abstractmethod

@@ -140,15 +140,11 @@ class ClickHouseSink(Sink):
         self, record_name: str, record: Mapping[str, Any], *, topic: str, partition: int, offset: int
     ) -> None:
         chunk = self._open.get((topic, partition))
-        if chunk is None:
+        if chunk is None or offset < chunk.last:
+            # a partition read again from an earlier offset (a seek back) starts a new batch
             chunk = _Chunk(topic, partition, offset, offset)
             self._open[(topic, partition)] = chunk
             self._chunks.append(chunk)
-        elif offset < chunk.last:
-            raise ValueError(
-                f"{topic}[{partition}] offset {offset} is before {chunk.last}: positions of a "
-                f"partition must not go back (several records may share one)"
-            )
         mark = chunk.rows.mark()
         try:
             added = chunk.rows.add(record_name, record, topic=topic, partition=partition, offset=offset)

@@ -222,8 +222,8 @@ def test_flush_triggers_by_size_and_time_and_discard(store: Store) -> None:
     assert sink.discard("t", 1) == 7 and sink.pending_rows() == 1
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="b"), topic="u", partition=0, offset=5)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="c"), topic="u", partition=0, offset=5)
-    with pytest.raises(ValueError, match="must not go back"):
-        sink.add(ev.USAGE_WINDOW, f.usage_window(), topic="u", partition=0, offset=4)
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="d"), topic="u", partition=0, offset=4)  # seek back
+    assert [b.as_tuple() for b in sink.pending_batches()] == [("u", 0, 0, 5), ("u", 0, 4, 4)]
 
 
 def test_the_clickhouse_sink_is_registered() -> None:
