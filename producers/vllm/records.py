@@ -106,16 +106,22 @@ class RecordBuilder:
             "priority": int(getattr(req, "priority", 0) or 0),
         }
 
-    def request_finished(
-        self,
-        req: Any,
-        reason: Any,
-        stop_reason: Any,
-        num_prompt: int,
-        num_output: int,
-        num_preemptions: int,
-    ) -> tuple[str, dict[str, Any]]:
+    def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:
+        """RequestStarted for each ``(request, cached tokens)`` admitted in one step."""
+        return [self.request_started(req, cached) for req, cached in items]
+
+    def requests_finished(self, reqs: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+        """RequestFinished for each request freed in one step."""
+        return [self.request_finished(req) for req in reqs]
+
+    def request_finished(self, req: Any) -> tuple[str, dict[str, Any]]:
+        """From a freed (hence final) ``Request``: the engine's own totals."""
         rid = req.request_id
+        reason = req.get_finished_reason()
+        stop_reason = req.stop_reason
+        num_prompt = req.num_prompt_tokens
+        num_output = req.num_output_tokens
+        num_preemptions = req.num_preemptions
         admitted = self._admitted_cached.pop(rid, 0)
         cached = self._reported_cached.pop(rid, admitted)
         return ev.REQUEST_FINISHED, {
@@ -195,6 +201,10 @@ class RecordBuilder:
         }
 
     # --- KV events -------------------------------------------------------------------------------
+
+    def kv_events(self, events: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+        """One payload per vLLM KV event of a published batch."""
+        return [self.kv_event(e) for e in events]
 
     def kv_event(self, e: Any) -> tuple[str, dict[str, Any]]:
         name = type(e).__name__

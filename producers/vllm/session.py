@@ -94,7 +94,7 @@ class EngineSession:
         self._carry: set[str] = set()
         self._live: set[str] = set()
         self._in_update = False
-        self._deferred: list[tuple[Any, ...]] = []
+        self._deferred: list[Any] = []
         self._stopped = False
         self._stop_lock = threading.Lock()
 
@@ -201,11 +201,10 @@ class EngineSession:
         pending = self._pending.pop(step, None)
         if pending is not None:
             start, new, carried = pending
-            emit = self.emitter.emit
             b = self.builder
-            for req, cached in new:
-                emit(b.request_started, req, cached)
-            emit(b.step, so, outputs, spec, step, start, end_mono_ns, carried)
+            if new:
+                self.emitter.emit_many(len(new), b.requests_started, new)
+            self.emitter.emit(b.step, so, outputs, spec, step, start, end_mono_ns, carried)
         if self._deferred:
             self._flush_deferred()
 
@@ -216,37 +215,30 @@ class EngineSession:
             self._flush_deferred()
 
     def on_free(self, req: Any) -> None:
-        """In ``Scheduler._free_request``: the request left the engine (any reason)."""
+        """In ``Scheduler._free_request``: the request left the engine (any reason).
+
+        Only the reference is kept: a freed request is final (status, counts, block hashes), so
+        the emitter thread reads it.
+        """
+        live = self._live
         rid = req.request_id
-        if rid not in self._live:
+        if rid not in live:
             return  # never admitted: nothing was computed for it
-        self._live.discard(rid)
-        item = (
-            req,
-            req.get_finished_reason(),
-            req.stop_reason,
-            req.num_prompt_tokens,
-            req.num_output_tokens,
-            req.num_preemptions,
-        )
+        live.discard(rid)
         if self._in_update or self._pending:
-            self._deferred.append(item)  # after the StepBatch that carries its last tokens
+            self._deferred.append(req)  # after the StepBatch that carries its last tokens
         else:
-            self.emitter.emit(self.builder.request_finished, *item)
+            self.emitter.emit(self.builder.request_finished, req)
 
     def on_kv_batch(self, batch: Any) -> None:
         """From the KV-event tee (inside ``update_from_output``): one event per KV event."""
-        emit = self.emitter.emit
-        kv = self.builder.kv_event
-        for e in batch.events:
-            emit(kv, e)
+        events = batch.events
+        if events:
+            self.emitter.emit_many(len(events), self.builder.kv_events, events)
 
     def _flush_deferred(self) -> None:
-        emit = self.emitter.emit
-        fin = self.builder.request_finished
-        for item in self._deferred:
-            emit(fin, *item)
-        self._deferred.clear()
+        items, self._deferred = self._deferred, []
+        self.emitter.emit_many(len(items), self.builder.requests_finished, items)
 
     # --- lifecycle ---------------------------------------------------------------------------
 

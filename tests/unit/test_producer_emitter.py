@@ -284,3 +284,16 @@ def test_unbound_emitter_connects_first_and_names_its_stream_later(tmp_path: Pat
     got = [dec.decode(v)[1] for v in world.delivered]
     assert [(e["engine_id"], e["stream"], e["seq"]) for e in got] == [("e@7", "worker-0", 1)]
     assert em.counters()["dropped"] == 1
+
+
+def test_emit_many_takes_consecutive_seqs_and_a_short_builder_leaves_gaps(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    world = World()
+    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    em.emit(_payload, 0)
+    em.emit_many(3, lambda: [_payload(i) for i in (1, 2, 3)])
+    em.emit_many(3, lambda: [_payload(4)])  # announced 3, built 1: seqs 5 and 6 are lost
+    em.emit(_payload, 7)
+    stats = em.close()
+    assert _seqs(cfg, world.delivered) == [0, 1, 2, 3, 4, 7]
+    assert stats.dropped_by == {"unencodable": 2}

@@ -112,6 +112,12 @@ class _Recorder:
     def emit(self, build: Any, *args: Any) -> None:
         self.items.append((build, args))
 
+    def emit_many(self, count: int, build: Any, *args: Any) -> None:
+        built = build(*args)
+        assert len(built) == count
+        for item in built:
+            self.items.append((lambda item=item: item, ()))
+
     def emit_record(self, payload_type: str, payload: dict[str, Any]) -> None:
         self.items.append((lambda: (payload_type, payload), ()))
 
