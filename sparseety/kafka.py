@@ -66,6 +66,22 @@ def faust_broker_settings(cfg: Config) -> dict[str, Any]:
     return settings
 
 
+def aiokafka_settings(cfg: Config) -> dict[str, Any]:
+    """Keyword arguments for aiokafka clients equivalent to the librdkafka pass-through options."""
+    settings: dict[str, Any] = {"bootstrap_servers": cfg.kafka.bootstrap}
+    creds = faust_broker_settings(cfg).get("broker_credentials")
+    if creds is not None:
+        settings["security_protocol"] = creds.protocol.value
+        if hasattr(creds, "mechanism"):
+            settings["sasl_mechanism"] = creds.mechanism.value
+            settings["sasl_plain_username"] = creds.username
+            settings["sasl_plain_password"] = creds.password
+        context = getattr(creds, "ssl_context", None) or getattr(creds, "context", None)
+        if context is not None:
+            settings["ssl_context"] = context
+    return settings
+
+
 def make_admin(cfg: Config) -> Any:
     """A confluent-kafka AdminClient for ``cfg``."""
     from confluent_kafka.admin import AdminClient

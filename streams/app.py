@@ -30,6 +30,7 @@ from sparseety.errors import DecodeError, EncodeError
 from sparseety.kafka import faust_broker_settings, make_decoder, make_encoder
 from sparseety.streams import metrics
 from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
+from sparseety.streams.refetch import Record, Refetcher
 from sparseety.streams.state import decode_state, encode_state
 
 log = logging.getLogger("sparseety.worker")
@@ -50,6 +51,7 @@ class TableStore:
         self.cache: dict[str, Any] = {}
         self.dirty: set[str] = set()
         self.deleted: set[str] = set()
+        self.flushes = 0
 
     @property
     def _raw(self) -> Any:
@@ -86,23 +88,35 @@ class TableStore:
         found.update(k for k in self.cache if k.startswith(prefix))
         return iter(sorted(found - self.deleted))
 
-    def flush(self) -> int:
-        """Write dirty keys (epoch and head keys last) and deletions; return values written."""
+    async def flush(self) -> int:
+        """Write dirty keys (epoch and head keys last) and deletions; return values written.
+
+        Waits until the changelog acknowledged them, then writes a marker record on its own.
+        Some brokers (Tansu here) report the high watermark at record-batch granularity; Faust's
+        recovery reads up to the watermark, so it would miss the rest of the last batch. With a
+        lone marker last, everything before it is recovered.
+        """
         store = self._raw
+        pending = []
         for key in sorted(self.dirty, key=lambda k: k[0] in "en"):
             raw_key = key.encode()
             value = encode_state(self.cache[key])
             store.data[raw_key] = value
             store._key_partition[raw_key] = self.partition
-            self.table.send_changelog(self.partition, raw_key, value)
+            pending.append(self.table.send_changelog(self.partition, raw_key, value))
         for key in self.deleted:
             raw_key = key.encode()
             store.data.pop(raw_key, None)
             store._key_partition.pop(raw_key, None)
-            self.table.send_changelog(self.partition, raw_key, None)
-        written = len(self.dirty) + len(self.deleted)
+            pending.append(self.table.send_changelog(self.partition, raw_key, None))
+        written = len(pending)
         self.dirty.clear()
         self.deleted.clear()
+        if pending:
+            await asyncio.gather(*pending)
+            self.flushes += 1
+            marker = f"m|{self.partition}".encode()
+            await self.table.send_changelog(self.partition, marker, str(self.flushes).encode())
         return written
 
 
@@ -121,10 +135,16 @@ class AssemblerWorker:
             DLQ: make_encoder(cfg, "DeadLetter", cfg.topics.dlq),
         }
         self.partitions: dict[int, tuple[TableStore, Assembler]] = {}
+        self.next_offset: dict[int, int] = {}  # per partition: the offset the next batch must start at
+        self.refetcher = Refetcher(cfg, cfg.topics.engine_events, cfg.worker.app_id)
+        # The agent and the housekeeping timer both write state: one at a time, so each
+        # partition's changelog ends with a lone marker (see TableStore.flush).
+        self.lock = asyncio.Lock()
 
     def reset(self) -> None:
-        """Forget cached state (after a rebalance the table is the truth)."""
+        """Forget cached state and positions (after a rebalance the table and the group are the truth)."""
         self.partitions.clear()
+        self.next_offset.clear()
 
     def _for(self, partition: int) -> tuple[TableStore, Assembler]:
         pair = self.partitions.get(partition)
@@ -134,15 +154,22 @@ class AssemblerWorker:
         return pair
 
     async def process(self, events: list[Any]) -> None:
-        by_partition: dict[int, list[Any]] = defaultdict(list)
+        async with self.lock:
+            await self._process(events)
+
+    async def _process(self, events: list[Any]) -> None:
+        by_partition: dict[int, list[Record]] = defaultdict(list)
         for event in events:
-            by_partition[event.message.partition].append(event)
+            m = event.message
+            by_partition[m.partition].append(Record(m.topic, m.partition, m.offset, m.key, m.value))
         for partition, batch in by_partition.items():
+            batch = await self._fill_holes(partition, batch)
+            if not batch:
+                continue
             store, asm = self._for(partition)
             outputs: list[Output] = []
             started = time.perf_counter()
-            for event in batch:
-                msg = event.message
+            for msg in batch:
                 try:
                     _, decoded = self.decoder.decode(msg.value)
                     ev.validate_engine_event(decoded, raw=msg.value)
@@ -154,19 +181,56 @@ class AssemblerWorker:
                 outputs.extend(asm.apply(decoded))
             metrics.EVENTS_IN.inc(len(batch))
             metrics.FOLD_SECONDS.observe(time.perf_counter() - started)
+            log.debug(
+                "partition %d: offsets %d..%d -> %d outputs",
+                partition,
+                batch[0].offset,
+                batch[-1].offset,
+                len(outputs),
+            )
             await self.send(outputs)
-            store.flush()
+            await store.flush()
+            self.next_offset[partition] = batch[-1].offset + 1
             self._export(asm)
+
+    async def _fill_holes(self, partition: int, batch: list[Record]) -> list[Record]:
+        """Drop re-deliveries of what was processed and re-read what the consumer skipped."""
+        expected = self.next_offset.get(partition)
+        if expected is None:
+            expected = await self.refetcher.committed(partition)
+        out: list[Record] = []
+        for msg in batch:
+            if expected is not None and msg.offset < expected:
+                continue  # already processed in this session (or committed)
+            if expected is not None and msg.offset > expected:
+                missing = await self.refetcher.fetch(partition, expected, msg.offset)
+                if missing:
+                    log.warning(
+                        "stream consumer skipped offsets %d..%d of partition %d; re-read %d records",
+                        expected,
+                        msg.offset - 1,
+                        partition,
+                        len(missing),
+                    )
+                    metrics.REFETCHED.inc(len(missing))
+                    out.extend(missing)
+            out.append(msg)
+            expected = msg.offset + 1
+        return out
 
     async def tick(self, assigned: set[int]) -> None:
         """Processing-time housekeeping for every assigned partition, busy or not."""
+        async with self.lock:
+            await self._tick(assigned)
+
+    async def _tick(self, assigned: set[int]) -> None:
         for partition in assigned:
             self._for(partition)
         for _, (store, asm) in list(self.partitions.items()):
             outputs = asm.tick()
             if outputs:
                 await self.send(outputs)
-                store.flush()
+            await store.flush()
 
     async def send(self, outputs: list[Output]) -> None:
         """Send and wait for Kafka's acknowledgement (before the state that caused them is written)."""
@@ -234,8 +298,8 @@ def create_app(cfg: Config) -> faust.App:
         USAGE: raw_topic(cfg.topics.usage),
         DLQ: raw_topic(cfg.topics.dlq),
     }
-    raw = faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-    table = app.Table(STATE_TABLE, partitions=cfg.topics.partitions, schema=raw)
+    # bytes key/value types make Faust use the raw serializer for the changelog and recovery.
+    table = app.Table(STATE_TABLE, partitions=cfg.topics.partitions, key_type=bytes, value_type=bytes)
     worker = AssemblerWorker(app, cfg, table, topics)
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
@@ -244,7 +308,7 @@ def create_app(cfg: Config) -> faust.App:
         async for batch in stream.take_events(w.take_max, within=w.take_within_s):
             await worker.process(batch)
 
-    @app.on_partitions_revoked.connect
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def _revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         worker.reset()
 

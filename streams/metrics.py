@@ -13,6 +13,9 @@ OUTPUTS = Counter("sparseety:worker_outputs_total", "Records sent by the assembl
 DEAD_LETTERS = Counter(
     "sparseety:dead_letters_total", "Inputs sent to the dead-letter topic.", ["component", "error_type"]
 )
+REFETCHED = Counter(
+    "sparseety:worker_refetched_events_total", "Events the stream consumer skipped and the worker re-read."
+)
 FOLD_SECONDS = Histogram("sparseety:worker_batch_fold_seconds", "Time to fold one partition batch.")
 ASSEMBLER = Counter(
     "sparseety:assembler_events_total",
