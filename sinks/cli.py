@@ -188,6 +188,8 @@ def _print_report(report: Any, fmt: str) -> None:
         f"({report.rows_per_s:,.0f} rows/s)",
         err=True,
     )
+    if report.processor_summary:
+        click.echo(report.processor_summary, err=True)
     if report.undecodable:
         click.echo(
             f"{len(report.undecodable)} undecodable records (already dead-lettered by the live sink), "

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, ReplayError, SinkWriteError
-from sparseety.kafka import make_decoder
+from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.clickhouse.queries import QueryError, parse_duration, to_ns
 from sparseety.sinks.consumer import dead_letter_record
@@ -115,6 +115,7 @@ class ReplayReport:
     written: FlushResult = field(default_factory=FlushResult)
     diff: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0
+    processor_summary: str = ""
 
     @property
     def records_per_s(self) -> float:
@@ -125,25 +126,6 @@ class ReplayReport:
     def rows_per_s(self) -> float:
         """Rows written (or staged, in a dry run) per second."""
         return self.written.total_rows / self.seconds if self.seconds else 0.0
-
-
-def _security(cfg: Config) -> dict[str, Any]:
-    """aiokafka connection options from the librdkafka pass-through options."""
-    opts = cfg.kafka.client
-    protocol = opts.get("security.protocol", "PLAINTEXT").upper()
-    out: dict[str, Any] = {"security_protocol": protocol}
-    if protocol in ("SSL", "SASL_SSL"):
-        import ssl
-
-        ctx = ssl.create_default_context(cafile=opts.get("ssl.ca.location"))
-        if opts.get("ssl.certificate.location"):
-            ctx.load_cert_chain(opts["ssl.certificate.location"], opts.get("ssl.key.location"))
-        out["ssl_context"] = ctx
-    if protocol.startswith("SASL"):
-        out["sasl_mechanism"] = opts.get("sasl.mechanism", "PLAIN")
-        out["sasl_plain_username"] = opts.get("sasl.username")
-        out["sasl_plain_password"] = opts.get("sasl.password")
-    return out
 
 
 class Replay:
@@ -206,6 +188,9 @@ class Replay:
                 self._add(name, record, -1, 0)
             self._flush()
         self.report.seconds = time.monotonic() - started
+        summary = getattr(self.processor, "summary", None)
+        if callable(summary):
+            self.report.processor_summary = summary()
         return self.report
 
     async def _plan(self, consumer: Any) -> list[PartitionPlan]:
@@ -253,13 +238,12 @@ class Replay:
         from aiokafka import AIOKafkaConsumer
 
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.cfg.kafka.bootstrap.split(","),
+            **aiokafka_settings(self.cfg),
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_wait_ms=100,
             max_partition_fetch_bytes=8 * 1024 * 1024,
-            **_security(self.cfg),
         )
         await consumer.start()
         try:

@@ -196,5 +196,7 @@ def test_replay_cli_reports_throughput_and_rows(kafka_cfg: Config, store: Store)
     )
     assert dry.exit_code == 0, dry.output
     assert '"unchanged": 30' in dry.stdout
-    bad = runner.invoke(main, ["replay", "--topic", "engine-events"], env=env)
-    assert bad.exit_code == 2 and "needs the assembler's fold" in bad.output
+    folded = runner.invoke(main, ["replay", "--topic", "engine-events", "--idle", "0.5"], env=env)
+    assert folded.exit_code == 0 and "epochs folded" in folded.stderr
+    bad = runner.invoke(main, ["replay", "--topic", "not-a-topic"], env=env)
+    assert bad.exit_code == 2 and "not a SparSEEty topic" in bad.output
