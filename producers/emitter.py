@@ -45,6 +45,7 @@ from sparseety.producers.journal import Journal, JournalError, JournalFullError
 log = logging.getLogger("sparseety.producer")
 
 Builder = Callable[..., Any]
+#: (first seq, 0 or the emit_many count, wall ns, monotonic ns, builder, builder args)
 _Item = tuple[int, int, int, int, Builder, tuple[Any, ...]]
 
 #: Memory a queued message costs beside its value: librdkafka's message struct, key copy and the
@@ -212,7 +213,7 @@ class Emitter:
                 self._queue_full += 1
                 return
             self._queued += 1
-            self._q.append((seq, 1, time.time_ns(), time.monotonic_ns(), build, args))
+            self._q.append((seq, 0, time.time_ns(), time.monotonic_ns(), build, args))
 
     def emit_many(self, count: int, build: Builder, *args: Any) -> None:
         """Hand ``count`` events of one moment over at once (e.g. a step's admissions):
@@ -362,15 +363,16 @@ class Emitter:
             for _ in range(n):
                 out.append(q.popleft())
         if out:
-            taken = sum(item[1] for item in out)
+            taken = sum(item[1] or 1 for item in out)
             with self._lock:
                 self._queued -= taken
         return out
 
     def _handle(self, item: _Item) -> None:
-        seq, count, ts_ns, mono_ns, build, args = item
+        seq, many, ts_ns, mono_ns, build, args = item  # many: 0 for emit(), the count for emit_many()
+        count = many or 1
         try:
-            built = [build(*args)] if count == 1 else list(build(*args))
+            built = list(build(*args)) if many else [build(*args)]
         except Exception as exc:
             built = []
             self._log_once(f"build:{getattr(build, '__name__', build)}", "could not build events: %r", exc)

@@ -293,7 +293,8 @@ def test_emit_many_takes_consecutive_seqs_and_a_short_builder_leaves_gaps(tmp_pa
     em.emit(_payload, 0)
     em.emit_many(3, lambda: [_payload(i) for i in (1, 2, 3)])
     em.emit_many(3, lambda: [_payload(4)])  # announced 3, built 1: seqs 5 and 6 are lost
-    em.emit(_payload, 7)
+    em.emit_many(1, lambda: [_payload(7)])
+    em.emit(_payload, 8)
     stats = em.close()
-    assert _seqs(cfg, world.delivered) == [0, 1, 2, 3, 4, 7]
+    assert _seqs(cfg, world.delivered) == [0, 1, 2, 3, 4, 7, 8]
     assert stats.dropped_by == {"unencodable": 2}
