@@ -71,6 +71,9 @@ class TableStore:
         self.dirty.add(key)
         self.deleted.discard(key)
 
+    def touch(self, key: str) -> None:
+        self.dirty.add(key)
+
     def delete(self, key: str) -> None:
         self.cache.pop(key, None)
         self.dirty.discard(key)

@@ -342,6 +342,8 @@ class Assembler:
         self._bound_index(epoch)
 
     def _on_step(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
+        # The hottest code of the worker (once per request per engine step): locals and inlined
+        # arithmetic on purpose; the rare paths (recompute, drafts) call out.
         rids = body["req_ids"]
         n_sched = body["num_scheduled_tokens"]
         before = body["num_computed_before"]
@@ -352,87 +354,103 @@ class Assembler:
         step = body["step"]
         preempted = set(body["preempted_req_ids"])
         if preempted:
-            scheduled = set(rids)
-            for rid in preempted - scheduled:
+            for rid in preempted.difference(rids):
                 r = self._request(epoch, rid)
                 if r is not None and r.seq < seq and not r.closed:
                     r.seq = seq
                     r.preemptions += 1
                     r.preempted = True
                     self._put_request(r)
-        # Pass 1: per-request FLOPs (needed before the step's time can be split).
-        flops: list[float] = []
+        step_ns = body["duration_ns"]
+        start_ts = ts - step_ns
+        window = shape.window
+        per_token = shape.linear_flops_per_token
+        per_pair = shape.flops_per_pair
+        store = self.store
+        touch = store.touch
+        prefix = f"r|{epoch.engine_id}|"
+        shares: list[tuple[RequestState, float]] = []
         total = 0.0
-        reqs: list[RequestState | None] = []
         for i, rid in enumerate(rids):
-            r = self._request(epoch, rid)
-            if r is None or r.seq >= seq or r.closed:
-                reqs.append(None)
-                flops.append(0.0)
+            key = prefix + rid
+            r = store.get(key)
+            if r is None:
+                r = self._request(epoch, rid)
+                assert r is not None
+            elif r.seq >= seq or r.closed:
                 continue
             c = before[i]
             n = n_sched[i]
-            attended, full = shape.pairs(c, n)
-            f = shape.flops(n, attended)
+            attended = n * c + n * (n + 1) // 2  # causal pairs; windows are the rare case
+            if window is not None:
+                r.pairs_full += attended
+                attended = shape.pairs(c, n)[0]
             r.pairs += attended
-            r.pairs_full += full
-            reqs.append(r)
-            flops.append(f)
+            f = n * per_token + attended * per_pair
+            r.flops += f
             total += f
-        step_ns = body["duration_ns"]
-        start_ts = ts - step_ns
-        for i, r in enumerate(reqs):
-            if r is None:
-                continue
+            shares.append((r, f))
             r.seq = seq
-            if preempted and r.request_id in preempted:
-                r.preemptions += 1
-                r.preempted = True
             r.steps += 1
             r.last_step = step
             r.last_ts = ts
             if not r.first_sched_ts:
                 r.first_sched_ts = start_ts
-            f = flops[i]
-            r.flops += f
-            if total > 0:
-                r.gpu_ns += step_ns * f / total
-            c = before[i]
-            n = n_sched[i]
-            k = proposed[i] if proposed else 0
-            a = accepted[i] if accepted else 0
             r.last_computed_before = c
             r.scheduled += n
+            if preempted and rid in preempted:
+                r.preemptions += 1
+                r.preempted = True
             if r.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 r.preempted = False
                 r.cache_read += c
-            valid_end = c + n - (k - a)
-            r.draft_accepted += a
-            r.draft_rejected += k - a
+            a = accepted[i] if accepted else 0
+            rejected = (proposed[i] - a) if proposed else 0
+            valid_end = c + n - rejected
+            if a or rejected:
+                r.draft_accepted += a
+                r.draft_rejected += rejected
             hw = r.hw
             if c < hw:
-                redo_end = min(valid_end, hw)
+                redo_end = valid_end if valid_end < hw else hw
                 r.recomputed += redo_end - c
                 sg.assign(r.segments, c, redo_end, sg.RECOMPUTED)
-            first = valid_end - max(c, hw)
-            if first > 0:
-                # First computation of [max(c, hw), valid_end): accepted drafts are their own
-                # class; prompt blocks the engine had evicted before are recomputes.
-                first -= a
-                recompute = max(0, min(valid_end, r.recompute_until) - max(c, hw))
-                r.recomputed += recompute
-                r.uncached += first - recompute
+                c = hw
+            if valid_end > c:
+                # First computation of [c, valid_end): accepted drafts are their own class;
+                # prompt blocks the engine had evicted before are recomputes.
+                first = valid_end - c - a
+                if r.recompute_until > c:
+                    recompute = min(valid_end, r.recompute_until) - c
+                    r.recomputed += recompute
+                    first -= recompute
+                r.uncached += first
                 r.hw = valid_end
             new = n_new[i]
             if new:
                 if not r.first_token_ts:
                     r.first_token_ts = ts
                 r.out += new
-                drafts = min(a, new)
-                sg.append(r.segments, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
-                sg.append(r.segments, new - drafts, sg.OUTPUT, sg.COMPUTED)
-            self._put_request(r)
+                segs = r.segments
+                last = segs[-1] if segs else None
+                if (
+                    not a
+                    and last is not None
+                    and last[2] == "output"
+                    and last[3] == "computed"
+                    and not last[4]
+                ):
+                    last[1] += new  # the common decode step: extend the output run
+                else:
+                    drafts = min(a, new)
+                    sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
+                    sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
+            touch(key)
+        if total > 0:
+            scale = step_ns / total
+            for r, f in shares:
+                r.gpu_ns += f * scale
 
     def _on_routing(self, epoch: EpochState, seq: int, body: dict[str, Any], out: list[Output]) -> None:
         layers, experts = body["num_layers"], body["num_experts"]
@@ -631,7 +649,7 @@ class Assembler:
             "preemptions": r.preemptions,
             "steps": r.steps,
             "attention_pairs": r.pairs,
-            "attention_pairs_skipped": r.pairs_full - r.pairs,
+            "attention_pairs_skipped": (r.pairs_full - r.pairs) if window else 0,
             "gpu_time_ns": gpu_ns,
             "est_flops": float(r.flops),
             "engine_prompt_tokens": engine_prompt,

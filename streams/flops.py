@@ -8,7 +8,7 @@ attribution, not a measurement: only the ratios between requests of one step mat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -45,6 +45,15 @@ class ModelShape:
     top_k: int = 0
     window: int | None = None
     window_layer_fraction: float = 0.0
+    # Derived once (the assembler reads them per request per step).
+    linear_flops_per_token: float = field(init=False)
+    flops_per_pair: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        # 2 FLOPs per multiply-add of every active parameter (at least 1, to keep ratios sane);
+        # QK^T and AV over all heads and layers per attended query-key pair.
+        object.__setattr__(self, "linear_flops_per_token", float(max(2 * self.active_params, 1)))
+        object.__setattr__(self, "flops_per_pair", float(4 * self.num_layers * self.heads * self.head_dim))
 
     @classmethod
     def from_engine_started(cls, p: dict[str, Any]) -> ModelShape:
@@ -77,16 +86,6 @@ class ModelShape:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate * (self.top_k if self.experts else 1)
         return self.num_layers * (attn + mlp) + self.hidden * self.vocab
-
-    @property
-    def linear_flops_per_token(self) -> float:
-        """2 FLOPs per multiply-add of every active parameter (at least 1, to keep ratios sane)."""
-        return float(max(2 * self.active_params, 1))
-
-    @property
-    def flops_per_pair(self) -> float:
-        """QK^T and AV over all heads and layers, per attended query-key pair."""
-        return float(4 * self.num_layers * self.heads * self.head_dim)
 
     def pairs(self, start: int, n: int) -> tuple[int, int]:
         """(attended pairs, pairs a full-attention model would attend) for queries [start, start+n).

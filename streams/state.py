@@ -209,6 +209,10 @@ class StateStore(Protocol):
 
     def put(self, key: str, value: Any) -> None: ...
 
+    def touch(self, key: str) -> None:
+        """Mark a value returned by ``get`` and changed in place as dirty."""
+        ...
+
     def delete(self, key: str) -> None: ...
 
     def keys(self, prefix: str) -> Iterator[str]: ...
@@ -228,7 +232,11 @@ class MemoryStore:
     def put(self, key: str, value: Any) -> None:
         self.data[key] = value
         self.dirty.add(key)
-        self.deleted.discard(key)
+        if self.deleted:
+            self.deleted.discard(key)
+
+    def touch(self, key: str) -> None:
+        self.dirty.add(key)
 
     def delete(self, key: str) -> None:
         if self.data.pop(key, None) is not None:

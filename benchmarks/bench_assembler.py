@@ -1,0 +1,265 @@
+"""Assembler throughput and state size.
+
+    .venv/bin/python benchmarks/bench_assembler.py [--batch 256] [--steps 2000] [--runs 5] [--worker]
+
+Synthetic engine: ``--batch`` requests decode together; every step one request finishes and a new
+one is admitted (prompt 512 tokens, 4 cached blocks), so the stream carries RequestStarted,
+StepBatch, RequestFinished and KV events in realistic proportions. Reported (medians of --runs):
+
+* fold: ``Assembler.apply`` alone on decoded events (the pure logic);
+* decode+fold: Avro single-object decoding + validation + fold (what a worker core does per event);
+* with --worker: the real Faust worker against the embedded broker, events produced up front,
+  timed from the first output to the last (request-steps/s through the whole worker).
+
+Also the serialized state of one 128k-token request (chunked prefill, half the prompt cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparseety import events as ev  # noqa: E402
+from sparseety.config import WorkerConfig  # noqa: E402
+from sparseety.schema_store import SchemaStore  # noqa: E402
+from sparseety.serde import Decoder, Encoder  # noqa: E402
+from sparseety.streams.assembler import Assembler  # noqa: E402
+from sparseety.streams.state import MemoryStore  # noqa: E402
+from tests import factories as f  # noqa: E402
+
+BS = 16
+
+
+def synthetic(batch: int, steps: int, prompt: int = 512) -> tuple[list[dict[str, Any]], int]:
+    """Events of a steady decode batch; returns (events, request-steps)."""
+    events: list[dict[str, Any]] = []
+    seq = 0
+    t = 1_700_000_000_000_000_000
+
+    def add(kind: str, body: dict[str, Any]) -> None:
+        nonlocal seq
+        events.append(f.wrap(seq, kind, body, ts_ns=t))
+        seq += 1
+
+    groups = [{"kind": "full_attention", "sliding_window": None, "block_size": BS, "num_layers": 32}]
+    add(
+        ev.ENGINE_STARTED,
+        f.engine_started(
+            block_size=BS,
+            kv_cache_groups=groups,
+            num_layers=32,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+        ),
+    )
+    shared = [i.to_bytes(8, "big") for i in range(4)]
+    add(
+        ev.KV_STORED,
+        {
+            "block_hashes": shared,
+            "parent_block_hash": None,
+            "block_size": BS,
+            "num_tokens": 4 * BS,
+            "lora_id": None,
+            "medium": "GPU",
+            "group_kind": "full_attention",
+            "sliding_window": None,
+        },
+    )
+    live: dict[str, int] = {}
+    next_id = 0
+
+    def admit() -> None:
+        nonlocal next_id
+        rid = f"req-{next_id}"
+        next_id += 1
+        hashes = shared + [(10_000 * next_id + i).to_bytes(8, "big") for i in range(prompt // BS - 4)]
+        add(
+            ev.REQUEST_STARTED,
+            f.request_started(
+                rid, [], hashes=hashes, prompt_len=prompt, num_cached_tokens=4 * BS, prompt_token_ids=[]
+            ),
+        )
+        add(
+            ev.KV_STORED,
+            {
+                "block_hashes": hashes[4:],
+                "parent_block_hash": hashes[3],
+                "block_size": BS,
+                "num_tokens": prompt - 4 * BS,
+                "lora_id": None,
+                "medium": "GPU",
+                "group_kind": "full_attention",
+                "sliding_window": None,
+            },
+        )
+        live[rid] = 4 * BS
+
+    for _ in range(batch):
+        admit()
+    request_steps = 0
+    for step in range(steps):
+        t += 20_000_000
+        rows = []
+        for rid, computed in live.items():
+            n = prompt - computed if computed < prompt else 1
+            rows.append((rid, n, computed, [7]))
+            live[rid] = computed + n
+        request_steps += len(rows)
+        add(ev.STEP_BATCH, f.step_batch(step, rows, duration_ns=20_000_000))
+        done = next(iter(live))
+        out = live.pop(done) - prompt + 1
+        add(ev.REQUEST_FINISHED, f.request_finished(done, prompt=prompt, output=out, cached=4 * BS))
+        admit()
+    return events, request_steps
+
+
+def fold(events: list[dict[str, Any]]) -> float:
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    start = time.perf_counter()
+    for e in events:
+        asm.apply(e)
+    return time.perf_counter() - start
+
+
+def decode_fold(blobs: list[bytes]) -> float:
+    dec = Decoder(SchemaStore.load())
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    start = time.perf_counter()
+    for b in blobs:
+        _, e = dec.decode(b)
+        ev.validate_engine_event(e)
+        asm.apply(e)
+    return time.perf_counter() - start
+
+
+def long_request_state() -> tuple[int, int]:
+    prompt = 131_072
+    hashes = [i.to_bytes(8, "big") for i in range(prompt // BS)]
+    groups = [{"kind": "full_attention", "sliding_window": None, "block_size": BS, "num_layers": 2}]
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(block_size=BS, kv_cache_groups=groups)),
+        f.wrap(
+            1,
+            ev.KV_STORED,
+            {
+                "block_hashes": hashes[: len(hashes) // 2],
+                "parent_block_hash": None,
+                "block_size": BS,
+                "num_tokens": prompt // 2,
+                "lora_id": None,
+                "medium": "GPU",
+                "group_kind": "full_attention",
+                "sliding_window": None,
+            },
+        ),
+        f.wrap(
+            2,
+            ev.REQUEST_STARTED,
+            f.request_started("long", [], hashes=hashes, prompt_len=prompt, num_cached_tokens=prompt // 2),
+        ),
+    ]
+    seq, c = 3, prompt // 2
+    while c < prompt:
+        n = min(8192, prompt - c)
+        events.append(
+            f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])]))
+        )
+        seq, c = seq + 1, c + n
+    for i in range(1000):
+        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", 1, prompt + i, [2])])))
+        seq += 1
+    store = MemoryStore()
+    asm = Assembler(WorkerConfig(), store)
+    for e in events:
+        asm.apply(e)
+    req = store.get(f"r|{f.EID}|long")
+    return store.size_bytes(f"r|{f.EID}|long"), len(req.segments)
+
+
+def worker_throughput(events: list[dict[str, Any]], request_steps: int) -> float:
+    import tempfile
+
+    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.config import load_config
+    from sparseety.kafka import ensure_topics
+    from tests.helpers import ComponentProcess, produce_events, read_topic
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-asm-"))
+    cfg = load_config(data_dir=str(tmp), broker={"port": free_port()})
+    broker = EmbeddedBroker(cfg)
+    broker.start(create_topics=False)
+    try:
+        cfg = broker.client_config().replace(
+            topics={
+                "engine_events": "b.ee",
+                "timelines": "b.tl",
+                "usage": "b.us",
+                "dlq": "b.dlq",
+                "partitions": 1,
+            },
+            worker={"app_id": "bench-asm", "take_max": 2000, "take_within_s": 0.05, "session_timeout_s": 6.0},
+        )
+        ensure_topics(cfg)
+        produce_events(cfg, events)
+        n_closed = sum(1 for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED)
+        worker = ComponentProcess(cfg, ["worker", "--loglevel", "warning"], tmp / "worker.log").start()
+        first = None
+        while True:
+            n = len(read_topic(cfg, cfg.topics.timelines, quiet_s=0.2))
+            if n and first is None:
+                first = time.monotonic()
+            if n >= n_closed:
+                break
+            if not worker.alive():
+                raise RuntimeError(worker.tail())
+            time.sleep(0.5)
+        elapsed = time.monotonic() - (first or time.monotonic())
+        worker.stop()
+        return request_steps / max(elapsed, 1e-9)
+    finally:
+        broker.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--worker", action="store_true", help="also measure the real Faust worker")
+    args = ap.parse_args()
+    events, request_steps = synthetic(args.batch, args.steps)
+    enc = Encoder(SchemaStore.load(), "EngineEvent")
+    blobs = [enc.encode(e) for e in events]
+    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    print(
+        f"workload: batch {args.batch}, {args.steps} steps, {len(events)} events, {request_steps} request-steps, "
+        f"{sum(len(b) for b in blobs) / len(blobs):,.0f} B/event"
+    )
+    fold_s = statistics.median(fold(events) for _ in range(args.runs))
+    dec_s = statistics.median(decode_fold(blobs) for _ in range(args.runs))
+    print(
+        f"fold:         {request_steps / fold_s:>12,.0f} request-steps/s  ({len(events) / fold_s:,.0f} events/s)"
+    )
+    print(
+        f"decode+fold:  {request_steps / dec_s:>12,.0f} request-steps/s  ({len(events) / dec_s:,.0f} events/s)"
+    )
+    size, segments = long_request_state()
+    print(f"128k-token request state: {size / 1024:,.0f} KiB serialized, {segments} segments")
+    if args.worker:
+        rate = worker_throughput(events, request_steps)
+        print(f"Faust worker: {rate:>12,.0f} request-steps/s (one process, embedded broker)")
+
+
+if __name__ == "__main__":
+    main()
