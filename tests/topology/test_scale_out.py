@@ -1,0 +1,92 @@
+"""Scale-out: several `sparseety worker` processes in one consumer group share the partitions; a
+rebalance (a worker killed, another added mid-stream) loses and duplicates nothing: the final
+results equal a single pass of the pure fold over the same events."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sparseety.config import Config
+from sparseety.kafka import ensure_topics
+from tests.helpers import ComponentProcess, latest_by_key, produce_events, read_topic, wait_for
+from tests.sim import SimEngine, workload
+from tests.topology.test_worker import expected_outputs, worker_cfg
+
+
+def assigned(proc: ComponentProcess, topic: str) -> list[set[int]]:
+    """Partition sets of ``topic`` a worker was given, in order, from Faust's assignment log."""
+    out = []
+    for line in proc.log.read_text(errors="replace").splitlines():
+        cells = line.split("|")
+        if f"| {topic} " in line and len(cells) > 3 and cells[2].strip().startswith("{"):
+            cell = cells[2].strip().strip("{}")
+            parts: set[int] = set()
+            for item in cell.split(","):
+                lo, _, hi = item.strip().partition("-")
+                parts.update(range(int(lo), int(hi or lo) + 1))
+            out.append(parts)
+    return out
+
+
+def test_two_workers_then_one_killed_and_one_added(kafka_cfg: Config, unique: str, tmp_path: Path) -> None:
+    topics = {
+        name: f"{value}-x4" for name, value in kafka_cfg.topics.model_dump().items() if isinstance(value, str)
+    }
+    cfg = worker_cfg(kafka_cfg.replace(topics={**topics, "partitions": 4}), unique)
+    ensure_topics(cfg)
+    events: list[dict[str, Any]] = []
+    for i in range(6):
+        events += SimEngine(
+            engine=f"engine-{i}", seed=40 + i, spec_k=2, preempt_prob=0.1, cache_blocks=24
+        ).run(workload(40, seed=40 + i))
+    want_t, want_u = expected_outputs(cfg, events)
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        by_engine.setdefault(e["engine_name"], []).append(e)
+    first_part = [e for evs in by_engine.values() for e in evs[: len(evs) // 3]]
+    rest = [e for evs in by_engine.values() for e in evs[len(evs) // 3 :]]
+
+    procs = []
+
+    def start(name: str) -> ComponentProcess:
+        p = ComponentProcess(cfg, ["worker"], tmp_path / f"{name}.log").start()
+        procs.append(p)
+        return p
+
+    try:
+        a, b = start("a"), start("b")
+        produce_events(cfg, first_part)
+        wait_for(
+            lambda: len(read_topic(cfg, cfg.topics.timelines, quiet_s=0.3)) > 10, 180, 1, "first outputs"
+        )
+        a.kill()  # SIGKILL: its partitions move to b after the session timeout
+        c = start("c")  # and a newcomer joins mid-stream
+        half = len(rest) // 2
+        produce_events(cfg, rest[:half])
+        time.sleep(2)
+        produce_events(cfg, rest[half:])
+        wait_for(
+            lambda: (
+                len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= len(want_t)
+                or not (b.alive() and c.alive())
+            ),
+            300,
+            2,
+            "all timelines",
+        )
+        assert b.alive(), b.tail()
+        assert c.alive(), c.tail()
+        wait_for(
+            lambda: len(latest_by_key(read_topic(cfg, cfg.topics.usage))) >= len(want_u), 120, 2, "usage"
+        )
+        assert latest_by_key(read_topic(cfg, cfg.topics.timelines)) == want_t
+        assert latest_by_key(read_topic(cfg, cfg.topics.usage)) == want_u
+        # The partitions really moved: the newcomer took over some the killed worker held.
+        held_by_a = assigned(a, cfg.topics.engine_events)
+        taken_by_c = assigned(c, cfg.topics.engine_events)
+        assert held_by_a and taken_by_c and held_by_a[0] & set().union(*taken_by_c)
+    finally:
+        for p in procs:
+            p.stop()
