@@ -59,7 +59,14 @@ def _echo(rows: Any, fmt: str) -> None:
 
 
 @click.command("sink")
-@click.option("--sink", "sink_name", default="clickhouse", show_default=True, help="Registered sink.")
+@click.option(
+    "--sink",
+    "sink_names",
+    multiple=True,
+    default=("clickhouse",),
+    show_default=True,
+    help="Registered sink (repeat to write to several: --sink clickhouse --sink otel).",
+)
 @click.option("--session-timeout", type=float, default=30.0, show_default=True, help="Consumer session, s.")
 @click.option("--commit-interval", type=float, default=2.8, show_default=True, help="Offset commits, s.")
 @click.option(
@@ -69,7 +76,7 @@ def _echo(rows: Any, fmt: str) -> None:
 @pass_ctx
 def sink_cmd(
     c: CliContext,
-    sink_name: str,
+    sink_names: tuple[str, ...],
     session_timeout: float,
     commit_interval: float,
     loglevel: str,
@@ -85,12 +92,14 @@ def sink_cmd(
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.sinks.base import load_sink_class
     from sparseety.sinks.consumer import create_app
+    from sparseety.sinks.fanout import FanOutSink
 
     cfg = c.cfg
-    sink_cls = load_sink_class(sink_name)
+    names = list(dict.fromkeys(sink_names))
+    classes = [load_sink_class(name) for name in names]  # fail before waiting for Kafka
     wait_for_kafka(cfg)
     ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
-    sink = sink_cls.from_config(cfg)
+    sink = classes[0].from_config(cfg) if len(classes) == 1 else FanOutSink.from_config(cfg, names=names)
     try:
         app = create_app(
             cfg,

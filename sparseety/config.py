@@ -179,6 +179,30 @@ class ApiConfig(_Section):
         return [("host", self.host), ("port", self.port), ("tokens", f"<{len(self.tokens)} tokens>")]
 
 
+class OtelConfig(_Section):
+    """OpenTelemetry export (the ``otel`` sink): one span per request over OTLP.
+
+    Empty ``endpoint``: the exporter's own default, which honours the standard
+    ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` variables. An ``http/protobuf`` endpoint given as a
+    base URL (``http://collector:4318``) gets ``/v1/traces`` appended.
+    """
+
+    endpoint: str = ""
+    protocol: Literal["grpc", "http/protobuf"] = "http/protobuf"
+    headers: dict[str, str] = Field(default_factory=dict)  # e.g. authorization: secret
+    insecure: bool = False  # grpc: plaintext instead of TLS
+    timeout_s: float = Field(10.0, gt=0)
+    service_name: str = "sparseety"
+    provider_name: str = ""  # gen_ai.provider.name; empty: the record's engine_kind (vllm)
+    max_queue_size: int = Field(8192, ge=1)
+    max_export_batch_size: int = Field(512, ge=1)
+    schedule_delay_ms: int = Field(1000, ge=1)
+
+    def __repr_args__(self) -> Any:
+        masked = {k: "**********" for k in self.headers}
+        return [(k, masked if k == "headers" else v) for k, v in super().__repr_args__()]
+
+
 class BrokerConfig(_Section):
     """Embedded Kafka-protocol broker (Tansu) for one-machine stacks and tests."""
 
@@ -199,6 +223,7 @@ class Config(_Section):
     worker: WorkerConfig = WorkerConfig()
     sink: SinkConfig = SinkConfig()
     api: ApiConfig = ApiConfig()
+    otel: OtelConfig = OtelConfig()
     broker: BrokerConfig = BrokerConfig()
 
     @property
