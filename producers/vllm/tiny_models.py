@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-KINDS: Final = ("llama", "mixtral", "mistral-sw")
+KINDS: Final = ("llama", "mixtral", "mistral-sw", "mixtral-sw")
 MARKER: Final = ".sparseety-tiny-model.json"
 """Written last; its presence means the checkpoint directory is complete."""
 
@@ -77,8 +77,9 @@ def build_tiny_model(kind: str, path: Path, *, seed: int = 0) -> Path:
     complete, so concurrent builders never see a partial directory.
 
     Args:
-        kind: One of ``"llama"``, ``"mixtral"`` (4 experts, top-2) or ``"mistral-sw"``
-            (Mistral with ``sliding_window=64``).
+        kind: One of ``"llama"``, ``"mixtral"`` (4 experts, top-2), ``"mistral-sw"``
+            (Mistral with ``sliding_window=64``) or ``"mixtral-sw"`` (the Mixtral with a
+            128-token sliding window).
         path: Target checkpoint directory.
         seed: Seed for the random weights.
 
@@ -156,9 +157,13 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
     config: transformers.PretrainedConfig
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
-    elif kind == "mixtral":
+    elif kind in ("mixtral", "mixtral-sw"):
+        # mixtral-sw (MoE routing and a 128-token window in one model) is the demo's model.
         config = transformers.MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+            **common,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=128 if kind == "mixtral-sw" else None,
         )
     else:
         config = transformers.MistralConfig(**common, sliding_window=64)
