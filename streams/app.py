@@ -148,6 +148,28 @@ class AssemblerWorker:
         """Forget cached state and positions (after a rebalance the table and the group are the truth)."""
         self.partitions.clear()
         self.next_offset.clear()
+        metrics.forget_partitions()
+
+    async def export_lag(self, consumer: Any, assigned: set[int]) -> None:
+        """Lag gauges per assigned partition: high watermark - the next offset to process (before
+        the first batch: the group's committed offset, else the start of the log)."""
+        from faust.types import TP
+
+        tps = {p: TP(self.cfg.topics.engine_events, p) for p in sorted(assigned)}
+        if not tps:
+            return
+        highwaters = await consumer.highwaters(*tps.values())
+        positions = {p: self.next_offset.get(p) for p in tps}
+        for p in [p for p, pos in positions.items() if pos is None]:
+            positions[p] = await self.refetcher.committed(p)
+        unknown = [tps[p] for p, pos in positions.items() if pos is None]
+        if unknown:
+            for tp, start in (await consumer.earliest_offsets(*unknown)).items():
+                positions[tp.partition] = start
+        for p, tp in tps.items():
+            position, highwater = positions.get(p), highwaters.get(tp)
+            if position is not None and highwater is not None:
+                metrics.set_lag(p, highwater=highwater, position=position)
 
     def _for(self, partition: int) -> tuple[TableStore, Assembler]:
         pair = self.partitions.get(partition)
@@ -172,6 +194,7 @@ class AssemblerWorker:
             store, asm = self._for(partition)
             outputs: list[Output] = []
             started = time.perf_counter()
+            last_ts_ns = 0
             for msg in batch:
                 try:
                     _, decoded = self.decoder.decode(msg.value)
@@ -182,7 +205,10 @@ class AssemblerWorker:
                     metrics.DEAD_LETTERS.labels("assembler", type(exc).__name__).inc()
                     continue
                 outputs.extend(asm.apply(decoded))
+                last_ts_ns = decoded["ts_ns"]
             metrics.EVENTS_IN.inc(len(batch))
+            if last_ts_ns:
+                metrics.LAST_EVENT_TS.labels(str(partition)).set(last_ts_ns / 1e9)
             metrics.FOLD_SECONDS.observe(time.perf_counter() - started)
             log.debug(
                 "partition %d: offsets %d..%d -> %d outputs",
@@ -322,5 +348,9 @@ def create_app(cfg: Config) -> faust.App:
                 tp.partition for tp in app.consumer.assignment() if tp.topic == cfg.topics.engine_events
             }
             await worker.tick(assigned)
+            try:
+                await worker.export_lag(app.consumer, assigned)
+            except Exception as exc:  # metrics never stop the worker
+                log.debug("lag metrics not updated: %r", exc)
 
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, fields
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from sparseety.streams.assembler import Stats
 
@@ -24,6 +24,17 @@ ASSEMBLER = Counter(
     ["outcome"],
 )
 
+LAG = Gauge(
+    "sparseety:worker_lag_events",
+    "Engine events not yet processed, per assigned partition: high watermark - next offset to process.",
+    ["partition"],
+)
+LAST_EVENT_TS = Gauge(
+    "sparseety:worker_last_event_timestamp_seconds",
+    "Wall clock (ts_ns) of the last engine event processed, per partition; freshness = time() - this.",
+    ["partition"],
+)
+
 _last: dict[int, tuple[int, ...]] = {}
 _names = [f.name for f in fields(Stats)]
 
@@ -36,3 +47,14 @@ def export(key: int, stats: Stats) -> None:
         if b > a and name != "events":
             ASSEMBLER.labels(name).inc(b - a)
     _last[key] = now
+
+
+def set_lag(partition: int, *, highwater: int, position: int) -> None:
+    """A partition's lag: events up to the high watermark not yet processed."""
+    LAG.labels(str(partition)).set(max(highwater - position, 0))
+
+
+def forget_partitions() -> None:
+    """Drop the per-partition gauges (partitions were revoked; the next owner reports them)."""
+    LAG.clear()
+    LAST_EVENT_TS.clear()
