@@ -1,0 +1,1 @@
+"""The embedded stack (``sparseety up/down/status``) and the demo (``sparseety demo``)."""

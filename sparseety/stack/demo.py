@@ -1,0 +1,339 @@
+"""``sparseety demo``: the whole pipeline on one machine, ending in a cost-attribution report.
+
+1. build the tiny local MoE model with a sliding window (unless ``--model`` names a checkpoint);
+2. prepare the store (migrations, demo prices) and start the embedded stack;
+3. run a real vLLM engine with the plugin (prefix caching, ngram drafts, MoE routing capture, a
+   small KV cache) under a workload that makes every token status happen;
+4. wait until every request the engine served is visible in SQL;
+5. print the report — per tenant: requests, token classes, cost in each attribution mode;
+   prefix-cache savings, waste, speculative efficiency, expert load — and check it: per-tenant
+   totals equal the sum over requests, and request and token counts equal what vLLM returned;
+6. write the HTML dashboard and stop the stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from sparseety.config import Config, to_env
+from sparseety.errors import SparseetyError
+from sparseety.stack.supervisor import Stack
+
+Say = Callable[[str], None]
+
+#: Demo prices (USD per million tokens, per GPU-hour): list prices of a mid-size model.
+DEMO_PRICES = {"input": "3.00", "cached_input": "0.30", "output": "15.00", "gpu_hour": "2.50"}
+TOKEN_CLASSES = (
+    "prompt_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_tokens",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "skipped_tokens",
+    "evicted_tokens",
+)
+
+
+class DemoError(SparseetyError):
+    """The demo could not complete (the message says which step and where its log is)."""
+
+
+@dataclass
+class DemoResult:
+    """What the demo produced (also used by the end-to-end test)."""
+
+    run_dir: Path
+    engine: dict[str, Any]
+    requests: list[dict[str, Any]]
+    by_tenant: dict[str, dict[str, Any]]
+    report: str
+    dashboard: Path
+    problems: list[str] = field(default_factory=list)
+
+
+class Api:
+    """The store process's HTTP API (the demo's configuration has no tokens: loopback, open)."""
+
+    def __init__(self, base: str) -> None:
+        import httpx
+
+        self.client = httpx.Client(base_url=base, timeout=30.0)
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.client.get(path, params={k: v for k, v in params.items() if v is not None})
+        if r.status_code >= 400:
+            raise DemoError(f"GET {path} -> {r.status_code}: {r.text[:300]}")
+        return r.json() if "json" in r.headers.get("content-type", "") else r.text
+
+
+def _model(cfg: Config, model: Path | None, say: Say) -> tuple[Path, str]:
+    if model is not None:
+        return model, model.name
+    from sparseety.producers.vllm.tiny_models import build_tiny_model
+
+    path = cfg.data_path / "models" / "mixtral-sw"
+    say(f"model: building the tiny MoE model with a sliding window under {path} (once)")
+    return build_tiny_model("mixtral-sw", path), "tiny-mixtral-sw"
+
+
+def _prepare_store(cfg: Config, model_name: str, say: Say) -> None:
+    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+
+    say(f"store: migrating {cfg.clickhouse_dsn} and setting demo prices for {model_name}")
+    store = Store.open(cfg, owner="sparseety demo")
+    try:
+        migrate(store)
+        set_prices(store, [Price(model_name, c, Decimal(p)) for c, p in DEMO_PRICES.items()])
+    finally:
+        store.close()
+
+
+def _run_engine(
+    stack: Stack,
+    model: Path,
+    model_name: str,
+    run_dir: Path,
+    sessions: int,
+    quick: bool,
+    engine_args: dict[str, Any] | None,
+    say: Say,
+) -> dict[str, Any]:
+    from sparseety.stack.engine import TINY_ENGINE
+
+    out = run_dir / "engine.json"
+    cfg = stack.cfg.replace(
+        producer={
+            **stack.cfg.producer.model_dump(),
+            "engine_name": "demo-engine",
+            "routing_capture": True,
+            "heartbeat_interval_s": 1.0,
+        },
+    )
+    args = {**(engine_args or TINY_ENGINE), "served_model_name": model_name}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env.update(to_env(cfg))
+    # The engine core runs in this child (one process, starts in seconds instead of ~40 s on CPU);
+    # the MoE routing still comes from the model-runner hooks, on its own worker stream.
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparseety.stack.engine",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--sessions",
+        str(sessions),
+        "--engine-args",
+        json.dumps(args),
+    ]
+    if quick:
+        cmd.append("--quick")
+    log_path = run_dir / "engine.log"
+    say(f"engine: starting vLLM with the SparSEEty plugin (log {log_path})")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            text = line.decode(errors="replace").rstrip()
+            log.write(line)
+            if text.startswith("engine:"):
+                say(text)
+        code = proc.wait()
+    if code != 0 or not out.exists():
+        raise DemoError(f"the engine failed (exit {code}); see {log_path}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    seen = -1
+    while True:
+        rows = api.get("/api/v1/requests", limit=10_000, since="1d")["rows"]
+        if len(rows) != seen:
+            say(f"pipeline: {len(rows)}/{expected} requests visible in SQL")
+            seen = len(rows)
+        if len(rows) >= expected:
+            return rows  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise DemoError(f"only {len(rows)} of {expected} requests reached the store in {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
+    body = ["  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
+    return "\n".join([line, "  ".join("-" * w for w in widths), *body])
+
+
+def build_report(
+    api: Api, engine: dict[str, Any], stored: list[dict[str, Any]]
+) -> tuple[str, dict[str, Any], list[str]]:
+    """The report text, per-tenant totals, and any mismatch against the engine's own answers."""
+    tenants: dict[str, dict[str, Any]] = {}
+    for r in stored:
+        t = tenants.setdefault(
+            r["tenant"], {"tenant": r["tenant"], "requests": 0, **dict.fromkeys(TOKEN_CLASSES, 0)}
+        )
+        t["requests"] += 1
+        for k in TOKEN_CLASSES:
+            t[k] += int(r[k])
+    costs: dict[str, dict[str, Any]] = {}
+    for mode in ("list", "actual", "amortized", "gpu"):
+        for row in api.get("/api/v1/cost", group_by="tenant", mode=mode, since="1d")["rows"]:
+            costs.setdefault(row["tenant"], {})[mode] = row
+    problems = []
+    for name, t in tenants.items():
+        row = costs.get(name, {}).get("actual", {})
+        if int(row.get("requests", -1)) != t["requests"]:
+            problems.append(
+                f"tenant {name}: cost query counts {row.get('requests')} requests, the rows say {t['requests']}"
+            )
+        for k in ("prompt_tokens", "output_tokens"):
+            if k in row and int(row[k]) != t[k]:
+                problems.append(f"tenant {name}: cost query {k} {row[k]} != sum over requests {t[k]}")
+        for mode in ("list", "actual", "amortized", "gpu"):
+            t[f"cost_{mode}"] = costs.get(name, {}).get(mode, {}).get("cost_usd", "?")
+    eng = engine["requests"]
+    by_tenant_engine: dict[str, dict[str, int]] = {}
+    for r in eng:
+        e = by_tenant_engine.setdefault(
+            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
+        )
+        e["requests"] += 1
+        e["prompt_tokens"] += r["prompt_tokens"]
+        e["output_tokens"] += r["output_tokens"]
+        e["cached"] += r["num_cached_tokens"]
+    if len(stored) != len(eng):
+        problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
+    for name, e in by_tenant_engine.items():
+        t = tenants.get(name, {})
+        for k in ("requests", "prompt_tokens", "output_tokens"):
+            if t.get(k) != e[k]:
+                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    lines = ["", "SparSEEty demo report", "=" * 21, ""]
+    lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
+    m = engine.get("metrics", {})
+    lines.append(
+        f"engine metrics: prompt {m.get('vllm:prompt_tokens', '?')}, generated {m.get('vllm:generation_tokens', '?')}, "
+        f"prefix-cache hits {m.get('vllm:prefix_cache_hits', '?')}, accepted drafts "
+        f"{m.get('vllm:spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('vllm:num_preemptions', '?')}"
+    )
+    lines += ["", "Tokens per tenant (disjoint classes; prompt includes cache reads):", ""]
+    short = {
+        "prompt_tokens": "prompt",
+        "output_tokens": "output",
+        "cache_read_tokens": "cache_read",
+        "uncached_computed_tokens": "computed",
+        "recomputed_tokens": "recomputed",
+        "draft_accepted_tokens": "drafts_ok",
+        "draft_rejected_tokens": "drafts_rej",
+        "skipped_tokens": "skipped",
+        "evicted_tokens": "evicted",
+    }
+    rows = [
+        {"tenant": t["tenant"], "requests": t["requests"], **{short[k]: t[k] for k in TOKEN_CLASSES}}
+        for t in sorted(tenants.values(), key=lambda x: x["tenant"])
+    ]
+    lines.append(_table(rows, ["tenant", "requests", *short.values()]))
+    lines += ["", "Cost per tenant, USD (docs/cost-model.md):", ""]
+    rows = [
+        {
+            "tenant": t["tenant"],
+            **{mode: t[f"cost_{mode}"] for mode in ("list", "actual", "amortized", "gpu")},
+        }
+        for t in sorted(tenants.values(), key=lambda x: x["tenant"])
+    ]
+    lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu"]))
+    for title, path, cols in (
+        ("Prefix-cache savings", "/api/v1/savings", None),
+        ("Waste (recomputed + rejected drafts)", "/api/v1/waste", None),
+        ("Speculative decoding", "/api/v1/spec", None),
+    ):
+        try:
+            data = api.get(path, group_by="tenant", since="1d")["rows"]
+        except DemoError as exc:
+            data = [{"error": str(exc)}]
+        if data:
+            lines += ["", f"{title}:", "", _table(data, cols or list(data[0]))]
+    try:
+        experts = api.get("/api/v1/experts", since="1d")["rows"]
+    except DemoError:
+        experts = []
+    if experts:
+        by_layer: dict[Any, list[dict[str, Any]]] = {}
+        for e in experts:
+            by_layer.setdefault(e.get("layer"), []).append(e)
+        lines += ["", "MoE expert load (tokens routed per expert):"]
+        for layer, rows_ in sorted(by_layer.items(), key=lambda kv: str(kv[0])):
+            counts = ", ".join(f"e{r.get('expert')}={r.get('tokens', r.get('count', '?'))}" for r in rows_)
+            lines.append(f"  layer {layer}: {counts}")
+    lines += [
+        "",
+        "Check: per-tenant totals = sum over requests; counts = what vLLM returned: "
+        + ("OK" if not problems else "MISMATCH"),
+    ]
+    lines += [f"  - {p}" for p in problems]
+    return "\n".join(lines), tenants, problems
+
+
+def run_demo(
+    cfg: Config,
+    *,
+    model: Path | None = None,
+    sessions: int = 4,
+    quick: bool = False,
+    keep_running: bool = False,
+    engine_args: dict[str, Any] | None = None,
+    say: Say = print,
+) -> DemoResult:
+    """Run the demo on the stack of ``cfg`` (its data dir); see the module docstring."""
+    run_dir = cfg.data_path / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say(f"demo: working in {run_dir}")
+    model_path, model_name = _model(cfg, model, say)
+    stack = Stack(cfg)
+    if stack.status()[1].state != "stopped":
+        raise DemoError(
+            "a stack is already running on this data dir: `sparseety down` first, or use --data-dir"
+        )
+    _prepare_store(stack.cfg, model_name, say)
+    try:
+        for row in stack.up(progress=say):
+            say(f"  {row.name:<10} {row.state:<9} {row.endpoint}")
+        engine = _run_engine(stack, model_path, model_name, run_dir, sessions, quick, engine_args, say)
+        api = Api(stack.api_url)
+        stored = _wait_visible(api, len(engine["requests"]), say)
+        report, tenants, problems = build_report(api, engine, stored)
+        dashboard = run_dir / "dashboard.html"
+        dashboard.write_text(api.get("/dashboard", inline=1))
+        (run_dir / "report.txt").write_text(report + "\n")
+        say(report)
+        say(f"\ndashboard: {dashboard}\nreport:    {run_dir / 'report.txt'}")
+        return DemoResult(run_dir, engine, stored, tenants, report, dashboard, problems)
+    finally:
+        if keep_running:
+            say(f"stack left running: API {stack.api_url}; `sparseety down` stops it")
+        else:
+            stack.down(progress=say)
