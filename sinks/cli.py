@@ -311,17 +311,28 @@ def grouped(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
-def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
-    from sparseety.sinks.clickhouse.queries import Queries
+@contextlib.contextmanager
+def _queries(cfg: Config) -> Iterator[Any]:
+    """The query library over the store, or over the store process's HTTP API when another
+    process (``sparseety store`` / ``sparseety api``) owns the embedded store."""
+    from sparseety.api.client import open_queries
 
-    with _store(c.cfg, "sparseety query") as store:
-        rows = call(Queries(store))
+    with open_queries(cfg, "sparseety query") as q:
+        yield q
+
+
+def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
+    with _queries(c.cfg) as q:
+        rows = call(q)
     _echo(rows, fmt)
 
 
 @click.group("query")
 def query() -> None:
-    """Ask the store: costs, savings, waste, experts, duplication, one request."""
+    """Ask the store: costs, savings, waste, experts, duplication, one request.
+
+    While the store process runs (it owns the embedded store), queries go through its HTTP API.
+    """
 
 
 @query.command("cost")
@@ -407,10 +418,10 @@ def query_duplication(
 @pass_ctx
 def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
     """One request: every count, its cost in each mode and its segment timeline."""
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from sparseety.sinks.clickhouse.queries import Scope
 
-    with _store(c.cfg, "sparseety query") as store:
-        found = Queries(store).request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
+    with _queries(c.cfg) as q:
+        found = q.request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
     if found is None:
         raise click.ClickException(f"no request {request_uid!r}")
     if fmt == "json":
@@ -431,10 +442,8 @@ def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt
 @pass_ctx
 def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
     """Token statistics of one request (what the HTTP API serves)."""
-    from sparseety.sinks.clickhouse.queries import Queries
-
-    with _store(c.cfg, "sparseety query") as store:
-        found = Queries(store).tokens_statistics(request_uid)
+    with _queries(c.cfg) as q:
+        found = q.tokens_statistics(request_uid)
     if found is None:
         raise click.ClickException(f"no request {request_uid!r}")
     _echo(found, fmt)

@@ -25,6 +25,7 @@ COMPONENT_CLIS = (
     "sparseety.streams.cli",
     "sparseety.sinks.cli",
     "sparseety.stack.cli",
+    "sparseety.api.cli",
 )
 
 

@@ -1,0 +1,78 @@
+"""``sparseety ingest FILE``: publish a trace file to the engine-events topic, with progress."""
+
+from __future__ import annotations
+
+import click
+
+from sparseety.cli_context import CliContext, pass_ctx
+
+
+@click.command("ingest")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["auto", "recording", "jsonl"]),
+    default="auto",
+    show_default=True,
+    help="recording: SparSEEty event recording (events.bin); jsonl: one request per line.",
+)
+@click.option("--engine", "engine_name", default=None, help="Engine name of a JSONL trace [trace-<stem>].")
+@click.option("--tenant", "default_tenant", default="", help="Tenant of JSONL lines that name none.")
+@click.option("--model", "default_model", default="", help="Model of JSONL lines that name none.")
+@click.option("--strict", is_flag=True, help="Publish nothing if any line is bad (default: skip + report).")
+@pass_ctx
+def ingest_cmd(
+    c: CliContext,
+    path: str,
+    fmt: str,
+    engine_name: str | None,
+    default_tenant: str,
+    default_model: str,
+    strict: bool,
+) -> None:
+    """Publish a trace file (recording or JSONL log) to the engine-events topic.
+
+    Bad lines are skipped and reported with their line numbers; the exit status is 1 when any
+    line was skipped. The assembler then folds the events like a live engine's (or replay the
+    engine-events topic into the store).
+    """
+    from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.producers.logs.ingest import ingest
+
+    cfg = c.cfg
+    wait_for_kafka(cfg)
+    ensure_topics(cfg, [cfg.topics.engine_events])
+    err = click.get_text_stream("stderr")
+    with click.progressbar(length=1, label=f"ingesting {path}", file=err) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.length = max(total, 1)
+            bar.update(done - bar.pos)
+
+        report = ingest(
+            cfg,
+            path,
+            fmt=fmt,
+            engine_name=engine_name,
+            default_tenant=default_tenant,
+            default_model=default_model,
+            strict=strict,
+            progress=progress,
+        )
+    click.echo(
+        f"{report.format}: {report.records_read} records read, {report.requests} requests, "
+        f"{report.events_published} events published to {report.topic} in {report.seconds:.2f} s "
+        f"({report.events_per_s:,.0f} events/s); engines: {', '.join(report.engine_ids) or '-'}"
+    )
+    if report.bad:
+        for line, reason in report.errors:
+            click.echo(f"  skipped line {line}: {reason}", err=True)
+        more = report.bad - len(report.errors)
+        click.echo(
+            f"{report.bad} bad lines skipped" + (f" ({more} not listed)" if more > 0 else ""), err=True
+        )
+        raise SystemExit(1)
+
+
+COMMANDS = [ingest_cmd]

@@ -1,0 +1,23 @@
+"""Errors of the trace ingest."""
+
+from __future__ import annotations
+
+from sparseety.errors import SparseetyError
+
+
+class TraceError(SparseetyError):
+    """A trace file cannot be ingested (unreadable, unknown format, delivery failed)."""
+
+
+class BadTraceLineError(TraceError):
+    """One line (JSONL) or record (recording) of a trace is invalid.
+
+    Attributes:
+        line: 1-based line number (JSONL) or record number (recording).
+        reason: What is wrong, without the line's content (it may hold prompts or secrets).
+    """
+
+    def __init__(self, line: int, reason: str, **fields: object) -> None:
+        super().__init__(f"line {line}: {reason}", line=line, reason=reason, **fields)
+        self.line = line
+        self.reason = reason

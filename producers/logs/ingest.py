@@ -1,0 +1,305 @@
+"""Publish a trace file to the engine-events topic (recordings and JSONL logs).
+
+Bad input policy: a line (JSONL) or record (recording) that cannot be used is **skipped and
+reported** — counted in :attr:`IngestReport.bad`, with its line number and reason in
+:attr:`IngestReport.errors` (the first :data:`MAX_ERRORS`) — and the rest of the file is still
+published. With ``strict=True`` the whole file is checked first and nothing is published when any
+line is bad (:class:`~sparseety.producers.logs.errors.BadTraceLineError` for the first one).
+A recording cut short ends the read there (nothing after it can be framed); that is one bad record.
+
+Delivery: confluent-kafka's idempotent producer, keyed by engine name (one engine's events stay
+in order in one partition); the ingest returns once Kafka acknowledged every event, or raises
+:class:`~sparseety.producers.logs.errors.TraceError` naming how many were not delivered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.config import Config
+from sparseety.errors import DecodeError
+from sparseety.kafka import make_decoder, make_encoder, make_producer
+from sparseety.producers.logs.errors import BadTraceLineError, TraceError
+from sparseety.producers.logs.format import Format, detect_format, iter_recording
+from sparseety.producers.logs.jsonl import TraceEpoch, TraceRequest, parse_line
+
+#: (bytes read, file size); may raise to abort the ingest (a cancelled job).
+Progress = Callable[[int, int], None]
+MAX_ERRORS = 100
+_PROGRESS_EVERY = 2000
+
+
+@dataclass
+class IngestReport:
+    """What an ingest read and published."""
+
+    path: str
+    format: str
+    total_bytes: int
+    topic: str = ""
+    bytes_read: int = 0
+    records_read: int = 0
+    events_published: int = 0
+    requests: int = 0
+    bad: int = 0
+    errors: list[tuple[int, str]] = field(default_factory=list)
+    engine_ids: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def events_per_s(self) -> float:
+        """Events published per second of wall time."""
+        return self.events_published / self.seconds if self.seconds else 0.0
+
+    def bad_line(self, exc: BadTraceLineError) -> None:
+        """Count one bad line and keep its reason (the first :data:`MAX_ERRORS`)."""
+        self.bad += 1
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append((exc.line, exc.reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (the collect job's result)."""
+        return {
+            "path": self.path,
+            "format": self.format,
+            "topic": self.topic,
+            "bytes": self.bytes_read,
+            "records_read": self.records_read,
+            "events_published": self.events_published,
+            "requests": self.requests,
+            "bad_lines": self.bad,
+            "errors": [{"line": n, "reason": r} for n, r in self.errors],
+            "engine_ids": list(self.engine_ids),
+            "seconds": round(self.seconds, 3),
+            "events_per_s": round(self.events_per_s, 1),
+        }
+
+
+class KafkaPublisher:
+    """Produces (key, value) pairs to one topic and waits for every acknowledgement.
+
+    Args:
+        cfg: Kafka settings.
+        topic: Destination topic.
+        producer: A confluent-kafka Producer (default: :func:`sparseety.kafka.make_producer`).
+    """
+
+    def __init__(self, cfg: Config, topic: str, producer: Any = None) -> None:
+        self.topic = topic
+        self.producer = producer if producer is not None else make_producer(cfg)
+        self.sent = 0
+        self.delivered = 0
+        self.failed = 0
+        self.first_error = ""
+
+    def _on_delivery(self, err: Any, _msg: Any) -> None:
+        if err is None:
+            self.delivered += 1
+        else:
+            self.failed += 1
+            self.first_error = self.first_error or str(err)
+
+    def send(self, key: bytes, value: bytes) -> None:
+        """Queue one message, waiting for room when the local queue is full."""
+        while True:
+            try:
+                self.producer.produce(self.topic, key=key, value=value, on_delivery=self._on_delivery)
+                break
+            except BufferError:
+                self.producer.poll(0.1)
+        self.sent += 1
+        if self.sent % 1000 == 0:
+            self.producer.poll(0)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Wait until Kafka acknowledged everything sent.
+
+        Raises:
+            TraceError: messages not delivered within ``timeout_s``, or delivery failed.
+        """
+        left = self.producer.flush(timeout_s)
+        if left or self.failed:
+            raise TraceError(
+                f"{left + self.failed} of {self.sent} events were not delivered to {self.topic}"
+                + (f" (first error: {self.first_error})" if self.first_error else " (timed out)"),
+                topic=self.topic,
+                undelivered=left + self.failed,
+            )
+
+
+def _engine_name(path: Path) -> str:
+    return f"trace-{path.stem}"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file (hex): the epoch of a JSONL trace, so a re-ingest is recognisable."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _jsonl_requests(
+    path: Path,
+    report: IngestReport,
+    default_tenant: str,
+    default_model: str,
+    progress: Progress | None,
+) -> Iterator[TraceRequest]:
+    """Valid requests of a JSONL file; bad lines go to ``report`` (or raise, via the caller)."""
+    seen: set[str] = set()
+    with path.open("rb") as fh:
+        for n, line in enumerate(fh, start=1):
+            report.bytes_read += len(line)
+            if progress and n % _PROGRESS_EVERY == 0:
+                progress(report.bytes_read, report.total_bytes)
+            if not line.strip():
+                continue
+            report.records_read += 1
+            try:
+                req = parse_line(line, n, default_tenant=default_tenant, default_model=default_model)
+                if req is None:
+                    continue
+                if req.request_id in seen:
+                    raise BadTraceLineError(n, f"duplicate request id {req.request_id!r} in this file")
+                seen.add(req.request_id)
+            except BadTraceLineError as exc:
+                report.bad_line(exc)
+                continue
+            yield req
+
+
+def _recording_events(
+    path: Path, report: IngestReport, cfg: Config, progress: Progress | None
+) -> Iterator[tuple[int, dict[str, Any], bytes]]:
+    """(record number, decoded EngineEvent, original bytes) of a recording's valid records."""
+    decoder = make_decoder(cfg)
+    with path.open("rb") as fh:
+        records = iter_recording(fh)
+        while True:
+            try:
+                item = next(records, None)
+            except BadTraceLineError as exc:
+                report.bad_line(exc)
+                return
+            if item is None:
+                return
+            n, value = item
+            report.bytes_read += 4 + len(value)
+            report.records_read += 1
+            if progress and n % _PROGRESS_EVERY == 0:
+                progress(report.bytes_read, report.total_bytes)
+            try:
+                name, record = decoder.decode(value)
+                if name != ev.ENGINE_EVENT:
+                    raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
+                ev.validate_engine_event(record, value)
+            except DecodeError as exc:
+                report.bad_line(BadTraceLineError(n, f"{type(exc).__name__}: {exc}"))
+                continue
+            except BadTraceLineError as exc:
+                report.bad_line(exc)
+                continue
+            yield n, record, value
+
+
+def _check(cfg: Config, path: Path, fmt: Format, default_tenant: str, default_model: str) -> IngestReport:
+    """Read the whole file without publishing (strict mode's first pass)."""
+    report = IngestReport(str(path), fmt, path.stat().st_size)
+    if fmt == "jsonl":
+        for _ in _jsonl_requests(path, report, default_tenant, default_model, None):
+            pass
+    else:
+        for _ in _recording_events(path, report, cfg, None):
+            pass
+    return report
+
+
+def ingest(
+    cfg: Config,
+    path: str | Path,
+    *,
+    fmt: str = "auto",
+    engine_name: str | None = None,
+    default_tenant: str = "",
+    default_model: str = "",
+    strict: bool = False,
+    progress: Progress | None = None,
+    producer: Any = None,
+) -> IngestReport:
+    """Publish a trace file to ``cfg.topics.engine_events``.
+
+    Args:
+        cfg: Kafka, topics and schema settings.
+        path: The trace file.
+        fmt: ``recording``, ``jsonl`` or ``auto`` (detected from the first bytes).
+        engine_name: Engine name of a JSONL trace (default ``trace-<file stem>``); recordings
+            keep the engines they recorded.
+        default_tenant, default_model: For JSONL lines without ``tenant`` / ``model``.
+        strict: Publish nothing when any line is bad.
+        progress: Called with (bytes read, file size) as the file is read.
+        producer: A confluent-kafka Producer to use (tests); default one from ``cfg``.
+
+    Raises:
+        TraceError: unreadable file, unknown format, delivery failed.
+        BadTraceLineError: ``strict`` and a bad line (the first; the message counts all).
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            head = fh.read(64)
+        total = p.stat().st_size
+    except OSError as exc:
+        raise TraceError(f"cannot read trace file {p}: {exc.strerror or exc}", path=str(p)) from None
+    if fmt == "auto":
+        resolved: Format = detect_format(head)
+    elif fmt in ("recording", "jsonl"):
+        resolved = fmt  # type: ignore[assignment]
+    else:
+        raise TraceError(f"unknown trace format {fmt!r}: choose auto, recording or jsonl")
+    started = time.monotonic()
+    if strict:
+        checked = _check(cfg, p, resolved, default_tenant, default_model)
+        if checked.bad:
+            line, reason = checked.errors[0]
+            raise BadTraceLineError(
+                line, f"{reason} ({checked.bad} bad lines in all; nothing was published)", bad=checked.bad
+            )
+    topic = cfg.topics.engine_events
+    report = IngestReport(str(p), resolved, total, topic=topic)
+    publisher = KafkaPublisher(cfg, topic, producer)
+    encoder = make_encoder(cfg, "EngineEvent", topic)
+    engines: dict[str, None] = {}
+    if resolved == "jsonl":
+        trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
+        engines[trace.engine_id] = None
+        key = trace.engine_name.encode()
+        for req in _jsonl_requests(p, report, default_tenant, default_model, progress):
+            for event in trace.request(req):
+                publisher.send(key, encoder.encode(event))
+            report.requests += 1
+        for event in trace.stop():
+            publisher.send(key, encoder.encode(event))
+        if not trace.started:
+            engines.clear()
+    else:
+        reencode = bool(cfg.schema_registry.url)  # recordings hold single-object payloads
+        for _, record, value in _recording_events(p, report, cfg, progress):
+            engines.setdefault(record["engine_id"], None)
+            if ev.payload_type(record) == ev.REQUEST_FINISHED:
+                report.requests += 1
+            publisher.send(record["engine_name"].encode(), encoder.encode(record) if reencode else value)
+    publisher.close()
+    report.events_published = publisher.delivered
+    report.engine_ids = list(engines)
+    report.seconds = time.monotonic() - started
+    if progress:
+        progress(report.bytes_read, report.total_bytes)
+    return report

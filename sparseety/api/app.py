@@ -1,0 +1,430 @@
+"""The FastAPI application: query endpoints, collect jobs, metrics and the dashboard.
+
+``create_api(backend)`` builds the app over a :class:`~sparseety.api.backend.Backend`; the
+server module runs it (beside the Faust sink, or alone). Routes mirror the query library so the
+CLI can use them remotely (:class:`~sparseety.api.client.RemoteQueries`). ``docs/api.md`` is the
+reference; OpenAPI docs are at ``/docs``.
+
+Errors are JSON ``{"error": <code>, "message": <text>}``: 400 ``bad_parameter``, 401
+``unauthorized``, 403 ``forbidden``, 404 ``not_found``, 503 ``store_unavailable``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sparseety import __version__
+from sparseety.api import params
+from sparseety.api.auth import AuthError, Principal
+from sparseety.api.backend import JOB_KINDS, Backend
+from sparseety.api.collect import CollectSpecError, IngestSpec, ReplaySpec
+from sparseety.api.dashboard import collect as collect_dashboard
+from sparseety.api.dashboard import plotly_js_path, render_html
+from sparseety.api.encode import jsonable
+from sparseety.api.queries import ORDERS, timeline_counts
+from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
+from sparseety.producers.logs.errors import TraceError
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
+
+log = logging.getLogger("sparseety.api")
+
+_bearer = HTTPBearer(auto_error=False, description="A token from api.tokens, or the admin token.")
+
+
+class NotFound(Exception):
+    """Answered with 404 (unknown, or not visible to the caller: the two look the same)."""
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
+
+
+def backend_of(request: Request) -> Backend:
+    return request.app.state.backend  # type: ignore[no-any-return]
+
+
+def principal(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
+    """The caller, from its bearer token (401 when tokens are configured and it has none)."""
+    who = backend_of(request).tokens.authenticate(request.headers.get("authorization"))
+    request.state.principal = who
+    return who
+
+
+Caller = Annotated[Principal, Depends(principal)]
+Back = Annotated[Backend, Depends(backend_of)]
+
+
+class ScopeParams:
+    """Time range and tenant filters every query takes."""
+
+    def __init__(
+        self,
+        since: Annotated[
+            str | None, Query(description="Finished at or after: ISO-8601 time, now, or a duration ago (2h).")
+        ] = None,
+        until: Annotated[
+            str | None, Query(description="Finished before: ISO-8601 time or a duration ago.")
+        ] = None,
+        since_ns: Annotated[int | None, Query(description="Finished at or after, wall-clock ns.")] = None,
+        until_ns: Annotated[int | None, Query(description="Finished before, wall-clock ns.")] = None,
+        tenant: Annotated[list[str], Query(description="Only these tenants (repeatable).")] = [],  # noqa: B006
+    ) -> None:
+        self.since, self.until, self.since_ns, self.until_ns, self.tenant = (
+            since,
+            until,
+            since_ns,
+            until_ns,
+            tenant,
+        )
+
+    def scope(self, who: Principal, now_ns: int) -> Scope:
+        return params.scope(
+            who.visible(self.tenant),
+            since=self.since,
+            until=self.until,
+            since_ns=self.since_ns,
+            until_ns=self.until_ns,
+            now_ns=now_ns,
+        )
+
+    def describe(self, scope: Scope) -> dict[str, Any]:
+        return {"since_ns": scope.since_ns, "until_ns": scope.until_ns, "tenants": scope.tenants}
+
+
+Scoped = Annotated[ScopeParams, Depends()]
+GroupBy = Annotated[
+    list[str], Query(description="Dimensions: tenant, model, engine, lora (repeatable or comma-separated).")
+]
+Bucket = Annotated[str | None, Query(description="Time buckets by finish time, e.g. 15m, 1h, 1d.")]
+
+
+def _rows(query: str, scope: Scope, rows: list[dict[str, Any]], **extra: Any) -> JSONResponse:
+    body = {
+        "query": query,
+        **extra,
+        "scope": {"since_ns": scope.since_ns, "until_ns": scope.until_ns, "tenants": scope.tenants},
+        "rows": rows,
+    }
+    return JSONResponse(jsonable(body))
+
+
+def _grouped(name: str, method: str, default_by: str, doc: str) -> Any:
+    async def handler(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        group_by: GroupBy = [],  # noqa: B006
+        bucket: Bucket = None,
+    ) -> JSONResponse:
+        scope = s.scope(who, back.clock())
+        by = params.group_by(group_by, default_by)
+        rows = await back.query(
+            name, getattr(back.queries, method), by=by, bucket=params.bucket(bucket), scope=scope
+        )
+        return _rows(name, scope, rows, group_by=list(by), bucket=bucket)
+
+    handler.__doc__ = doc
+    handler.__name__ = f"get_{name}"
+    return handler
+
+
+def _router() -> APIRouter:
+    api = APIRouter(prefix="/api/v1")
+
+    @api.get("/tokens/statistics", tags=["requests"])
+    async def tokens_statistics(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        request_id: Annotated[str, Query(description="The request uid (engine_id/request_id).")],
+    ) -> JSONResponse:
+        """Token counts of one request (input, output, computed, cached, skipped, evicted, drafts)."""
+        scope = s.scope(who, back.clock())
+        stats = await back.query("tokens_statistics", back.queries.tokens_statistics, request_id, scope=scope)
+        if stats is None:
+            raise NotFound(f"no request {request_id!r}")
+        return JSONResponse({"request_id": request_id, **stats})
+
+    @api.get("/requests", tags=["requests"])
+    async def list_requests(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 50,
+        order: Annotated[str, Query(description=f"One of {', '.join(ORDERS)}.")] = "recent",
+    ) -> JSONResponse:
+        """Requests in scope with their token counts, newest first or most varied timelines first."""
+        scope = s.scope(who, back.clock())
+        if order not in ORDERS:
+            raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
+        rows = await back.query("requests", back.queries.requests, scope=scope, limit=limit, order=order)
+        return _rows("requests", scope, rows, order=order, limit=limit)
+
+    @api.get("/requests/{request_id:path}/timeline", tags=["requests"])
+    async def timeline(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
+        """A request's token timeline: counts per status and the run-length segments."""
+        scope = s.scope(who, back.clock())
+        found = await back.query("request", back.queries.request, request_id, scope=scope)
+        if found is None:
+            raise NotFound(f"no request {request_id!r}")
+        counts = timeline_counts(found["segments"])
+        counts["draft_rejected"] = int(found["draft_rejected_tokens"])
+        return JSONResponse(
+            jsonable(
+                {
+                    "request_id": request_id,
+                    "tenant": found["tenant"],
+                    "model": found["model"],
+                    "prompt_tokens": found["prompt_tokens"],
+                    "output_tokens": found["output_tokens"],
+                    "counts": counts,
+                    "segments": found["segments"],
+                }
+            )
+        )
+
+    @api.get("/requests/{request_id:path}", tags=["requests"])
+    async def request_detail(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
+        """One request: every count, its cost in each mode and its segment timeline."""
+        scope = s.scope(who, back.clock())
+        found = await back.query("request", back.queries.request, request_id, scope=scope)
+        if found is None:
+            raise NotFound(f"no request {request_id!r}")
+        return JSONResponse(jsonable(found))
+
+    @api.get("/cost", tags=["cost"])
+    async def cost(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        group_by: GroupBy = [],  # noqa: B006
+        mode: Annotated[
+            str, Query(description="actual, amortized, list or gpu (docs/cost-model.md).")
+        ] = "actual",
+        bucket: Bucket = None,
+    ) -> JSONResponse:
+        """Cost per group in one attribution mode; money is exact decimal USD text."""
+        scope = s.scope(who, back.clock())
+        by = params.group_by(group_by, "tenant")
+        m = params.mode(mode)
+        rows = await back.query(
+            "cost", back.queries.cost, mode=m, by=by, bucket=params.bucket(bucket), scope=scope
+        )
+        return _rows("cost", scope, rows, mode=m, group_by=list(by), bucket=bucket)
+
+    for name, method, default_by, doc in (
+        ("savings", "savings", "tenant", "Prefix-cache savings: hit rate and money saved, per group."),
+        ("waste", "waste", "tenant", "Recomputed and rejected-draft tokens, their share and cost."),
+        ("spec", "spec_efficiency", "model", "Speculative decoding: acceptance and rejected compute."),
+        ("gpu", "gpu_time", "tenant", "GPU time attributed per group, its share and cost."),
+        ("usage", "usage", "tenant", "Windowed usage (usage topic), by window start."),
+    ):
+        api.add_api_route(f"/{name}", _grouped(name, method, default_by, doc), methods=["GET"], tags=["cost"])
+
+    @api.get("/experts", tags=["cost"])
+    async def experts(
+        who: Caller, back: Back, s: Scoped, model: Annotated[str | None, Query()] = None
+    ) -> JSONResponse:
+        """Tokens routed to each (layer, expert) and each expert's share of its layer."""
+        scope = s.scope(who, back.clock())
+        rows = await back.query("expert_load", back.queries.expert_load, model=model, scope=scope)
+        return _rows("experts", scope, rows, model=model)
+
+    @api.get("/duplication", tags=["cost"])
+    async def duplication(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        group_by: GroupBy = [],  # noqa: B006
+        top: Annotated[
+            int, Query(ge=0, le=10_000, description="List the N most duplicated blocks instead.")
+        ] = 0,
+    ) -> JSONResponse:
+        """Fleet prefix duplication: blocks computed on more than one engine."""
+        scope = s.scope(who, back.clock())
+        if top:
+            rows = await back.query(
+                "duplicated_blocks", back.queries.duplicated_blocks, scope=scope, limit=top
+            )
+            return _rows("duplicated_blocks", scope, rows, top=top)
+        by = params.group_by(group_by, "model")
+        rows = await back.query("duplication", back.queries.duplication, by=by, scope=scope)
+        return _rows("duplication", scope, rows, group_by=list(by))
+
+    @api.get("/health", tags=["operations"])
+    async def health(who: Caller, back: Back, s: Scoped) -> JSONResponse:
+        """Freshness and stored-request health in scope; the pipeline's counters for admins."""
+        scope = s.scope(who, back.clock())
+        body: dict[str, Any] = {"store": await back.health(scope)}
+        if who.admin:
+            body["pipeline"] = back.pipeline()
+        return JSONResponse(jsonable(body))
+
+    @api.post("/collect", status_code=202, tags=["jobs"])
+    async def collect(
+        who: Caller, back: Back, spec: Annotated[ReplaySpec | IngestSpec, Body(discriminator="kind")]
+    ) -> JSONResponse:
+        """Submit an offline job (replay a topic range into the store, or ingest a trace file)."""
+        who.require_admin("collect jobs")
+        return JSONResponse(back.submit(spec), status_code=202)
+
+    @api.get("/jobs", tags=["jobs"])
+    async def jobs(who: Caller, back: Back) -> JSONResponse:
+        """Remembered jobs, newest first."""
+        who.require_admin("jobs")
+        return JSONResponse({"jobs": back.jobs.list()})
+
+    @api.get("/jobs/{job_id}", tags=["jobs"])
+    async def job(job_id: str, who: Caller, back: Back) -> JSONResponse:
+        """A job's state, progress, throughput and result or error."""
+        who.require_admin("jobs")
+        found = back.jobs.get(job_id)
+        if found is None:
+            raise NotFound(f"no job {job_id!r}")
+        return JSONResponse(found)
+
+    return api
+
+
+def _ops(app: FastAPI) -> None:
+    @app.get("/healthz", tags=["operations"])
+    async def healthz(back: Back) -> JSONResponse:
+        """Liveness: whether the store answers (no authentication; no data)."""
+        try:
+            await back.query("ping", back.store.query, "SELECT 1 AS ok")
+        except StoreError:
+            return _error(503, "store_unavailable", "the store does not answer")
+        return JSONResponse({"status": "ok", "version": __version__})
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics(who: Caller, back: Back) -> Response:
+        """Prometheus metrics (``sparseety:<noun>_<unit>``); needs an all-tenant token."""
+        who.require_admin("metrics")
+        try:
+            await back.health(Scope())
+        except StoreError:
+            log.warning("metrics: the store did not answer the health query")
+        back.metrics.set_jobs_active(back.jobs.running(), JOB_KINDS)
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(back.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard", response_class=HTMLResponse, tags=["dashboard"])
+    async def dashboard(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        request_id: Annotated[list[str], Query(description="Requests whose timelines to draw.")] = [],  # noqa: B006
+        inline: Annotated[bool, Query(description="Embed plotly.js (a self-contained file).")] = False,
+    ) -> HTMLResponse:
+        """The dashboard, rendered now for the caller's tenants."""
+        scope = s.scope(who, back.clock())
+        data = await back.query(
+            "dashboard",
+            collect_dashboard,
+            back.queries,
+            scope=scope,
+            request_uids=request_id or None,
+            pipeline=back.pipeline() if who.admin else None,
+            now_ns=back.clock(),
+        )
+        return HTMLResponse(render_html(data, plotly_src=None if inline else "/dashboard/plotly.min.js"))
+
+    @app.get("/dashboard/plotly.min.js", include_in_schema=False)
+    async def plotly_js() -> FileResponse:
+        # the charting library itself: public, no data; cached by browsers
+        return FileResponse(
+            plotly_js_path(), media_type="text/javascript", headers={"Cache-Control": "public, max-age=86400"}
+        )
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(AuthError)
+    async def auth_error(_: Request, exc: AuthError) -> JSONResponse:
+        if exc.status == 401:
+            return _error(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"})
+        return _error(exc.status, "forbidden", str(exc))
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, "not_found", str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return _error(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+
+    for cls in (QueryError, CollectSpecError, ReplayError, PluginLoadError, TraceError):
+
+        @app.exception_handler(cls)
+        async def bad_parameter(_: Request, exc: Exception) -> JSONResponse:
+            return _error(400, "bad_parameter", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("query", "body", "path"))
+            problems.append(f"{where or 'request'}: {e.get('msg', 'invalid')}")
+        return _error(400, "bad_parameter", "; ".join(problems) or "invalid request")
+
+    @app.exception_handler(MigrationError)
+    async def not_migrated(_: Request, exc: MigrationError) -> JSONResponse:
+        return _error(503, "store_unavailable", str(exc))
+
+    @app.exception_handler(StoreError)
+    async def store_error(request: Request, exc: StoreError) -> JSONResponse:
+        # ClickHouse's message may quote SQL; callers get a generic answer, the log the detail
+        log.error("store error on %s: %s", request.url.path, exc)
+        return _error(503, "store_unavailable", "the store failed to answer; see the API's log")
+
+
+def _metrics_middleware(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Response:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response: Response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")
+            label = getattr(route, "path", "unmatched")
+            m = backend_of(request).metrics
+            m.requests.labels(label, request.method, str(status)).inc()
+            m.request_seconds.labels(label).observe(time.perf_counter() - started)
+
+
+def create_api(backend: Backend) -> FastAPI:
+    """The API over ``backend`` (OpenAPI docs at ``/docs``)."""
+    app = FastAPI(
+        title="SparSEEty API",
+        version=__version__,
+        description=(
+            "Token-level accounting of LLM serving: per-request token statistics and timelines, cost "
+            "attribution (actual, amortized, list, gpu), savings, waste, experts, duplication, usage, "
+            "offline collect jobs, Prometheus metrics and the dashboard. Bearer tokens are scoped to "
+            "tenants; another tenant's request answers 404."
+        ),
+    )
+    app.state.backend = backend
+    app.include_router(_router())
+    _ops(app)
+    _errors(app)
+    _metrics_middleware(app)
+    return app

@@ -1,0 +1,191 @@
+"""Bearer tokens scoped to tenants, the admin token file, and the open-mode exposure rule.
+
+Semantics (``docs/api.md``):
+
+* ``api.tokens`` maps a token to the tenants it may see; ``*`` among them means every tenant.
+* Tokens configured: every data endpoint needs ``Authorization: Bearer <token>``; a missing or
+  unknown token is 401. A token sees only its tenants' rows: another tenant's request is 404,
+  exactly as a request that does not exist (existence is not leaked), and aggregates are
+  computed over its tenants only. Operations across tenants (collect jobs, ``/metrics``) need an
+  all-tenant token; a scoped one gets 403.
+* No token configured: the API is open (every caller sees everything), and it must listen on a
+  loopback address only; :func:`check_exposure` refuses anything else.
+* The serving process also writes an all-tenant *admin token* to ``<data_dir>/api/admin-token``
+  (mode 0600, new at every start) for the local CLI (``sparseety query ...`` while the store
+  process owns the embedded store). Whoever can read the data directory can read the data
+  itself, so the file grants nothing beyond that.
+
+Tokens are held only as SHA-256 digests and never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparseety.errors import ConfigError, SparseetyError
+
+ALL_TENANTS = "*"
+ADMIN_TOKEN_FILE = "admin-token"
+
+
+class AuthError(SparseetyError):
+    """The caller is not authenticated (401) or not allowed (403).
+
+    Attributes:
+        status: The HTTP status to answer with.
+    """
+
+    def __init__(self, message: str, *, status: int = 401) -> None:
+        super().__init__(message, status=status)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling.
+
+    Attributes:
+        name: A label for logs and metrics (never the token itself).
+        tenants: The tenants it may see; None = every tenant.
+    """
+
+    name: str
+    tenants: tuple[str, ...] | None
+
+    @property
+    def admin(self) -> bool:
+        """Sees every tenant."""
+        return self.tenants is None
+
+    def visible(self, requested: Sequence[str] = ()) -> tuple[str, ...] | None:
+        """The tenants a query may read: the requested ones it may see (None = no limit).
+
+        A requested tenant outside the principal's set yields no rows, not an error: an error
+        would tell the caller that the tenant exists.
+        """
+        if self.tenants is None:
+            return tuple(requested) or None
+        if not requested:
+            return self.tenants
+        return tuple(t for t in requested if t in self.tenants)
+
+    def require_admin(self, what: str) -> None:
+        """Raise 403 unless every tenant is visible.
+
+        Raises:
+            AuthError: a tenant-scoped principal.
+        """
+        if not self.admin:
+            raise AuthError(f"{what} needs a token for all tenants ('*')", status=403)
+
+
+OPEN = Principal("open", None)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TokenTable:
+    """Who a bearer token is.
+
+    Args:
+        tokens: token -> tenants (``*`` = all), from ``api.tokens``.
+        admin_token: The process's admin token (all tenants), if any.
+    """
+
+    def __init__(self, tokens: Mapping[str, Sequence[str]], admin_token: str | None = None) -> None:
+        self.open = not tokens
+        self._by_digest: dict[bytes, Principal] = {}
+        for i, (token, tenants) in enumerate(sorted(tokens.items()), start=1):
+            scope = None if ALL_TENANTS in tenants else tuple(dict.fromkeys(tenants))
+            self._by_digest[_digest(token)] = Principal(f"token-{i}", scope)
+        if admin_token:
+            self._by_digest[_digest(admin_token)] = Principal("admin", None)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal of an ``Authorization`` header value.
+
+        Raises:
+            AuthError: tokens are configured and the header is missing, malformed or unknown.
+        """
+        if self.open:
+            return OPEN
+        if not authorization:
+            raise AuthError("missing bearer token (Authorization: Bearer <token>)")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("malformed Authorization header: use 'Bearer <token>'")
+        principal = self._by_digest.get(_digest(token.strip()))
+        if principal is None:
+            raise AuthError("unknown token")
+        return principal
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, tokens: Mapping[str, Sequence[str]]) -> None:
+    """Refuse to serve an open (token-less) API on a non-loopback address.
+
+    Raises:
+        ConfigError: no token configured and ``host`` is not loopback.
+    """
+    if not tokens and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to serve the API open on {host}: without api.tokens it listens on loopback "
+            f"only (127.0.0.1, ::1). Configure api.tokens (token -> tenants, '*' = all) to listen "
+            f"on other addresses.",
+            host=host,
+        )
+
+
+def api_dir(data_path: Path) -> Path:
+    """Where the serving process leaves its endpoint and admin token."""
+    return data_path / "api"
+
+
+def write_admin_token(data_path: Path) -> str:
+    """Create a fresh admin token in ``<data_dir>/api/admin-token`` (mode 0600); return it."""
+    token = secrets.token_urlsafe(32)
+    folder = api_dir(data_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ADMIN_TOKEN_FILE
+    tmp = path.with_name(f".{ADMIN_TOKEN_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask cannot widen it
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
+def read_admin_token(data_path: Path) -> str | None:
+    """The admin token a serving process left, if readable."""
+    try:
+        return (api_dir(data_path) / ADMIN_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove_admin_token(data_path: Path, token: str) -> None:
+    """Delete the admin token file if it still holds ``token`` (a newer process may own it)."""
+    if read_admin_token(data_path) == token:
+        with contextlib.suppress(OSError):
+            (api_dir(data_path) / ADMIN_TOKEN_FILE).unlink()

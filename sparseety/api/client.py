@@ -1,0 +1,298 @@
+"""The query library over HTTP, for when another process owns the store.
+
+:class:`RemoteQueries` has the methods of :class:`~sparseety.api.queries.ApiQueries` (the query
+library plus listings and health) and returns the same values (Decimal money, UTC datetimes), so
+the CLI's ``sparseety query ...`` and the dashboard work unchanged against the store process's API.
+:func:`open_queries` picks: the store itself when this process can open it, else the API of the
+process that owns it — found in ``<data_dir>/api/endpoint.json`` and reached with the admin token
+``<data_dir>/api/admin-token`` that process wrote (both documented in ``docs/api.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from sparseety.api.auth import api_dir, read_admin_token
+from sparseety.api.encode import decode_rows, decode_value
+from sparseety.api.queries import EVERYTHING
+from sparseety.api.server import client_url, read_endpoint
+from sparseety.config import Config
+from sparseety.errors import SparseetyError, StoreLockedError
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
+
+
+class RemoteApiError(SparseetyError):
+    """The API did not answer, refused the caller, or failed."""
+
+
+def _scope_params(scope: Scope) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if scope.since_ns is not None:
+        out["since_ns"] = scope.since_ns
+    if scope.until_ns is not None:
+        out["until_ns"] = scope.until_ns
+    if scope.tenants is not None:
+        out["tenant"] = list(scope.tenants)
+    return out
+
+
+def _sees_nothing(scope: Scope) -> bool:
+    """An empty tenant list sees nothing (the API would read no tenant parameter as "all")."""
+    return scope.tenants is not None and not scope.tenants
+
+
+class RemoteQueries:
+    """Query methods served by a SparSEEty API.
+
+    Args:
+        base_url: ``http://host:port`` of the API.
+        token: Bearer token (None when the API is open).
+        client: An httpx client to use (tests pass the app's TestClient).
+        timeout_s: Per-request timeout.
+        data_dir: The data dir whose admin token is used (named in errors).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        client: httpx.Client | None = None,
+        timeout_s: float = 60.0,
+        data_dir: str | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._own = client is None
+        self.client = (
+            client if client is not None else httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        )
+        self.headers = headers
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, owner: str = "") -> RemoteQueries:
+        """The API of the process that serves this data dir (endpoint record, else ``api.*``)."""
+        found = read_endpoint(cfg.data_path)
+        pid = found.get("pid") if found else None
+        if found and isinstance(pid, int) and _alive(pid):
+            url = str(found["url"])
+        else:
+            url = client_url(cfg.api.host, cfg.api.port)
+        return cls(url, read_admin_token(cfg.data_path), data_dir=str(cfg.data_path))
+
+    def close(self) -> None:
+        if self._own:
+            self.client.close()
+
+    def __enter__(self) -> RemoteQueries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False) -> Any:
+        try:
+            r = self.client.get(path, params=params, headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise RemoteApiError(
+                f"the SparSEEty API at {self.base_url} does not answer ({type(exc).__name__}: {exc}); "
+                f"is the store process (`sparseety store` / `sparseety api`) running?",
+                url=self.base_url,
+            ) from None
+        if r.status_code == 404 and missing_ok:
+            return None
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        message = body.get("message", r.text[:200]) if isinstance(body, dict) else r.text[:200]
+        if r.status_code == 400:
+            raise QueryError(message)
+        if r.status_code in (401, 403):
+            raise RemoteApiError(
+                f"the SparSEEty API at {self.base_url} refused the request ({r.status_code}: {message})"
+                + (
+                    f"; the CLI uses the admin token in {api_dir(Path(self.data_dir))}"
+                    if self.data_dir
+                    else ""
+                ),
+                status=r.status_code,
+            )
+        if r.status_code >= 400:
+            raise RemoteApiError(f"the SparSEEty API at {self.base_url} answered {r.status_code}: {message}")
+        return body
+
+    def _rows(self, path: str, params: dict[str, Any], scope: Scope) -> list[dict[str, Any]]:
+        if _sees_nothing(scope):
+            return []
+        body = self._get(path, {**params, **_scope_params(scope)})
+        return decode_rows(body["rows"])
+
+    def _grouped(
+        self, path: str, by: Sequence[str], bucket: str | None, scope: Scope
+    ) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"group_by": ",".join(by)}
+        if bucket is not None:
+            params["bucket"] = bucket
+        return self._rows(path, params, scope)
+
+    # --- the query library's methods ----------------------------------------------------------
+
+    def cost(
+        self,
+        *,
+        mode: str = "actual",
+        by: Sequence[str] = ("tenant",),
+        bucket: str | None = None,
+        scope: Scope = EVERYTHING,
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.cost`."""
+        params: dict[str, Any] = {"mode": mode, "group_by": ",".join(by)}
+        if bucket is not None:
+            params["bucket"] = bucket
+        return self._rows("/api/v1/cost", params, scope)
+
+    def savings(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.savings`."""
+        return self._grouped("/api/v1/savings", by, bucket, scope)
+
+    def waste(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.waste`."""
+        return self._grouped("/api/v1/waste", by, bucket, scope)
+
+    def spec_efficiency(
+        self, *, by: Sequence[str] = ("model",), bucket: str | None = None, scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.spec_efficiency`."""
+        return self._grouped("/api/v1/spec", by, bucket, scope)
+
+    def gpu_time(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.gpu_time`."""
+        return self._grouped("/api/v1/gpu", by, bucket, scope)
+
+    def usage(
+        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.usage`."""
+        return self._grouped("/api/v1/usage", by, bucket, scope)
+
+    def expert_load(self, *, model: str | None = None, scope: Scope = EVERYTHING) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.expert_load`."""
+        return self._rows("/api/v1/experts", {"model": model} if model else {}, scope)
+
+    def duplication(
+        self, *, by: Sequence[str] = ("model",), scope: Scope = EVERYTHING
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.duplication`."""
+        return self._rows("/api/v1/duplication", {"group_by": ",".join(by)}, scope)
+
+    def duplicated_blocks(self, *, scope: Scope = EVERYTHING, limit: int = 20) -> list[dict[str, Any]]:
+        """Like :meth:`Queries.duplicated_blocks`."""
+        return self._rows("/api/v1/duplication", {"top": limit}, scope)
+
+    def request(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, Any] | None:
+        """Like :meth:`Queries.request` (None when unknown or not visible)."""
+        if _sees_nothing(scope):
+            return None
+        body = self._get(
+            f"/api/v1/requests/{quote(request_uid, safe='')}", _scope_params(scope), missing_ok=True
+        )
+        if body is None:
+            return None
+        out: dict[str, Any] = {k: decode_value(k, v) for k, v in body.items() if k != "cost"}
+        out["cost"] = {
+            k: (v if k == "priced" else decode_value(f"{k}_usd", v)) for k, v in body["cost"].items()
+        }
+        return out
+
+    def tokens_statistics(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, int] | None:
+        """Like :meth:`Queries.tokens_statistics`."""
+        if _sees_nothing(scope):
+            return None
+        body = self._get(
+            "/api/v1/tokens/statistics", {"request_id": request_uid, **_scope_params(scope)}, missing_ok=True
+        )
+        if body is None:
+            return None
+        return {k: int(v) for k, v in body.items() if k != "request_id"}
+
+    # --- ApiQueries' additions ---------------------------------------------------------------
+
+    def requests(
+        self, *, scope: Scope = EVERYTHING, limit: int = 50, order: str = "recent"
+    ) -> list[dict[str, Any]]:
+        """Like :meth:`ApiQueries.requests`."""
+        return self._rows("/api/v1/requests", {"limit": limit, "order": order}, scope)
+
+    def health(self, *, scope: Scope = EVERYTHING, now_ns: int | None = None) -> dict[str, Any]:
+        """Like :meth:`ApiQueries.health` (measured on the server's clock)."""
+        if _sees_nothing(scope):
+            return {
+                "requests": 0,
+                "incomplete_requests": 0,
+                "inconsistent_requests": 0,
+                "seq_gap_requests": 0,
+                "latest_finished_ts_ns": 0,
+                "freshness_s": None,
+            }
+        body = self._get("/api/v1/health", _scope_params(scope))
+        return dict(body["store"])
+
+    def pipeline(self) -> dict[str, Any]:
+        """The serving process's pipeline counters (needs an all-tenant token)."""
+        body = self._get("/api/v1/health", {})
+        return dict(body.get("pipeline") or {})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
+    """Queries over the store: opened here when possible, else through the owner's API.
+
+    Yields:
+        An :class:`ApiQueries` (store opened here, migrations checked) or a
+        :class:`RemoteQueries` (the store is open in another process).
+    """
+    from sparseety.api.queries import ApiQueries
+    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.migrate import ensure_migrated
+
+    try:
+        store = Store.open(cfg, owner=owner)
+    except StoreLockedError:
+        store = None
+    if store is None:
+        remote = RemoteQueries.from_config(cfg)
+        try:
+            yield remote
+        finally:
+            remote.close()
+        return
+    try:
+        ensure_migrated(store)
+        yield ApiQueries(store)
+    finally:
+        store.close()

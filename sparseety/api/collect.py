@@ -1,0 +1,163 @@
+"""Collect jobs: what ``POST /api/v1/collect`` accepts and what each kind of job does.
+
+* ``replay``: re-read a topic range through its processor (:class:`~sparseety.sinks.replay.Replay`)
+  into the store this process owns, with a sink of its own on that store (the tables are
+  idempotent, so it may overlap what the live sink writes).
+* ``ingest``: publish a trace file (on this machine) to the engine-events topic
+  (:func:`~sparseety.producers.logs.ingest.ingest`); the assembler folds it like a live engine,
+  or a replay job of the engine-events topic folds it into the store.
+
+Specs are checked when submitted (bounds, processor, file), so a bad one is a 400, not a failed job.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparseety.config import Config
+from sparseety.errors import SparseetyError
+from sparseety.sinks.clickhouse.client import Store
+
+
+class CollectSpecError(SparseetyError):
+    """A collect request that cannot run as asked (answered with 400)."""
+
+
+class ReplaySpec(BaseModel):
+    """Replay a topic range into the store."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    kind: Literal["replay"]
+    topic: str = Field(description="timelines, usage, dlq, engine-events, or a full topic name.")
+    start: str = Field(
+        "beginning", alias="from", description="Offset, ISO-8601 time, duration ago (2h) or beginning."
+    )
+    stop: str = Field(
+        "end", alias="to", description="Offset, ISO-8601 time, duration ago or end (exclusive)."
+    )
+    partitions: list[int] = Field(default_factory=list, description="Only these partitions (default all).")
+    processor: str | None = Field(None, description="Registered processor (default: the topic's).")
+    idle_s: float = Field(1.0, gt=0, le=60, description="Quiet seconds that end a partition.")
+
+
+class IngestSpec(BaseModel):
+    """Publish a trace file to the engine-events topic."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["ingest"]
+    path: str = Field(description="Trace file on the API's machine.")
+    format: Literal["auto", "recording", "jsonl"] = "auto"
+    engine: str | None = Field(None, description="Engine name of a JSONL trace (default trace-<stem>).")
+    tenant: str = Field("", description="Tenant of JSONL lines that name none.")
+    model: str = Field("", description="Model of JSONL lines that name none.")
+    strict: bool = Field(False, description="Publish nothing if any line is bad.")
+
+
+def topic_name(cfg: Config, name: str) -> str:
+    """A topic by role (timelines, usage, dlq, engine-events) or its full name."""
+    roles = {
+        "timelines": cfg.topics.timelines,
+        "usage": cfg.topics.usage,
+        "dlq": cfg.topics.dlq,
+        "engine-events": cfg.topics.engine_events,
+    }
+    return roles.get(name, name)
+
+
+class ReplayJob:
+    """A checked replay spec, ready to run on a job thread."""
+
+    def __init__(self, cfg: Config, store: Store, spec: ReplaySpec) -> None:
+        from sparseety.sinks.processors import load_processor, processor_for_topic
+        from sparseety.sinks.replay import parse_bound
+
+        self.cfg, self.store, self.spec = cfg, store, spec
+        self.topic = topic_name(cfg, spec.topic)
+        now = time.time_ns()
+        self.lo, self.hi = parse_bound(spec.start, now_ns=now), parse_bound(spec.stop, now_ns=now)
+        if self.lo.kind == "end" or self.hi.kind == "beginning":
+            raise CollectSpecError(f"empty replay range [{spec.start}, {spec.stop})")
+        self.processor = (
+            load_processor(spec.processor, cfg) if spec.processor else processor_for_topic(cfg, self.topic)
+        )
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "from": str(self.lo),
+            "to": str(self.hi),
+            "partitions": self.spec.partitions,
+        }
+
+    def __call__(self, ctx: Any) -> dict[str, Any]:
+        from sparseety.sinks.clickhouse.writer import ClickHouseSink
+        from sparseety.sinks.replay import Replay
+
+        sink = ClickHouseSink(
+            self.store,
+            batch_max_rows=self.cfg.sink.batch_max_rows,
+            max_retries=self.cfg.sink.max_retries,
+            retry_backoff_s=self.cfg.sink.retry_backoff_s,
+        )
+        try:
+            report = Replay(
+                self.cfg,
+                self.topic,
+                self.lo,
+                self.hi,
+                sink,
+                self.processor,
+                partitions=self.spec.partitions or None,
+                idle_s=self.spec.idle_s,
+                progress=ctx.progress,
+            ).run()
+        finally:
+            sink.close()
+        ctx.progress(report.records_in_range, report.records_in_range)
+        return {
+            "topic": report.topic,
+            "records_read": report.records_read,
+            "records_in_range": report.records_in_range,
+            "records_out": report.records_out,
+            "rows_written": dict(report.written.rows),
+            "undecodable": len(report.undecodable),
+            "rejected": report.rejected,
+            "seconds": round(report.seconds, 3),
+            "records_per_s": round(report.records_per_s, 1),
+            "rows_per_s": round(report.rows_per_s, 1),
+            "summary": report.processor_summary,
+        }
+
+
+class IngestJob:
+    """A checked ingest spec, ready to run on a job thread."""
+
+    def __init__(self, cfg: Config, spec: IngestSpec) -> None:
+        self.cfg, self.spec = cfg, spec
+        self.path = Path(spec.path).expanduser()
+        if not self.path.is_file():
+            raise CollectSpecError(f"no trace file at {spec.path} on the API's machine", path=spec.path)
+
+    def params(self) -> dict[str, Any]:
+        return {"path": str(self.path), "format": self.spec.format, "strict": self.spec.strict}
+
+    def __call__(self, ctx: Any) -> dict[str, Any]:
+        from sparseety.producers.logs.ingest import ingest
+
+        report = ingest(
+            self.cfg,
+            self.path,
+            fmt=self.spec.format,
+            engine_name=self.spec.engine,
+            default_tenant=self.spec.tenant,
+            default_model=self.spec.model,
+            strict=self.spec.strict,
+            progress=ctx.progress,
+        )
+        return report.to_dict()

@@ -1,0 +1,265 @@
+"""Dashboard figures as plotly.js figure specs (``{"data": [...], "layout": {...}}``), pure.
+
+Each builder takes rows as the query library returns them and gives a plain, JSON-ready figure
+that ``Plotly.newPlot`` draws. Nothing here touches the store or the file system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+Figure = dict[str, Any]
+
+#: Token fates, in the order a reader meets them, and their colours (colour-blind safe palette).
+STATUS_COLORS = {
+    "computed": "#4C78A8",
+    "cached": "#54A24B",
+    "recomputed": "#E45756",
+    "skipped": "#BAB0AC",
+    "evicted": "#F58518",
+}
+DRAFT_ACCEPTED = "draft accepted"
+MODE_COLORS = {"actual": "#4C78A8", "amortized": "#72B7B2", "list": "#EECA3B", "gpu": "#B279A2"}
+_FONT = {"family": "system-ui, -apple-system, Segoe UI, sans-serif", "size": 12}
+
+
+def _layout(title: str, **extra: Any) -> dict[str, Any]:
+    layout: dict[str, Any] = {
+        "title": {"text": title, "x": 0.01, "xanchor": "left"},
+        "font": _FONT,
+        "margin": {"l": 60, "r": 20, "t": 48, "b": 48},
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "legend": {"orientation": "h", "y": -0.18},
+    }
+    layout.update(extra)
+    return layout
+
+
+def _empty(title: str, message: str) -> Figure:
+    return {
+        "data": [],
+        "layout": _layout(
+            title,
+            xaxis={"visible": False},
+            yaxis={"visible": False},
+            annotations=[
+                {"text": message, "showarrow": False, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5}
+            ],
+        ),
+    }
+
+
+def _usd(value: Any) -> float:
+    return float(value) if isinstance(value, (Decimal, int, float)) else 0.0
+
+
+def _label(request: Mapping[str, Any], taken: set[str]) -> str:
+    uid = str(request["request_uid"])
+    base = f"{request.get('tenant') or '-'} · {uid.rsplit('/', 1)[-1]}"
+    label, n = base, 2
+    while label in taken:
+        label, n = f"{base} ({n})", n + 1
+    taken.add(label)
+    return label
+
+
+def timeline_figure(requests: Sequence[Mapping[str, Any]]) -> Figure:
+    """Each request's token positions as run-length segments, coloured by compute status.
+
+    Args:
+        requests: :meth:`Queries.request` results (``request_uid``, ``tenant``, ``segments``).
+    """
+    title = "Token timelines (position → compute status)"
+    if not requests:
+        return _empty(title, "no requests in scope")
+    taken: set[str] = set()
+    labels = [_label(r, taken) for r in requests]
+    series: dict[str, dict[str, list[Any]]] = {}
+    for label, request in zip(labels, requests, strict=True):
+        for s in request["segments"]:
+            name = DRAFT_ACCEPTED if s.get("draft_accepted") else str(s["status"])
+            col = series.setdefault(name, {"x": [], "base": [], "y": [], "customdata": []})
+            start, end = int(s["start"]), int(s["end"])
+            col["x"].append(end - start)
+            col["base"].append(start)
+            col["y"].append(label)
+            col["customdata"].append([start, end, s["kind"], s.get("source_request_uid") or "-"])
+    data = []
+    for name in [*STATUS_COLORS, DRAFT_ACCEPTED]:
+        if name not in series:
+            continue
+        marker: dict[str, Any] = {"color": STATUS_COLORS.get(name, STATUS_COLORS["computed"])}
+        if name == DRAFT_ACCEPTED:
+            marker["pattern"] = {"shape": "/", "fgcolor": "#ffffff", "solidity": 0.35}
+        data.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": name,
+                **series[name],
+                "marker": marker,
+                "hovertemplate": (
+                    "%{y}<br>positions %{customdata[0]}-%{customdata[1]} (%{x} tokens, "
+                    f"%{{customdata[2]}})<br>{name}<br>source: %{{customdata[3]}}<extra></extra>"
+                ),
+            }
+        )
+    return {
+        "data": data,
+        "layout": _layout(
+            title,
+            barmode="overlay",
+            bargap=0.35,
+            height=max(260, 60 + 38 * len(requests)),
+            xaxis={"title": {"text": "token position"}, "rangemode": "tozero"},
+            yaxis={"autorange": "reversed", "automargin": True, "type": "category"},
+            margin={"l": 160, "r": 20, "t": 48, "b": 64},
+        ),
+    }
+
+
+def expert_figure(rows: Sequence[Mapping[str, Any]], model: str) -> Figure:
+    """Tokens routed per (layer, expert) of one model, as a heatmap.
+
+    Args:
+        rows: :meth:`Queries.expert_load` rows (``model``, ``layer``, ``expert``, ``tokens``).
+    """
+    own = [r for r in rows if r["model"] == model]
+    title = f"MoE expert load{' — ' + model if model else ''} (tokens per layer x expert)"
+    if not own:
+        return _empty(title, "no MoE routing in scope")
+    layers = max(int(r["layer"]) for r in own) + 1
+    experts = max(int(r["expert"]) for r in own) + 1
+    z = [[0] * experts for _ in range(layers)]
+    for r in own:
+        z[int(r["layer"])][int(r["expert"])] = int(r["tokens"])
+    return {
+        "data": [
+            {
+                "type": "heatmap",
+                "z": z,
+                "x": list(range(experts)),
+                "y": list(range(layers)),
+                "colorscale": "Viridis",
+                "colorbar": {"title": {"text": "tokens"}},
+                "hovertemplate": "layer %{y}, expert %{x}: %{z} tokens<extra></extra>",
+            }
+        ],
+        "layout": _layout(
+            title,
+            xaxis={"title": {"text": "expert"}, "dtick": 1},
+            yaxis={"title": {"text": "layer"}, "dtick": 1, "autorange": "reversed"},
+            height=max(260, 120 + 28 * layers),
+        ),
+    }
+
+
+def savings_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Prompt positions read from the prefix cache vs computed, per tenant, with money saved.
+
+    Args:
+        rows: :meth:`Queries.savings` rows grouped by tenant.
+    """
+    title = "Prefix sharing: prompt tokens cached vs computed, per tenant"
+    if not rows:
+        return _empty(title, "no requests in scope")
+    tenants = [str(r["tenant"]) or "(none)" for r in rows]
+    cached = [int(r["cached_prompt_tokens"]) for r in rows]
+    computed = [max(int(r["prompt_tokens"]) - c, 0) for r, c in zip(rows, cached, strict=True)]
+    saved = [f"hit rate {float(r['hit_rate']):.0%}, saved ${r['saved_usd']}" for r in rows]
+    return {
+        "data": [
+            {
+                "type": "bar",
+                "name": "cached (prefix hit)",
+                "x": tenants,
+                "y": cached,
+                "marker": {"color": STATUS_COLORS["cached"]},
+                "text": saved,
+                "hovertemplate": "%{x}: %{y} cached prompt tokens<br>%{text}<extra></extra>",
+                "textposition": "none",
+            },
+            {
+                "type": "bar",
+                "name": "computed",
+                "x": tenants,
+                "y": computed,
+                "marker": {"color": STATUS_COLORS["computed"]},
+                "hovertemplate": "%{x}: %{y} computed prompt tokens<extra></extra>",
+            },
+        ],
+        "layout": _layout(
+            title,
+            barmode="stack",
+            yaxis={"title": {"text": "prompt tokens"}},
+            annotations=[
+                {
+                    "x": t,
+                    "y": c + p,
+                    "text": f"${r['saved_usd']:.4f} saved" if isinstance(r["saved_usd"], Decimal) else "",
+                    "showarrow": False,
+                    "yshift": 10,
+                }
+                for t, c, p, r in zip(tenants, cached, computed, rows, strict=True)
+            ],
+        ),
+    }
+
+
+def cost_figure(by_mode: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
+    """Cost per tenant in each attribution mode (grouped bars, USD).
+
+    Args:
+        by_mode: mode -> :meth:`Queries.cost` rows grouped by tenant.
+    """
+    title = "Cost by tenant per attribution mode (USD)"
+    tenants = sorted({str(r["tenant"]) for rows in by_mode.values() for r in rows})
+    if not tenants:
+        return _empty(title, "no requests in scope")
+    data = []
+    for mode, rows in by_mode.items():
+        cost = {str(r["tenant"]): r.get("cost_usd", 0) for r in rows}
+        data.append(
+            {
+                "type": "bar",
+                "name": mode,
+                "x": [t or "(none)" for t in tenants],
+                "y": [_usd(cost.get(t, 0)) for t in tenants],
+                "text": [f"${cost.get(t, 0)}" for t in tenants],
+                "textposition": "none",
+                "marker": {"color": MODE_COLORS.get(mode, "#888888")},
+                "hovertemplate": f"%{{x}} ({mode}): %{{text}}<extra></extra>",
+            }
+        )
+    return {
+        "data": data,
+        "layout": _layout(title, barmode="group", yaxis={"title": {"text": "USD"}, "rangemode": "tozero"}),
+    }
+
+
+def health_figure(health: Mapping[str, Any]) -> Figure:
+    """Freshness and stored-request health as number indicators."""
+    items: list[tuple[str, float, str]] = []
+    if health.get("freshness_s") is not None:
+        items.append(("freshness", round(float(health["freshness_s"]), 1), " s"))
+    items.append(("requests stored", int(health.get("requests", 0)), ""))
+    items.append(("incomplete", int(health.get("incomplete_requests", 0)), ""))
+    items.append(("inconsistent", int(health.get("inconsistent_requests", 0)), ""))
+    if "dead_letters" in health:
+        items.append(("dead letters", int(health["dead_letters"]), ""))
+    n = len(items)
+    data = [
+        {
+            "type": "indicator",
+            "mode": "number",
+            "value": value,
+            "number": {"suffix": suffix, "font": {"size": 30}},
+            "title": {"text": name, "font": {"size": 13}},
+            "domain": {"x": [i / n + 0.01, (i + 1) / n - 0.01], "y": [0, 1]},
+        }
+        for i, (name, value, suffix) in enumerate(items)
+    ]
+    return {"data": data, "layout": _layout("Freshness and pipeline health", height=190)}

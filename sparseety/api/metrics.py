@@ -1,0 +1,124 @@
+"""Prometheus metrics of the API process, named ``sparseety:<noun>_<unit>``.
+
+Each API instance has its own registry (so tests can run several). Store-side figures (freshness,
+stored requests, dead letters) are refreshed by the ``/metrics`` handler just before rendering;
+the sink worker's counters (when the sink runs in this process) are read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SinkCollector(Collector):
+    """The in-process sink worker's counters (``sparseety.sinks.consumer.SinkWorker``)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.worker
+        yield CounterMetricFamily("sparseety:sink_records", "Records the sink stored.", value=w.records)
+        yield CounterMetricFamily(
+            "sparseety:sink_dead_letters", "Records the sink dead-lettered.", value=w.dead_letters
+        )
+        yield CounterMetricFamily("sparseety:sink_writes", "Batches the sink wrote.", value=w.writes)
+        rows = CounterMetricFamily("sparseety:sink_rows", "Rows the sink wrote, per table.", labels=["table"])
+        for table, n in sorted(w.totals.rows.items()):
+            rows.add_metric([table], n)
+        yield rows
+        yield GaugeMetricFamily(
+            "sparseety:sink_stopped_partitions",
+            "Partitions held back because their writes keep failing.",
+            value=len(w.held),
+        )
+
+
+class ApiMetrics:
+    """The API's metrics and their registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sparseety:api_requests", "HTTP requests served.", ["route", "method", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "sparseety:api_request_duration_seconds",
+            "HTTP request latency.",
+            ["route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.query_seconds = Histogram(
+            "sparseety:store_query_duration_seconds",
+            "Store query latency, per query.",
+            ["query"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.query_errors = Counter(
+            "sparseety:store_query_errors", "Store queries that failed.", ["query"], registry=r
+        )
+        self.jobs = Counter(
+            "sparseety:jobs", "Collect jobs finished, per kind and state.", ["kind", "state"], registry=r
+        )
+        self.jobs_active = Gauge(
+            "sparseety:jobs_active", "Collect jobs queued or running.", ["kind"], registry=r
+        )
+        self.store_up = Gauge(
+            "sparseety:store_up", "1 when the store answered the last health query.", registry=r
+        )
+        self.freshness = Gauge(
+            "sparseety:freshness_seconds",
+            "Now minus the newest finish time in the store (NaN when it is empty).",
+            registry=r,
+        )
+        self.latest_finished = Gauge(
+            "sparseety:store_latest_finished_timestamp_seconds",
+            "Newest finish time in the store.",
+            registry=r,
+        )
+        self.stored = Gauge(
+            "sparseety:store_requests",
+            "Requests stored: all, incomplete (closed without finishing), inconsistent, seq_gap.",
+            ["state"],
+            registry=r,
+        )
+        self.dead_letters = Gauge("sparseety:store_dead_letters", "Dead letters stored.", registry=r)
+
+    def watch_sink(self, worker: Any) -> None:
+        """Export an in-process sink worker's counters."""
+        self.registry.register(SinkCollector(worker))
+
+    def job_finished(self, kind: str, state: str) -> None:
+        self.jobs.labels(kind, state).inc()
+
+    def set_jobs_active(self, active: dict[str, int], kinds: tuple[str, ...]) -> None:
+        for kind in kinds:
+            self.jobs_active.labels(kind).set(active.get(kind, 0))
+
+    def set_health(self, health: dict[str, Any] | None) -> None:
+        """Store-side gauges from :meth:`ApiQueries.health` (None: the store did not answer)."""
+        if health is None:
+            self.store_up.set(0)
+            return
+        self.store_up.set(1)
+        fresh = health.get("freshness_s")
+        self.freshness.set(float("nan") if fresh is None else fresh)
+        self.latest_finished.set(health["latest_finished_ts_ns"] / 1e9)
+        self.stored.labels("all").set(health["requests"])
+        self.stored.labels("incomplete").set(health["incomplete_requests"])
+        self.stored.labels("inconsistent").set(health["inconsistent_requests"])
+        self.stored.labels("seq_gap").set(health["seq_gap_requests"])
+        if "dead_letters" in health:
+            self.dead_letters.set(health["dead_letters"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""Query-string parameters -> query-library arguments (pure); bad values are QueryErrors (400)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sparseety.sinks.clickhouse.queries import DIMENSIONS, MODES, QueryError, Scope, parse_duration, to_ns
+
+
+def parse_time(text: str, *, now_ns: int, name: str) -> int:
+    """An ISO-8601 time (naive = UTC), ``now``, or a duration ago (``15m``, ``2h``) -> wall ns.
+
+    Raises:
+        QueryError: none of those.
+    """
+    t = text.strip()
+    if t.lower() == "now":
+        return now_ns
+    try:
+        return now_ns - int(parse_duration(t).total_seconds() * 1e9)
+    except QueryError:
+        pass
+    try:
+        return to_ns(datetime.fromisoformat(t.replace("Z", "+00:00")))
+    except ValueError:
+        raise QueryError(
+            f"bad {name} {text!r}: use an ISO-8601 time (2024-05-01T12:00:00Z), now, or a duration "
+            f"ago such as 15m, 2h or 1d"
+        ) from None
+
+
+def time_range(
+    *,
+    since: str | None,
+    until: str | None,
+    since_ns: int | None,
+    until_ns: int | None,
+    now_ns: int,
+) -> tuple[int | None, int | None]:
+    """The finish-time range ``[since, until)`` in ns (either end may be open).
+
+    Raises:
+        QueryError: a malformed bound, both forms of one bound, or an empty range.
+    """
+    if since is not None and since_ns is not None:
+        raise QueryError("give since or since_ns, not both")
+    if until is not None and until_ns is not None:
+        raise QueryError("give until or until_ns, not both")
+    lo = parse_time(since, now_ns=now_ns, name="since") if since is not None else since_ns
+    hi = parse_time(until, now_ns=now_ns, name="until") if until is not None else until_ns
+    if lo is not None and hi is not None and lo >= hi:
+        raise QueryError("empty time range: since must be before until")
+    return lo, hi
+
+
+def scope(
+    visible: tuple[str, ...] | None,
+    *,
+    since: str | None = None,
+    until: str | None = None,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    now_ns: int,
+) -> Scope:
+    """A :class:`Scope` from the time parameters and the tenants the caller may see."""
+    lo, hi = time_range(since=since, until=until, since_ns=since_ns, until_ns=until_ns, now_ns=now_ns)
+    return Scope(lo, hi, visible)
+
+
+def group_by(values: Sequence[str], default: str) -> tuple[str, ...]:
+    """``group_by`` given repeated and/or comma-separated; checked against the dimensions.
+
+    Raises:
+        QueryError: an unknown dimension.
+    """
+    dims = tuple(d.strip() for v in values for d in v.split(",") if d.strip()) or (default,)
+    for d in dims:
+        if d not in DIMENSIONS:
+            raise QueryError(f"cannot group by {d!r}: choose from {', '.join(DIMENSIONS)}")
+    return dims
+
+
+def mode(value: str) -> str:
+    """An attribution mode.
+
+    Raises:
+        QueryError: not one of :data:`MODES`.
+    """
+    if value not in MODES:
+        raise QueryError(f"unknown attribution mode {value!r}: choose from {', '.join(MODES)}")
+    return value
+
+
+def bucket(value: str | None) -> str | None:
+    """A time bucket such as ``1h`` (checked now, so a bad one is a 400 before any query).
+
+    Raises:
+        QueryError: not a duration.
+    """
+    if value is not None:
+        parse_duration(value)
+    return value

@@ -1,0 +1,145 @@
+"""The two process models that serve the API over a store this process owns.
+
+* :func:`run_store` — ``sparseety store``: the Faust sink worker and the API in ONE process and one
+  event loop (uvicorn runs as a Faust service), sharing one :class:`Store`. This is the embedded
+  stack's store process: chDB lets one process open a data path, so everything else (CLI queries,
+  dashboards, collect jobs) goes through this process's API.
+* :func:`run_api` — ``sparseety api``: the API alone over the store (when no sink runs).
+
+Both write the admin token and endpoint record under ``<data_dir>/api/`` and remove them on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from sparseety.api.auth import TokenTable, check_exposure, remove_admin_token, write_admin_token
+from sparseety.api.backend import Backend
+from sparseety.api.server import ApiServer
+from sparseety.config import Config
+
+log = logging.getLogger("sparseety.api")
+
+
+def _tokens(cfg: Config) -> tuple[TokenTable, str]:
+    admin = write_admin_token(cfg.data_path)
+    return TokenTable(cfg.api.tokens, admin_token=admin), admin
+
+
+def _api_service(server: ApiServer) -> Any:
+    """A mode Service that starts and stops ``server`` with the Faust worker."""
+    from mode import Service
+
+    class ApiService(Service):
+        async def on_start(self) -> None:
+            await server.start()
+
+        async def on_stop(self) -> None:
+            await server.stop()
+
+    return ApiService()
+
+
+def run_store(
+    cfg: Config,
+    *,
+    loglevel: str = "info",
+    session_timeout_s: float = 30.0,
+    commit_interval_s: float = 2.8,
+    access_log: bool = False,
+) -> None:
+    """Run the sink worker and the API in this process until it is stopped (SIGTERM/SIGINT).
+
+    Raises:
+        ConfigError: an open API (no tokens) on a non-loopback host.
+        StoreLockedError: another process owns the embedded store.
+        KafkaUnavailableError: Kafka did not answer.
+    """
+    from faust import Worker
+
+    from sparseety.api.app import create_api
+    from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from sparseety.sinks.consumer import create_app
+
+    check_exposure(cfg.api.host, cfg.api.tokens)
+    wait_for_kafka(cfg)
+    ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
+    store = Store.open(cfg, owner="sparseety store")
+    admin = ""
+    backend = None
+    try:
+        sink = ClickHouseSink.from_config(cfg, store=store)  # migrates; leaves the store open
+        app = create_app(cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s)
+        tokens, admin = _tokens(cfg)
+        backend = Backend(cfg, store, tokens=tokens, sink_worker=app.sparseety_sink)
+        server = ApiServer(
+            create_api(backend),
+            host=cfg.api.host,
+            port=cfg.api.port,
+            data_path=cfg.data_path,
+            log_level=loglevel,
+            access_log=access_log,
+        )
+        try:
+            Worker(app, _api_service(server), loglevel=loglevel, quiet=True).execute_from_commandline()
+        finally:
+            sink.close()
+    finally:
+        if backend is not None:
+            backend.close()
+        if admin:
+            remove_admin_token(cfg.data_path, admin)
+        store.close()
+
+
+async def _serve_until_signalled(server: ApiServer) -> None:
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+def run_api(cfg: Config, *, loglevel: str = "info", access_log: bool = False) -> None:
+    """Serve the API alone over the configured store until SIGTERM/SIGINT.
+
+    Raises:
+        ConfigError: an open API (no tokens) on a non-loopback host.
+        StoreLockedError: another process (e.g. ``sparseety store``) owns the embedded store.
+    """
+    from sparseety.api.app import create_api
+    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.migrate import migrate
+
+    check_exposure(cfg.api.host, cfg.api.tokens)
+    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    with Store.open(cfg, owner="sparseety api") as store:
+        migrate(store)
+        tokens, admin = _tokens(cfg)
+        backend = Backend(cfg, store, tokens=tokens)
+        try:
+            server = ApiServer(
+                create_api(backend),
+                host=cfg.api.host,
+                port=cfg.api.port,
+                data_path=cfg.data_path,
+                log_level=loglevel,
+                access_log=access_log,
+            )
+            asyncio.run(_serve_until_signalled(server))
+        finally:
+            backend.close()
+            remove_admin_token(cfg.data_path, admin)

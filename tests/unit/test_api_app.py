@@ -1,0 +1,413 @@
+"""The HTTP API against a real chDB store holding the crafted data set (tests/unit/test_api_data.py):
+every endpoint, tenant-scoped tokens, bad input, metrics, and the remote client that mirrors the
+query library."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from sparseety.api.app import create_api
+from sparseety.api.auth import TokenTable
+from sparseety.api.backend import Backend
+from sparseety.api.client import RemoteQueries
+from sparseety.api.encode import jsonable
+from sparseety.api.queries import ApiQueries
+from sparseety.config import Config, load_config
+from sparseety.sinks.clickhouse.client import Store
+from sparseety.sinks.clickhouse.queries import Scope
+from tests.unit.test_api_data import MIN, T0, dataset, seed, uid
+
+NOW = T0 + 10 * MIN
+TOKENS = {"tok-admin": ["*"], "tok-acme": ["acme"], "tok-gi": ["globex", "initech"]}
+ADMIN = {"Authorization": "Bearer tok-admin"}
+ACME = {"Authorization": "Bearer tok-acme"}
+GI = {"Authorization": "Bearer tok-gi"}
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
+    path = tmp_path_factory.getbasetemp() / "chdb-unit"
+    return load_config(
+        data_dir=str(tmp_path_factory.mktemp("api-data")),
+        clickhouse={"dsn": f"chdb://{path}", "database": f"t{uuid.uuid4().hex[:10]}"},
+    )
+
+
+@pytest.fixture(scope="module")
+def store(cfg: Config) -> Iterator[Store]:
+    s = Store.open(cfg)
+    try:
+        seed(s)
+        yield s
+    finally:
+        s.command(f"DROP DATABASE IF EXISTS {s.database}")
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def backend(cfg: Config, store: Store) -> Iterator[Backend]:
+    b = Backend(cfg, store, tokens=TokenTable(TOKENS, admin_token="tok-process-admin"), clock=lambda: NOW)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def client(backend: Backend) -> Iterator[TestClient]:
+    with TestClient(create_api(backend)) as c:
+        yield c
+
+
+@pytest.fixture
+def local(store: Store) -> ApiQueries:
+    return ApiQueries(store)
+
+
+def get(client: TestClient, path: str, headers: dict[str, str] = ADMIN, **params: Any) -> Any:
+    r = client.get(path, params=params, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def error(client: TestClient, path: str, status: int, headers: dict[str, str] = ADMIN, **params: Any) -> str:
+    r = client.get(path, params=params, headers=headers)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "message"} and body["message"]
+    return str(body["message"])
+
+
+# --- every endpoint ---------------------------------------------------------------------------
+
+
+def test_token_statistics(client: TestClient, local: ApiQueries) -> None:
+    body = get(client, "/api/v1/tokens/statistics", request_id=uid("e1", "r1"))
+    assert body == {
+        "request_id": uid("e1", "r1"),
+        "input_token_count": 96,
+        "output_token_count": 32,
+        "computed_token_count": 119,
+        "cached_token_count": 0,
+        "skipped_token_count": 0,
+        "kv_cache_evicted_count": 0,
+        "draft_token_count": 12,
+        "draft_rejected_count": 4,
+    }
+    for rec in dataset():
+        body = get(client, "/api/v1/tokens/statistics", request_id=rec["request_uid"])
+        assert {k: v for k, v in body.items() if k != "request_id"} == local.tokens_statistics(
+            rec["request_uid"]
+        )
+    r4 = get(client, "/api/v1/tokens/statistics", request_id=uid("e3", "r4"))
+    assert (r4["skipped_token_count"], r4["kv_cache_evicted_count"], r4["computed_token_count"]) == (
+        56,
+        64,
+        239,
+    )
+
+
+def test_timeline_counts_and_segments(client: TestClient) -> None:
+    body = get(client, f"/api/v1/requests/{uid('e1', 'r3')}/timeline")
+    assert body["tenant"] == "globex" and body["model"] == "tiny-moe"
+    assert body["counts"] == {
+        "computed": 64,
+        "cached": 64,
+        "recomputed": 32,
+        "skipped": 0,
+        "evicted": 0,
+        "prompt": 128,
+        "output": 32,
+        "draft_accepted": 0,
+        "draft_rejected": 0,
+        "positions": 160,
+    }
+    assert [(s["start"], s["end"], s["status"]) for s in body["segments"]] == [
+        (0, 64, "cached"),
+        (64, 96, "recomputed"),
+        (96, 128, "computed"),
+        (128, 160, "computed"),
+    ]
+    assert body["segments"][0]["source_request_uid"] == uid("e1", "r1")
+    r1 = get(client, "/api/v1/requests/" + uid("e1", "r1").replace("/", "%2F") + "/timeline")
+    assert (r1["counts"]["draft_accepted"], r1["counts"]["draft_rejected"]) == (8, 4)
+    r4 = get(client, f"/api/v1/requests/{uid('e3', 'r4')}/timeline")
+    assert (r4["counts"]["evicted"], r4["counts"]["skipped"]) == (64, 56)
+
+
+def test_request_detail(client: TestClient, local: ApiQueries) -> None:
+    body = get(client, f"/api/v1/requests/{uid('e1', 'r2')}")
+    expected = jsonable(local.request(uid("e1", "r2")))
+    assert body == expected
+    # list price: 32 uncached x $10/M + 64 cached x $2.5/M + 16 output x $40/M
+    assert Decimal(body["cost"]["list"]) == Decimal("0.00032") + Decimal("0.00016") + Decimal("0.00064")
+
+
+@pytest.mark.parametrize("mode", ["actual", "amortized", "list", "gpu"])
+def test_cost_in_each_mode_matches_the_query_library(
+    client: TestClient, local: ApiQueries, mode: str
+) -> None:
+    body = get(client, "/api/v1/cost", mode=mode, group_by="tenant")
+    assert body["mode"] == mode and body["group_by"] == ["tenant"]
+    assert body["rows"] == jsonable(local.cost(mode=mode, by=("tenant",)))
+    assert {r["tenant"] for r in body["rows"]} == {"acme", "globex", "initech"}
+    assert all(isinstance(r["cost_usd"], str) for r in body["rows"])  # exact decimal text
+
+
+def test_cost_by_model_time_range_and_bucket(client: TestClient, local: ApiQueries) -> None:
+    since, until = "2023-11-14T22:15:00Z", "2023-11-14T22:18:00Z"  # T0+1m40s .. T0+4m40s: r2, r3, r4
+    body = get(client, "/api/v1/cost", group_by=["model", "tenant"], since=since, until=until, bucket="1m")
+    assert body["scope"]["since_ns"] == T0 + 100 * 10**9
+    rows = body["rows"]
+    assert sum(r["requests"] for r in rows) == 3
+    assert {r["bucket"] for r in rows} == {
+        "2023-11-14T22:15:00Z",
+        "2023-11-14T22:16:00Z",
+        "2023-11-14T22:17:00Z",
+    }
+    scope = Scope(T0 + 100 * 10**9, T0 + 280 * 10**9)
+    assert rows == jsonable(local.cost(by=("model", "tenant"), bucket="1m", scope=scope))
+    ns = get(client, "/api/v1/cost", since_ns=T0 + 100 * 10**9, until_ns=T0 + 280 * 10**9)
+    assert sum(r["requests"] for r in ns["rows"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "by"),
+    [
+        ("savings", "savings", ("tenant",)),
+        ("waste", "waste", ("tenant",)),
+        ("spec", "spec_efficiency", ("model",)),
+        ("gpu", "gpu_time", ("tenant",)),
+        ("usage", "usage", ("tenant",)),
+    ],
+)
+def test_grouped_queries(
+    client: TestClient, local: ApiQueries, path: str, method: str, by: tuple[str, ...]
+) -> None:
+    body = get(client, f"/api/v1/{path}")
+    assert body["rows"] == jsonable(getattr(local, method)(by=by))
+    assert body["rows"], f"{path} answered no rows"
+    by_engine = get(client, f"/api/v1/{path}", group_by="engine")
+    assert by_engine["rows"] == jsonable(getattr(local, method)(by=("engine",)))
+
+
+def test_savings_waste_and_spec_values(client: TestClient) -> None:
+    savings = {r["tenant"]: r for r in get(client, "/api/v1/savings")["rows"]}
+    assert savings["acme"]["cache_read_tokens"] == 64 and Decimal(savings["acme"]["saved_usd"]) == Decimal(
+        "0.00048"
+    )  # 64 x (10 - 2.5) $/M
+    waste = {r["tenant"]: r for r in get(client, "/api/v1/waste")["rows"]}
+    assert waste["globex"]["recomputed_tokens"] == 32 and waste["acme"]["draft_rejected_tokens"] == 4
+    spec = {r["model"]: r for r in get(client, "/api/v1/spec")["rows"]}
+    assert spec["tiny-moe"]["draft_accepted_tokens"] == 8 and spec["tiny-moe"]["acceptance_rate"] == 8 / 12
+
+
+def test_experts_duplication_requests_and_health(client: TestClient, local: ApiQueries) -> None:
+    experts = get(client, "/api/v1/experts", model="tiny-moe")["rows"]
+    assert experts == jsonable(local.expert_load(model="tiny-moe"))
+    cell = {(r["layer"], r["expert"]): r["tokens"] for r in experts}
+    assert cell[(0, 0)] == 14 and cell[(1, 1)] == 27
+    dup = get(client, "/api/v1/duplication")["rows"]
+    assert dup == jsonable(local.duplication()) and dup[0]["duplicated_blocks"] == 1
+    top = get(client, "/api/v1/duplication", top=5)["rows"]
+    assert top[0]["block_hash"] == b"b1".hex() and top[0]["engine_names"] == ["e1", "e2"]
+    listed = get(client, "/api/v1/requests", order="recent", limit=3)["rows"]
+    assert [r["request_uid"] for r in listed] == [uid("e2", "r6"), uid("e3", "r5"), uid("e3", "r4")]
+    varied = get(client, "/api/v1/requests", order="varied", limit=3)["rows"]  # three kinds of fate each
+    assert [r["request_uid"] for r in varied] == [uid("e3", "r4"), uid("e1", "r3"), uid("e1", "r1")]
+    health = get(client, "/api/v1/health")
+    assert health["store"] == {
+        "requests": 6,
+        "incomplete_requests": 1,
+        "inconsistent_requests": 1,
+        "seq_gap_requests": 0,
+        "latest_finished_ts_ns": T0 + 6 * MIN,
+        "freshness_s": 240.0,
+        "dead_letters": 1,
+    }
+    assert health["pipeline"] == {"sink_in_process": False, "jobs_active": 0}
+
+
+def test_metrics(client: TestClient) -> None:
+    get(client, "/api/v1/cost")
+    r = client.get("/metrics", headers=ADMIN)
+    assert r.status_code == 200
+    text = r.text
+    assert 'sparseety:api_requests_total{method="GET",route="/api/v1/cost",status="200"}' in text
+    assert "sparseety:freshness_seconds 240.0" in text
+    assert 'sparseety:store_requests{state="incomplete"} 1.0' in text
+    assert "sparseety:store_dead_letters 1.0" in text
+    assert "sparseety:store_up 1.0" in text
+    assert 'sparseety:store_query_duration_seconds_count{query="cost"}' in text
+    assert 'sparseety:jobs_active{kind="replay"} 0.0' in text
+
+
+def test_ops_docs_and_dashboard(client: TestClient) -> None:
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    assert "/api/v1/tokens/statistics" in spec["paths"] and "/api/v1/collect" in spec["paths"]
+    page = client.get("/dashboard", headers=ADMIN)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    for element in ('id="timeline"', 'id="cost"', 'id="savings"', 'id="experts-0"', 'id="health"'):
+        assert element in html
+    assert '<script src="/dashboard/plotly.min.js">' in html
+    js = client.get("/dashboard/plotly.min.js")  # public: the library, no data
+    assert js.status_code == 200 and b"plotly.js" in js.content[:200]
+    assert client.get("/", follow_redirects=False).headers["location"] == "/dashboard"
+
+
+# --- auth -------------------------------------------------------------------------------------
+
+
+def test_missing_malformed_and_unknown_tokens_are_401(client: TestClient) -> None:
+    r = client.get("/api/v1/cost")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert "missing bearer token" in r.json()["message"]
+    assert "malformed" in error(client, "/api/v1/cost", 401, {"Authorization": "Basic abc"})
+    assert error(client, "/api/v1/cost", 401, {"Authorization": "Bearer nope"}) == "unknown token"
+    assert client.get("/dashboard").status_code == 401
+    assert client.get("/metrics").status_code == 401
+    # the process's admin token (the CLI's) sees everything
+    assert len(get(client, "/api/v1/cost", {"Authorization": "Bearer tok-process-admin"})["rows"]) == 3
+
+
+def test_another_tenants_request_is_404_like_a_missing_one(client: TestClient) -> None:
+    mine = get(client, "/api/v1/tokens/statistics", ACME, request_id=uid("e1", "r1"))
+    assert mine["input_token_count"] == 96
+    for path, params in (
+        ("/api/v1/tokens/statistics", {"request_id": uid("e1", "r3")}),
+        (f"/api/v1/requests/{uid('e1', 'r3')}/timeline", {}),
+        (f"/api/v1/requests/{uid('e1', 'r3')}", {}),
+    ):
+        theirs = client.get(path, params=params, headers=ACME)
+        missing = client.get(
+            path.replace("r3", "r99"),
+            params={k: v.replace("r3", "r99") for k, v in params.items()},
+            headers=ACME,
+        )
+        assert theirs.status_code == missing.status_code == 404
+        assert theirs.json()["error"] == missing.json()["error"] == "not_found"
+    # the admin sees it
+    assert get(client, "/api/v1/tokens/statistics", request_id=uid("e1", "r3"))["input_token_count"] == 128
+
+
+def test_aggregates_see_only_the_tokens_tenants(client: TestClient, local: ApiQueries) -> None:
+    acme = get(client, "/api/v1/cost", ACME, mode="amortized")
+    assert acme["scope"]["tenants"] == ["acme"]
+    assert acme["rows"] == jsonable(local.cost(mode="amortized", scope=Scope(tenants=("acme",))))
+    assert [r["tenant"] for r in acme["rows"]] == ["acme"]
+    by_model = get(client, "/api/v1/cost", ACME, group_by="model")["rows"]
+    assert [(r["model"], r["requests"]) for r in by_model] == [("tiny-moe", 2)]
+    # asking for a tenant it may not see gives nothing, not an error (no existence leak)
+    assert get(client, "/api/v1/cost", ACME, tenant="globex")["rows"] == []
+    gi = get(client, "/api/v1/waste", GI, tenant=["globex", "acme"])
+    assert [r["tenant"] for r in gi["rows"]] == ["globex"]
+    assert {r["tenant"] for r in get(client, "/api/v1/savings", GI)["rows"]} == {"globex", "initech"}
+    assert [r["request_uid"] for r in get(client, "/api/v1/requests", ACME)["rows"]] == [
+        uid("e1", "r2"),
+        uid("e1", "r1"),
+    ]
+    assert {r["tenant"] for r in get(client, "/api/v1/usage", ACME)["rows"]} == {"acme"}
+    assert get(client, "/api/v1/experts", GI)["rows"] == jsonable(
+        local.expert_load(scope=Scope(tenants=("globex", "initech")))
+    )
+    health = get(client, "/api/v1/health", ACME)
+    assert health["store"]["requests"] == 2 and "dead_letters" not in health["store"]
+    assert "pipeline" not in health
+    page = client.get("/dashboard", headers=ACME).text
+    assert "tenants: acme" in page and "globex" not in page
+
+
+def test_cross_tenant_operations_need_an_all_tenant_token(client: TestClient) -> None:
+    assert "all tenants" in error(client, "/metrics", 403, ACME)
+    assert "all tenants" in error(client, "/api/v1/jobs", 403, ACME)
+    r = client.post("/api/v1/collect", json={"kind": "replay", "topic": "timelines"}, headers=ACME)
+    assert r.status_code == 403 and r.json()["error"] == "forbidden"
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_parameters_are_clear_400s(client: TestClient) -> None:
+    assert "no request 'nope'" in error(client, "/api/v1/tokens/statistics", 404, request_id="nope")
+    assert "no request" in error(client, "/api/v1/requests/nope/timeline", 404)
+    assert "bad since 'yesterday-ish'" in error(client, "/api/v1/cost", 400, since="yesterday-ish")
+    assert "bad until" in error(client, "/api/v1/cost", 400, until="2023-13-45T00:00:00")
+    assert "empty time range" in error(
+        client, "/api/v1/cost", 400, since="2023-11-15T00:00:00Z", until="2023-11-14"
+    )
+    assert "give since or since_ns" in error(client, "/api/v1/cost", 400, since="1h", since_ns=5)
+    assert "unknown attribution mode 'cheapest'" in error(client, "/api/v1/cost", 400, mode="cheapest")
+    assert "cannot group by 'planet'" in error(client, "/api/v1/savings", 400, group_by="tenant,planet")
+    assert "bad duration 'fortnight'" in error(client, "/api/v1/cost", 400, bucket="fortnight")
+    assert "unknown order" in error(client, "/api/v1/requests", 400, order="random")
+    assert "limit" in error(client, "/api/v1/requests", 400, limit="many")
+    assert "request_id" in error(client, "/api/v1/tokens/statistics", 400)
+    assert "since_ns" in error(client, "/api/v1/cost", 400, since_ns="soon")
+    assert "duplication groups by model only" in error(client, "/api/v1/duplication", 400, group_by="tenant")
+    assert "no job" in error(client, "/api/v1/jobs/abc", 404)
+
+
+def test_bad_collect_specs_are_400_before_any_job_runs(client: TestClient, tmp_path: Path) -> None:
+    def post(body: dict[str, Any]) -> str:
+        r = client.post("/api/v1/collect", json=body, headers=ADMIN)
+        assert r.status_code == 400, r.text
+        return str(r.json()["message"])
+
+    assert "tag 'scrape'" in post({"kind": "scrape"})
+    assert "cannot read 'yesterday' as a replay bound" in post(
+        {"kind": "replay", "topic": "timelines", "from": "yesterday"}
+    )
+    assert "empty replay range" in post({"kind": "replay", "topic": "timelines", "from": "end"})
+    assert "not a SparSEEty topic" in post({"kind": "replay", "topic": "some.other.topic"})
+    assert "no trace file" in post({"kind": "ingest", "path": str(tmp_path / "missing.jsonl")})
+    assert "ingest.format" in post({"kind": "ingest", "path": str(tmp_path), "format": "csv"})
+    assert "ingest.colour: Extra inputs" in post({"kind": "ingest", "path": "x", "colour": "red"})
+    assert get(client, "/api/v1/jobs")["jobs"] == []
+
+
+# --- open mode --------------------------------------------------------------------------------
+
+
+def test_open_mode_needs_no_token(cfg: Config, store: Store) -> None:
+    b = Backend(cfg, store, tokens=TokenTable({}, admin_token="tok-process-admin"), clock=lambda: NOW)
+    try:
+        with TestClient(create_api(b)) as c:
+            assert c.get("/api/v1/cost").status_code == 200
+            assert c.get("/metrics").status_code == 200
+            assert c.get("/api/v1/jobs").json() == {"jobs": []}
+    finally:
+        b.close()
+
+
+# --- the remote client mirrors the query library ----------------------------------------------
+
+
+def test_remote_queries_return_what_the_library_returns(client: TestClient, local: ApiQueries) -> None:
+    remote = RemoteQueries("http://testserver", "tok-admin", client=client)
+    scope = Scope(T0 + 90 * 10**9, T0 + 10 * MIN, ("acme", "globex"))
+    for mode in ("actual", "amortized", "list", "gpu"):
+        assert remote.cost(mode=mode, by=("tenant", "model"), bucket="1h", scope=scope) == local.cost(
+            mode=mode, by=("tenant", "model"), bucket="1h", scope=scope
+        )
+    for method in ("savings", "waste", "spec_efficiency", "gpu_time", "usage"):
+        assert getattr(remote, method)(by=("tenant",)) == getattr(local, method)(by=("tenant",)), method
+    assert remote.expert_load(model="tiny-moe") == local.expert_load(model="tiny-moe")
+    assert remote.duplication() == local.duplication()
+    assert remote.duplicated_blocks(limit=3) == local.duplicated_blocks(limit=3)
+    assert remote.requests(order="varied", limit=4) == local.requests(order="varied", limit=4)
+    for rec in dataset():
+        assert remote.request(rec["request_uid"]) == local.request(rec["request_uid"])
+        assert remote.tokens_statistics(rec["request_uid"]) == local.tokens_statistics(rec["request_uid"])
+    assert remote.request("nope") is None and remote.tokens_statistics("nope") is None
+    assert remote.request(uid("e1", "r3"), scope=Scope(tenants=("acme",))) is None
+    assert remote.health() == local.health(now_ns=NOW)
+    assert remote.cost(scope=Scope(tenants=())) == []
+    assert isinstance(remote.cost()[0]["cost_usd"], Decimal)
