@@ -180,10 +180,16 @@ def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -
         time.sleep(1.0)
 
 
+def _cell(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    widths = [max(len(c), *(len(_cell(r.get(c, ""))) for r in rows)) for c in columns]
     line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
-    body = ["  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
+    body = [
+        "  ".join(_cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows
+    ]
     return "\n".join([line, "  ".join("-" * w for w in widths), *body])
 
 
@@ -208,7 +214,8 @@ def build_report(
         row = costs.get(name, {}).get("actual", {})
         if int(row.get("requests", -1)) != t["requests"]:
             problems.append(
-                f"tenant {name}: cost query counts {row.get('requests')} requests, the rows say {t['requests']}"
+                f"tenant {name}: cost query counts {row.get('requests')} requests, "
+                f"the rows say {t['requests']}"
             )
         for k in ("prompt_tokens", "output_tokens"):
             if k in row and int(row[k]) != t[k]:
@@ -234,11 +241,11 @@ def build_report(
                 problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
     lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
-    m = engine.get("metrics", {})
+    m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
     lines.append(
-        f"engine metrics: prompt {m.get('vllm:prompt_tokens', '?')}, generated {m.get('vllm:generation_tokens', '?')}, "
-        f"prefix-cache hits {m.get('vllm:prefix_cache_hits', '?')}, accepted drafts "
-        f"{m.get('vllm:spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('vllm:num_preemptions', '?')}"
+        f"engine metrics: prompt {m.get('prompt_tokens', '?')}, generated {m.get('generation_tokens', '?')}, "
+        f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
+        f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
     )
     lines += ["", "Tokens per tenant (disjoint classes; prompt includes cache reads):", ""]
     short = {
