@@ -111,6 +111,7 @@ def _ensure_log_handler() -> None:
     )
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    root.propagate = False  # a root handler configured later would print every line twice
 
 
 def _version() -> str:

@@ -47,17 +47,22 @@ def _custom_op() -> Any:
         return _op
     import torch
 
-    @torch.library.custom_op("sparseety::record_routing", mutates_args=("sink",))
-    def record_routing(logits: torch.Tensor, sink: torch.Tensor, slot: int, layer: int) -> None:
+    def record_routing(logits: Any, sink: Any, slot: int, layer: int) -> None:
         cap = _CAPTURES.get(slot)
         if cap is not None:
             cap.record(layer, logits)
 
-    @record_routing.register_fake
-    def _(logits: torch.Tensor, sink: torch.Tensor, slot: int, layer: int) -> None:
+    def fake(logits: Any, sink: Any, slot: int, layer: int) -> None:
         return None
 
-    _op = record_routing
+    # Real types, not the postponed strings of ``from __future__ import annotations``: the
+    # schema is inferred from them.
+    types = {"logits": torch.Tensor, "sink": torch.Tensor, "slot": int, "layer": int, "return": None}
+    record_routing.__annotations__ = dict(types)
+    fake.__annotations__ = dict(types)
+    op = torch.library.custom_op("sparseety::record_routing", record_routing, mutates_args=("sink",))
+    op.register_fake(fake)
+    _op = op
     return _op
 
 

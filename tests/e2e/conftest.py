@@ -143,6 +143,20 @@ def start_offline(cfg: Config, model: Path, **llm_kwargs: Any) -> Any:
         return LLM(model=str(model), seed=0, disable_log_stats=False, **llm_kwargs)
 
 
+def run_driver(code: str, cfg: Config, args: list[str], workdir: Path, timeout: float = 600) -> str:
+    """Run ``code`` (a script with an ``if __name__ == "__main__"`` guard) as an in-process engine
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the plugin configured by ``cfg``; returns stderr."""
+    driver = workdir / f"driver_{uuid.uuid4().hex[:8]}.py"
+    driver.write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env.update({**ENGINE_ENV, **to_env(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    run = subprocess.run(
+        [sys.executable, str(driver), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout + run.stderr
+
+
 class ServerEngine:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
 

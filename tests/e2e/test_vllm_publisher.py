@@ -5,15 +5,12 @@ an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in a child process."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from sparseety import events as ev
-from sparseety.config import Config, to_env
+from sparseety.config import Config
 from sparseety.producers.privacy import token_hasher
-from tests.e2e.conftest import ENGINE_ENV, engine_config, tiny_model
+from tests.e2e.conftest import engine_config, run_driver, tiny_model
 from tests.e2e.engine_events import engine_events
 
 DRIVER = """
@@ -38,27 +35,17 @@ KEY = "a-secret-key-of-some-length"
 def test_registered_publisher_and_hashed_prompts(broker: Config, e2e_dir: Path) -> None:
     cfg = engine_config(broker, e2e_dir / "publisher", "publisher")
     cfg = cfg.replace(privacy={"mode": "hashed", "key": KEY})
-    driver = e2e_dir / "publisher_driver.py"
-    driver.write_text(DRIVER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-    env.update({**ENGINE_ENV, **to_env(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    run = subprocess.run(
-        [sys.executable, str(driver), str(tiny_model("llama"))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "KV events via sparseety publisher" in run.stderr
-    prompts = json.loads(run.stdout.split("RESULT ", 1)[1])
+    (e2e_dir / "publisher").mkdir(parents=True, exist_ok=True)
+    log = run_driver(DRIVER, cfg, [str(tiny_model("llama"))], e2e_dir / "publisher", timeout=300)
+    assert "KV events via sparseety publisher" in log
+    prompts = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     events = engine_events(cfg, lambda evs: any(ev.payload_type(e) == ev.ENGINE_STOPPED for e in evs))
     started = [ev.payload(e) for e in events if ev.payload_type(e) == ev.REQUEST_STARTED]
     assert len(started) == 3
     hashed = token_hasher(KEY)
     assert sorted(s["prompt_token_hashes"] for s in started) == sorted(hashed(p) for p in prompts)
     assert all(s["prompt_token_ids"] == [] for s in started)
-    assert KEY not in run.stderr + run.stdout  # the key is never logged
+    assert KEY not in log  # the key is never logged
     engine = next(ev.payload(e) for e in events if ev.payload_type(e) == ev.ENGINE_STARTED)
     assert engine["privacy_mode"] == "hashed"
     stored = [ev.payload(e) for e in events if ev.payload_type(e) == ev.KV_STORED]
