@@ -596,6 +596,11 @@ def test_k8s_sparseety_containers_run_real_commands_with_valid_configuration(
         seen[doc["metadata"]["name"]] = (ctx.info_name, cfg)
     assert seen["sparseety-worker"][0] == "worker" and seen["sparseety-api"][0] == "api"
     assert seen["sparseety-sink"][0] == "sink" and seen["sparseety-db-migrate"][0] == "db migrate"
+    assert seen["sparseety-otel-sink"][0] == "sink"
+    assert seen["sparseety-otel-sink"][1].clickhouse.password is None  # it never touches ClickHouse
+    for name, sinks in (("sparseety-sink", ("clickhouse",)), ("sparseety-otel-sink", ("otel",))):
+        (c,) = pod_spec(named(k8s, "Deployment", name))["containers"]
+        assert resolve_command(c["args"]).params["sink_names"] == sinks
     for name in ("sparseety-sink", "sparseety-api", "sparseety-db-migrate"):
         assert seen[name][1].clickhouse.password is not None
     api = seen["sparseety-api"][1]
@@ -611,7 +616,11 @@ def test_k8s_topics_users_and_kafka_match_the_configuration(k8s: list[dict[str, 
         for t in of_kind(k8s, "KafkaTopic")
         if t["metadata"]["labels"]["strimzi.io/cluster"] == cluster
     }
-    groups = [cfg.worker.app_id, cfg.sink.group_id]
+    groups = [cfg.worker.app_id]
+    for _, c in workloads(k8s):
+        if c["image"] == "sparseety" and c["args"][0] == "sink":
+            groups.append(k8s_config(k8s, container_env(c)[0]).sink.group_id)
+    assert len(set(groups)) == len(groups) == 3  # assembler, ClickHouse sink, OpenTelemetry sink
     want = {t: cfg.topics.partitions for t in cfg.topics.all()} | faust_topics(cfg, groups)
     assert {name: t["spec"]["partitions"] for name, t in topics.items()} == want
     assert all(t["spec"]["replicas"] == cfg.topics.replication_factor for t in topics.values())
