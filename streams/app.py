@@ -349,7 +349,8 @@ def create_app(cfg: Config) -> faust.App:
             }
             await worker.tick(assigned)
             try:
-                await worker.export_lag(app.consumer, assigned)
+                async with worker.lock:  # the refetcher's client is shared with the agent
+                    await worker.export_lag(app.consumer, assigned)
             except Exception as exc:  # metrics never stop the worker
                 log.debug("lag metrics not updated: %r", exc)
 
