@@ -28,4 +28,13 @@ fi
 
 echo "[setup] installing sparseety (editable) with the dev extra"
 "${PIP[@]}" install -e ".[dev]"
+
+# The dashboard test draws the page in Debian's headless Chromium, driven by Playwright's Python
+# package (which then needs no browser download of its own).
+if [ ! -x /usr/bin/chromium ]; then
+  echo "[setup] installing Debian's chromium (dashboard browser test)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+fi
 echo "[setup] done: $(.venv/bin/sparseety --version)"

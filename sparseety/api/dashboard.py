@@ -124,13 +124,19 @@ def _health_rows(data: DashboardData) -> list[tuple[str, str]]:
         ("newest finish", _time(h["latest_finished_ts_ns"]) if h.get("latest_finished_ts_ns") else "—"),
         (
             "freshness",
-            f"{h['freshness_s']:.1f} s behind now" if h.get("freshness_s") is not None else "no requests",
+            "{:g}{} behind now".format(*figs.human_duration(h["freshness_s"]))
+            if h.get("freshness_s") is not None
+            else "no requests",
         ),
         ("requests stored", str(h.get("requests", 0))),
         ("with sequence gaps", str(h.get("seq_gap_requests", 0))),
     ]
-    rows.extend((k.replace("_", " "), str(v)) for k, v in data.pipeline.items())
+    rows.extend((k.replace("_", " "), _text(v)) for k, v in data.pipeline.items())
     return rows
+
+
+def _text(value: Any) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
 
 
 def _script_json(value: Any) -> str:
@@ -167,7 +173,10 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         expert_sections=experts,
         figures=_script_json(figures),
         script=_asset("dashboard.js"),
-        footer=html.escape(f"SparSEEty {__version__} · charts drawn with plotly.js (embedded, offline)"),
+        footer=html.escape(
+            f"SparSEEty {__version__} · charts drawn with plotly.js, shipped with SparSEEty: nothing is "
+            f"fetched from the internet"
+        ),
     )
 
 

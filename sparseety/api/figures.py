@@ -93,7 +93,8 @@ def timeline_figure(requests: Sequence[Mapping[str, Any]]) -> Figure:
             continue
         marker: dict[str, Any] = {"color": STATUS_COLORS.get(name, STATUS_COLORS["computed"])}
         if name == DRAFT_ACCEPTED:
-            marker["pattern"] = {"shape": "/", "fgcolor": "#ffffff", "solidity": 0.35}
+            # stripes over the computed colour: an accepted draft is computed output too
+            marker["pattern"] = {"shape": "/", "fillmode": "overlay", "fgcolor": "#ffffff", "solidity": 0.45}
         data.append(
             {
                 "type": "bar",
@@ -116,7 +117,8 @@ def timeline_figure(requests: Sequence[Mapping[str, Any]]) -> Figure:
             height=max(260, 60 + 38 * len(requests)),
             xaxis={"title": {"text": "token position"}, "rangemode": "tozero"},
             yaxis={"autorange": "reversed", "automargin": True, "type": "category"},
-            margin={"l": 160, "r": 20, "t": 48, "b": 64},
+            margin={"l": 160, "r": 20, "t": 72, "b": 48},
+            legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom"},
         ),
     }
 
@@ -240,11 +242,19 @@ def cost_figure(by_mode: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
     }
 
 
+def human_duration(seconds: float) -> tuple[float, str]:
+    """A duration as (value, unit suffix) in the largest unit that keeps it readable."""
+    for limit, div, unit in ((120, 1, " s"), (7200, 60, " min"), (172_800, 3600, " h")):
+        if abs(seconds) < limit:
+            return round(seconds / div, 1), unit
+    return round(seconds / 86400, 1), " d"
+
+
 def health_figure(health: Mapping[str, Any]) -> Figure:
     """Freshness and stored-request health as number indicators."""
     items: list[tuple[str, float, str]] = []
     if health.get("freshness_s") is not None:
-        items.append(("freshness", round(float(health["freshness_s"]), 1), " s"))
+        items.append(("freshness", *human_duration(float(health["freshness_s"]))))
     items.append(("requests stored", int(health.get("requests", 0)), ""))
     items.append(("incomplete", int(health.get("incomplete_requests", 0)), ""))
     items.append(("inconsistent", int(health.get("inconsistent_requests", 0)), ""))
@@ -262,4 +272,5 @@ def health_figure(health: Mapping[str, Any]) -> Figure:
         }
         for i, (name, value, suffix) in enumerate(items)
     ]
-    return {"data": data, "layout": _layout("Freshness and pipeline health", height=190)}
+    layout = _layout("Freshness and pipeline health", height=150, margin={"l": 20, "r": 20, "t": 40, "b": 8})
+    return {"data": data, "layout": layout}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from sparseety.api.app import create_api
@@ -19,6 +20,7 @@ from sparseety.api.backend import Backend
 from sparseety.api.client import RemoteQueries
 from sparseety.api.encode import jsonable
 from sparseety.api.queries import ApiQueries
+from sparseety.cli import main
 from sparseety.config import Config, load_config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.queries import Scope
@@ -411,3 +413,17 @@ def test_remote_queries_return_what_the_library_returns(client: TestClient, loca
     assert remote.health() == local.health(now_ns=NOW)
     assert remote.cost(scope=Scope(tenants=())) == []
     assert isinstance(remote.cost()[0]["cost_usd"], Decimal)
+
+
+def test_dashboard_command_writes_a_self_contained_file(cfg: Config, store: Store, tmp_path: Path) -> None:
+    env = {
+        "SPARSEETY_CLICKHOUSE_DSN": cfg.clickhouse.dsn,
+        "SPARSEETY_CLICKHOUSE_DATABASE": cfg.clickhouse.database,
+    }
+    out = tmp_path / "d.html"
+    result = CliRunner().invoke(main, ["dashboard", "--out", str(out), "--tenant", "globex"], env=env)
+    assert result.exit_code == 0, result.output
+    html = out.read_text()
+    assert "plotly.js v" in html and "<script src=" not in html and "tenants: globex" in html
+    bad = CliRunner().invoke(main, ["dashboard", "--out", str(out), "--since", "soonish"], env=env)
+    assert bad.exit_code == 2 and "bad since 'soonish'" in bad.output
