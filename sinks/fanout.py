@@ -35,10 +35,13 @@ class FanOutSink(Sink):
         """Build from registered sink names: ``names=["clickhouse", "otel"]``."""
         from sparseety.sinks.base import load_sink_class
 
+        names = options.pop("names")
+        if options:
+            raise TypeError(f"unknown FanOutSink options: {', '.join(sorted(options))}")
         built: list[Sink] = []
         try:
-            for name in options.pop("names"):
-                built.append(load_sink_class(name).from_config(cfg, **options))
+            for name in names:
+                built.append(load_sink_class(name).from_config(cfg))
         except BaseException:
             for s in built:
                 s.close()
