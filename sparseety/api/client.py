@@ -57,6 +57,7 @@ class RemoteQueries:
         client: An httpx client to use (tests pass the app's TestClient).
         timeout_s: Per-request timeout.
         data_dir: The data dir whose admin token is used (named in errors).
+        why: Why the API is used rather than the store (said when the API does not answer).
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class RemoteQueries:
         client: httpx.Client | None = None,
         timeout_s: float = 60.0,
         data_dir: str | None = None,
+        why: str = "",
     ) -> None:
         self.data_dir = data_dir
+        self.why = why
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None
@@ -78,7 +81,7 @@ class RemoteQueries:
         self.headers = headers
 
     @classmethod
-    def from_config(cls, cfg: Config, *, owner: str = "") -> RemoteQueries:
+    def from_config(cls, cfg: Config, *, why: str = "") -> RemoteQueries:
         """The API of the process that serves this data dir (endpoint record, else ``api.*``)."""
         found = read_endpoint(cfg.data_path)
         pid = found.get("pid") if found else None
@@ -86,7 +89,7 @@ class RemoteQueries:
             url = str(found["url"])
         else:
             url = client_url(cfg.api.host, cfg.api.port)
-        return cls(url, read_admin_token(cfg.data_path), data_dir=str(cfg.data_path))
+        return cls(url, read_admin_token(cfg.data_path), data_dir=str(cfg.data_path), why=why)
 
     def close(self) -> None:
         if self._own:
@@ -103,8 +106,9 @@ class RemoteQueries:
             r = self.client.get(path, params=params, headers=self.headers)
         except httpx.HTTPError as exc:
             raise RemoteApiError(
-                f"the SparSEEty API at {self.base_url} does not answer ({type(exc).__name__}: {exc}); "
-                f"is the store process (`sparseety store` / `sparseety api`) running?",
+                (f"{self.why}; " if self.why else "")
+                + f"the SparSEEty API at {self.base_url} does not answer ({type(exc).__name__}: {exc}): "
+                f"only `sparseety store` and `sparseety api` serve queries from the store they own",
                 url=self.base_url,
             ) from None
         if r.status_code == 404 and missing_ok:
@@ -268,6 +272,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owner_text(exc: StoreLockedError) -> str:
+    pid, command = exc.fields.get("owner_pid"), exc.fields.get("owner_command")
+    who = f"process {pid} ({command})" if pid else "another process"
+    return f"the embedded store at {exc.fields.get('path', '?')} is open in {who}"
+
+
 @contextlib.contextmanager
 def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
     """Queries over the store: opened here when possible, else through the owner's API.
@@ -280,12 +290,13 @@ def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.migrate import ensure_migrated
 
+    why = ""
     try:
         store = Store.open(cfg, owner=owner)
-    except StoreLockedError:
-        store = None
+    except StoreLockedError as exc:
+        store, why = None, _owner_text(exc)
     if store is None:
-        remote = RemoteQueries.from_config(cfg)
+        remote = RemoteQueries.from_config(cfg, why=why)
         try:
             yield remote
         finally:

@@ -17,13 +17,13 @@ from fastapi.testclient import TestClient
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
-from sparseety.api.client import RemoteQueries
+from sparseety.api.client import RemoteApiError, RemoteQueries
 from sparseety.api.encode import jsonable
 from sparseety.api.queries import ApiQueries
 from sparseety.cli import main
 from sparseety.config import Config, load_config
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import Scope
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from tests.unit.test_api_data import MIN, T0, dataset, seed, uid
 
 NOW = T0 + 10 * MIN
@@ -427,3 +427,19 @@ def test_dashboard_command_writes_a_self_contained_file(cfg: Config, store: Stor
     assert "plotly.js v" in html and "<script src=" not in html and "tenants: globex" in html
     bad = CliRunner().invoke(main, ["dashboard", "--out", str(out), "--since", "soonish"], env=env)
     assert bad.exit_code == 2 and "bad since 'soonish'" in bad.output
+
+
+def test_remote_errors_say_what_to_do(client: TestClient) -> None:
+    down = RemoteQueries(
+        "http://127.0.0.1:9", why="the embedded store at /x is open in process 7 (sparseety sink)"
+    )
+    with pytest.raises(RemoteApiError, match=r"open in process 7 \(sparseety sink\); the SparSEEty API at"):
+        down.cost()
+    down.close()
+    refused = RemoteQueries("http://testserver", "wrong", client=client, data_dir="/data")
+    with pytest.raises(RemoteApiError, match=r"refused the request \(401: unknown token\); .*/data/api"):
+        refused.savings()
+    scoped = RemoteQueries("http://testserver", "tok-acme", client=client)
+    assert scoped.pipeline() == {}  # the pipeline's counters are for all-tenant tokens
+    with pytest.raises(QueryError, match="unknown attribution mode"):
+        scoped.cost(mode="cheapest")
