@@ -10,17 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
+from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
-from sparseety.config import Config
+from sparseety.cli import main
+from sparseety.config import Config, to_env
 from sparseety.kafka import make_encoder, make_producer
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
 from tests import factories as f
+from tests.helpers import read_topic
 
 S = 10**9
 T0 = 1_700_000_000 * S
@@ -153,3 +157,31 @@ def test_jsonl_ingest_job_then_fold_into_the_store(
     assert cost["t0"]["input_tokens"] + cost["t1"]["input_tokens"] == sum(50 + i for i in range(12)) - 4 * 32
     usage = api.get("/api/v1/usage", headers=ADMIN).json()["rows"]
     assert sum(r["requests"] for r in usage) == 12
+
+
+def test_ingest_command_publishes_and_reports_bad_lines(kafka_cfg: Config, tmp_path: Path) -> None:
+    path = tmp_path / "small.jsonl"
+    good = {
+        "id": "a",
+        "model": "tiny",
+        "arrival": 1_714_564_800,
+        "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+    }
+    path.write_text(json.dumps(good) + "\n" + "not json\n")
+    env = to_env(kafka_cfg)
+    result = CliRunner().invoke(main, ["ingest", str(path), "--tenant", "acme"], env=env)
+    assert result.exit_code == 1, result.output  # a skipped line is not success
+    assert "jsonl: 2 records read, 1 requests, 4 events published" in result.output
+    assert "skipped line 2: not valid JSON" in result.output and "1 bad lines skipped" in result.output
+    records = read_topic(kafka_cfg, kafka_cfg.topics.engine_events, quiet_s=0.5)
+    assert [ev.payload_type(r[3]) for r in sorted(records, key=lambda r: r[1])] == [
+        ev.ENGINE_STARTED,
+        ev.REQUEST_STARTED,
+        ev.REQUEST_FINISHED,
+        ev.ENGINE_STOPPED,
+    ]
+    assert {r[2] for r in records} == {b"trace-small"}
+    started = next(r[3] for r in records if ev.payload_type(r[3]) == ev.REQUEST_STARTED)
+    assert ev.payload(started)["tenant"] == "acme"
+    strict = CliRunner().invoke(main, ["ingest", str(path), "--strict"], env=env)
+    assert strict.exit_code == 2 and "nothing was published" in strict.output

@@ -108,8 +108,6 @@ def test_store_process_serves_its_sink_and_the_cli_goes_through_it(cfg: Config, 
         out = cli(cfg, "query", "tokens", records[3]["request_uid"], "--format", "json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["input_token_count"] == records[3]["prompt_tokens"]
-        out = cli(cfg, "query", "tokens", "nope")
-        assert out.returncode == 1 and "no request 'nope'" in out.stderr
     finally:
         store.stop()
     assert store.proc is not None and store.proc.returncode is not None, store.tail()
@@ -125,8 +123,6 @@ def test_store_process_serves_its_sink_and_the_cli_goes_through_it(cfg: Config, 
             assert remote.base_url == url
             assert sum(r["requests"] for r in remote.cost()) == N
             assert remote.tokens_statistics(records[0]["request_uid"]) is not None
-        out = cli(cfg, "query", "savings", "--format", "json")
-        assert out.returncode == 0 and len(json.loads(out.stdout)) == 2, out.stderr
     finally:
         api.stop()
 

@@ -205,13 +205,12 @@ def test_served_dashboard_is_scoped_to_the_token(browser: Browser, live: str) ->
         context.close()
 
 
-def test_remote_rendering_matches_local(live: str, store: Store, tmp_path: Path) -> None:
+def test_remote_rendering_matches_local(live: str, store: Store) -> None:
     """The demo and `sparseety dashboard` render through the store process's API."""
     scope = Scope(tenants=("acme", "globex"))
     picks = [uid("e1", "r1"), uid("e3", "r4")]
     with RemoteQueries(live, "tok-admin") as remote:
         there = collect(remote, scope=scope, request_uids=picks, now_ns=NOW)
-        path = render_dashboard(remote, tmp_path / "remote.html", scope=scope)
     here = collect(ApiQueries(store), scope=scope, request_uids=picks, now_ns=NOW)
     assert build_figures(there) == build_figures(here)
-    assert "tenants: acme, globex" in path.read_text()
+    assert [r["request_uid"] for r in there.timelines] == picks
