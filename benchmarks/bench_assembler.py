@@ -26,13 +26,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparseety import events as ev  # noqa: E402
-from sparseety.config import WorkerConfig  # noqa: E402
-from sparseety.schema_store import SchemaStore  # noqa: E402
-from sparseety.serde import Decoder, Encoder  # noqa: E402
-from sparseety.streams.assembler import Assembler  # noqa: E402
-from sparseety.streams.state import MemoryStore  # noqa: E402
-from tests import factories as f  # noqa: E402
+from sparseety import events as ev
+from sparseety.config import WorkerConfig
+from sparseety.schema_store import SchemaStore
+from sparseety.serde import Decoder, Encoder
+from sparseety.streams.assembler import Assembler
+from sparseety.streams.state import MemoryStore
+from tests import factories as f
 
 BS = 16
 
@@ -243,16 +243,19 @@ def main() -> None:
     blobs = [enc.encode(e) for e in events]
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print(
-        f"workload: batch {args.batch}, {args.steps} steps, {len(events)} events, {request_steps} request-steps, "
+        f"workload: batch {args.batch}, {args.steps} steps, {len(events)} events, "
+        f"{request_steps} request-steps, "
         f"{sum(len(b) for b in blobs) / len(blobs):,.0f} B/event"
     )
     fold_s = statistics.median(fold(events) for _ in range(args.runs))
     dec_s = statistics.median(decode_fold(blobs) for _ in range(args.runs))
     print(
-        f"fold:         {request_steps / fold_s:>12,.0f} request-steps/s  ({len(events) / fold_s:,.0f} events/s)"
+        f"fold:         {request_steps / fold_s:>12,.0f} request-steps/s"
+        f"  ({len(events) / fold_s:,.0f} events/s)"
     )
     print(
-        f"decode+fold:  {request_steps / dec_s:>12,.0f} request-steps/s  ({len(events) / dec_s:,.0f} events/s)"
+        f"decode+fold:  {request_steps / dec_s:>12,.0f} request-steps/s"
+        f"  ({len(events) / dec_s:,.0f} events/s)"
     )
     size, segments = long_request_state()
     print(f"128k-token request state: {size / 1024:,.0f} KiB serialized, {segments} segments")
