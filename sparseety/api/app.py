@@ -29,6 +29,7 @@ from sparseety.api.collect import CollectSpecError, IngestSpec, ReplaySpec
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
+from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import ORDERS, timeline_counts
 from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
 from sparseety.producers.logs.errors import TraceError
@@ -391,6 +392,15 @@ def _errors(app: FastAPI) -> None:
         # ClickHouse's message may quote SQL; callers get a generic answer, the log the detail
         log.error("store error on %s: %s", request.url.path, exc)
         return _error(503, "store_unavailable", "the store failed to answer; see the API's log")
+
+    @app.exception_handler(JobCancelled)
+    async def shutting_down(_: Request, exc: JobCancelled) -> JSONResponse:
+        return _error(503, "shutting_down", str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return _error(500, "internal", f"unexpected {type(exc).__name__}; see the API's log")
 
 
 def _metrics_middleware(app: FastAPI) -> None:
