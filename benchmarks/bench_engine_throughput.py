@@ -1,10 +1,10 @@
 """vLLM generation throughput with SparSEEty on vs off, side by side in one run.
 
-Two engines serve the same tiny local Llama at the same time, each in its own process in vLLM's
-real multiprocess layout (EngineCore + worker): ``off`` is plain vLLM; ``on`` has the plugin
-active (``SPARSEETY_KAFKA_BOOTSTRAP`` set, publishing to an embedded broker on this machine) and
-KV cache events enabled, as a user enables them for SparSEEty. They take turns (off, on, off,
-on, ...) on the same workload, so drift on this shared machine hits both alike; the result is
+Four engines serve the same tiny local Llama at the same time, each in its own process in vLLM's
+real multiprocess layout (EngineCore + worker): two ``off`` (plain vLLM) and two ``on`` (the
+plugin active, publishing to an embedded broker on this machine, with KV cache events enabled
+as a user enables them for SparSEEty). They take turns on the same workload (off, on, on, off,
+then the reverse), so drift on this shared machine hits both sides alike; the result is
 the ratio of the median throughputs (generated tokens per second of ``LLM.generate``), and the
 median of the per-round (paired) ratios.
 
@@ -113,13 +113,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
-        "--aa",
-        action="store_true",
-        help="A/A run: the plugin off in both engines (this machine's noise floor)",
+        "--aa", action="store_true", help="A/A run: the plugin off on both sides (this machine's noise floor)"
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -134,55 +132,59 @@ def main() -> None:
         broker = EmbeddedBroker(cfg)
         broker.start(create_topics=False)
         ecfg = broker.client_config().replace(
-            topics={**cfg.topics.model_dump(), "engine_events": "bench.engine-events", "partitions": 1},
-            producer={"engine_name": "bench-on"},
+            topics={**cfg.topics.model_dump(), "engine_events": "bench.engine-events", "partitions": 1}
         )
         ensure_topics(ecfg, [ecfg.topics.engine_events])
         base = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
         base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)})
-        engines = {
-            "off": Engine("off", model, dict(base), False, Path(tmp) / "off.log"),
-            "on": Engine(
-                "on",
-                model,
-                dict(base) if args.aa else {**base, **to_env(ecfg)},
-                not args.aa,
-                Path(tmp) / "on.log",
-            ),
-        }
+
+        def on_env(i: int) -> dict[str, str]:
+            named = ecfg.replace(producer={"engine_name": f"bench-on-{i}"})
+            return dict(base) if args.aa else {**base, **to_env(named)}
+
+        # Two engines per side, started off/on/on/off: an engine instance's own speed (seen
+        # +-7 % between two identical engines here) and the start order average out.
+        engines = [
+            ("off", Engine("off-1", model, dict(base), False, Path(tmp) / "off-1.log")),
+            ("on", Engine("on-1", model, on_env(1), not args.aa, Path(tmp) / "on-1.log")),
+            ("on", Engine("on-2", model, on_env(2), not args.aa, Path(tmp) / "on-2.log")),
+            ("off", Engine("off-2", model, dict(base), False, Path(tmp) / "off-2.log")),
+        ]
+        tput: dict[str, list[float]] = {"off": [], "on": []}
+        ratios: list[float] = []
         try:
-            for e in engines.values():
+            for _, e in engines:
                 e.wait_ready()
-            for e in engines.values():  # warm-up round, not counted
+            for _, e in engines:  # warm-up round, not counted
                 e.run(args.requests, args.max_tokens)
-            tput: dict[str, list[float]] = {"off": [], "on": []}
             for r in range(args.rounds):
-                order = ("off", "on") if r % 2 == 0 else ("on", "off")
-                for name in order:
-                    res = engines[name].run(args.requests, args.max_tokens)
-                    tput[name].append(res["tokens"] / res["seconds"])
+                got: dict[str, list[float]] = {"off": [], "on": []}
+                for side, e in engines if r % 2 == 0 else engines[::-1]:
+                    res = e.run(args.requests, args.max_tokens)
+                    got[side].append(res["tokens"] / res["seconds"])
+                for side in got:
+                    tput[side] += got[side]
+                ratios.append(statistics.mean(got["on"]) / statistics.mean(got["off"]))
                 print(
-                    f"round {r + 1}: off {tput['off'][-1]:.0f} tok/s, on {tput['on'][-1]:.0f} tok/s, "
-                    f"ratio {tput['on'][-1] / tput['off'][-1]:.3f}",
+                    f"round {r + 1}: off {statistics.mean(got['off']):.0f} tok/s, "
+                    f"on {statistics.mean(got['on']):.0f} tok/s, ratio {ratios[-1]:.3f}",
                     flush=True,
                 )
         finally:
-            for e in engines.values():
+            for _, e in engines:
                 e.close()
-            on_log = (Path(tmp) / "on.log").read_text(errors="replace")
+            logs = "\n".join((Path(tmp) / f"{e.name}.log").read_text(errors="replace") for _, e in engines)
             broker.stop()
-        totals = [line for line in on_log.splitlines() if "producer" in line and "stopped:" in line]
-        for line in on_log.splitlines():
-            if "sparseety" in line and ("WARNING" in line or "ERROR" in line):
-                print("on engine:", line)
         off, on = statistics.median(tput["off"]), statistics.median(tput["on"])
-        label = " (A/A: plugin off in both)" if args.aa else ""
+        label = " (A/A: plugin off on both sides)" if args.aa else ""
         print(f"\n{args.requests} requests x {args.max_tokens} tokens per round, {args.rounds} rounds{label}")
         print(f"median throughput: off {off:.0f} tok/s, on {on:.0f} tok/s, ratio on/off {on / off:.3f}")
-        ratios = [a / b for a, b in zip(tput["on"], tput["off"], strict=True)]
-        print(f"per-round ratios: {[round(r, 3) for r in ratios]}, median {statistics.median(ratios):.3f}")
-        if totals:
-            print("producer:", totals[-1].split("stopped:", 1)[1].strip())
+        print(f"per-round ratios: {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}")
+        for line in logs.splitlines():
+            if "sparseety producer" in line and "stopped:" in line:
+                print("producer:", line.split("stopped:", 1)[1].strip())
+            elif "sparseety" in line and ("WARNING" in line or "ERROR" in line):
+                print("on engine:", line)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 vLLM calls ``register()`` once in every process it starts (front end, engine core, workers, a
 short-lived model-inspection subprocess). It does nothing unless SparSEEty is configured
-(``SPARSEETY_CONFIG`` or ``SPARSEETY_KAFKA_BOOTSTRAP``); otherwise it only patches classes, so it
-is cheap and has no side effects. The patches act where their class is instantiated:
+(``SPARSEETY_CONFIG`` or ``SPARSEETY_KAFKA_BOOTSTRAP``); otherwise it only arranges for classes
+to be patched when vLLM imports their modules in that process (importing the model runner costs
+seconds; the front end never does), so it is cheap and has no side effects. The patches act
+where their class is instantiated:
 
 * engine core: ``Scheduler.__init__`` (read the configuration, start the emitter, EngineStarted,
   KV-event tee), ``Scheduler.schedule`` / ``update_from_output`` (steps, admissions, drafts,
@@ -20,15 +22,19 @@ engine keeps serving. ``register()`` never raises.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sparseety.config import is_configured, load_config
-from sparseety.errors import SparseetyError
 
 log = logging.getLogger("sparseety.producer.vllm")
 
@@ -38,10 +44,6 @@ SCHEDULER_SEAMS = ("__init__", "schedule", "update_from_output", "_free_request"
 
 _installed = False
 _lock = threading.Lock()
-
-
-class PluginVersionError(SparseetyError):
-    """The installed vLLM lacks a seam the plugin hooks."""
 
 
 def register() -> None:
@@ -55,49 +57,112 @@ def register() -> None:
         log.warning("sparseety: vLLM plugin disabled, the engine runs without it: %s", exc)
 
 
-def install() -> list[str]:
-    """Patch vLLM's classes (idempotent). Returns what was patched.
+def install() -> None:
+    """Arrange for vLLM's classes to be patched (idempotent).
 
-    Raises:
-        PluginVersionError: a seam is missing (the installed vLLM is not a supported version).
+    Nothing heavy is imported here: each module is patched right after vLLM imports it in this
+    process (at once when it already has), so the API front end never pays for importing the
+    model runner, and the worker gets its hooks before a model is loaded.
     """
     global _installed
     with _lock:
         if _installed:
-            return []
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        missing = [m for m in SCHEDULER_SEAMS if not callable(getattr(Scheduler, m, None))]
-        if missing:
-            raise PluginVersionError(
-                f"vLLM {_version()} has no Scheduler.{', Scheduler.'.join(missing)}; "
-                f"this plugin covers vLLM {', '.join(TESTED_VERSIONS)}"
-            )
-        if not _version().startswith(TESTED_VERSIONS):
-            log.warning(
-                "sparseety: vLLM %s is not a tested version (%s); the hooks will stop themselves "
-                "if vLLM's objects differ",
-                _version(),
-                ", ".join(TESTED_VERSIONS),
-            )
-        patched = _patch_scheduler(Scheduler)
-        patched += _patch_engine_core()
-        try:
-            from sparseety.producers.vllm import kv
-
-            kv.register_publisher()
-            patched.append("EventPublisherFactory['sparseety']")
-        except Exception as exc:
-            log.info("sparseety: KV publisher not registered (%r); the tee still works", exc)
-        try:
-            from sparseety.producers.vllm import routing
-
-            patched += routing.patch_runner_classes()
-        except Exception as exc:
-            log.info("sparseety: model-runner hooks not installed (%r); no MoE routing capture", exc)
+            return
         _installed = True
-        log.debug("sparseety: patched %s", ", ".join(patched))
-        return patched
+    from sparseety.producers.vllm import routing
+
+    after_import("vllm.distributed.kv_events", _on_kv_events_module)
+    after_import("vllm.v1.core.sched.scheduler", _on_scheduler_module)
+    after_import("vllm.v1.engine.core", _on_engine_core_module)
+    after_import("vllm.v1.worker.gpu_model_runner", routing.patch_runner_module)
+    after_import("vllm.v1.worker.cpu_model_runner", routing.patch_runner_module)
+
+
+def _on_scheduler_module(module: Any) -> list[str]:
+    scheduler = getattr(module, "Scheduler", None)
+    missing = [m for m in SCHEDULER_SEAMS if not callable(getattr(scheduler, m, None))]
+    if missing:
+        log.warning(
+            "sparseety: vLLM plugin disabled, the engine runs without it: vLLM %s has no Scheduler.%s; "
+            "this plugin covers vLLM %s",
+            _version(),
+            ", Scheduler.".join(missing),
+            ", ".join(TESTED_VERSIONS),
+        )
+        return []
+    if not _version().startswith(TESTED_VERSIONS):
+        log.warning(
+            "sparseety: vLLM %s is not a tested version (%s); the hooks will stop themselves "
+            "if vLLM's objects differ",
+            _version(),
+            ", ".join(TESTED_VERSIONS),
+        )
+    return _patch_scheduler(scheduler)
+
+
+def _on_kv_events_module(module: Any) -> list[str]:
+    from sparseety.producers.vllm import kv
+
+    kv.register_publisher()
+    return ["EventPublisherFactory['sparseety']"]
+
+
+def _on_engine_core_module(module: Any) -> list[str]:
+    return _patch_engine_core(module.EngineCore)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after ``name`` is imported, then steps aside."""
+
+    def __init__(self, name: str, callback: Callable[[Any], Any]) -> None:
+        self.name = name
+        self.callback = callback
+        self._finding = False
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name or self._finding:
+            return None
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _CallbackLoader(spec.loader, self)
+        return spec
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, hook: _AfterImport) -> None:
+        self.inner = inner
+        self.hook = hook
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self.hook)
+        _run_callback(self.hook.name, self.hook.callback, module)
+
+
+def _run_callback(name: str, callback: Callable[[Any], Any], module: Any) -> None:
+    try:
+        patched = callback(module)
+        log.debug("sparseety: patched %s", ", ".join(patched or []))
+    except Exception as exc:  # never break vLLM's import
+        log.warning("sparseety: could not hook %s (%r); the engine runs without that part", name, exc)
+
+
+def after_import(name: str, callback: Callable[[Any], Any]) -> None:
+    """``callback(module)`` once ``name`` is imported: now if it already is, else right after."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _run_callback(name, callback, module)
+        return
+    sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 def _ensure_log_handler() -> None:
@@ -238,15 +303,10 @@ def _stop(scheduler: Any) -> None:
         log.warning("sparseety: flush at shutdown failed: %r", exc)
 
 
-def _patch_engine_core() -> list[str]:
+def _patch_engine_core(engine_core: Any) -> list[str]:
     """Flush first in ``EngineCore.shutdown``: the executor's teardown takes seconds and the
     parent SIGKILLs the engine core 5 s after asking it to stop."""
-    try:
-        from vllm.v1.engine.core import EngineCore
-    except Exception as exc:
-        log.info("sparseety: EngineCore.shutdown not hooked (%r); Scheduler.shutdown flushes", exc)
-        return []
-    orig = EngineCore.shutdown
+    orig = engine_core.shutdown
     if getattr(orig, "_sparseety", False):
         return []
 
@@ -257,6 +317,6 @@ def _patch_engine_core() -> list[str]:
             _stop(sched)
         return orig(self, *args, **kwargs)
 
-    shutdown._sparseety = True  # type: ignore[attr-defined]
-    EngineCore.shutdown = shutdown  # type: ignore[method-assign]
+    shutdown.__dict__["_sparseety"] = True
+    engine_core.shutdown = shutdown
     return ["EngineCore.shutdown"]

@@ -236,25 +236,20 @@ def _after_load_model(runner: Any) -> None:
     )
 
 
-def patch_runner_classes() -> list[str]:
-    """Patch model-runner classes (every process; effective only where a runner exists)."""
+def patch_runner_module(module: Any) -> list[str]:
+    """Patch the model-runner classes a module defines (called when vLLM imports it, which
+    happens only in processes that run a model)."""
     patched = []
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    classes: list[Any] = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-        classes.append(CPUModelRunner)
-    except Exception:
-        pass
-    for cls in classes:
+    for name in ("GPUModelRunner", "CPUModelRunner"):
+        cls = getattr(module, name, None)
+        if cls is None or cls.__module__ != module.__name__:
+            continue
         if "load_model" in cls.__dict__ and not getattr(cls.load_model, "_sparseety", False):
             cls.load_model = _wrap_load_model(cls.load_model)
-            patched.append(f"{cls.__name__}.load_model")
-    if not getattr(GPUModelRunner.execute_model, "_sparseety", False):
-        GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)  # type: ignore[method-assign]
-        patched.append("GPUModelRunner.execute_model")
+            patched.append(f"{name}.load_model")
+        if "execute_model" in cls.__dict__ and not getattr(cls.execute_model, "_sparseety", False):
+            cls.execute_model = _wrap_execute_model(cls.execute_model)
+            patched.append(f"{name}.execute_model")
     return patched
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -259,14 +261,47 @@ def test_register_is_inert_unless_configured(monkeypatch: pytest.MonkeyPatch) ->
 def test_register_never_raises_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def missing_seam() -> None:
-        raise plugin.PluginVersionError("vLLM 9.9 has no Scheduler.schedule; this plugin covers vLLM 0.32")
+    def broken() -> None:
+        raise RuntimeError("boom")
 
-    monkeypatch.setattr(plugin, "install", missing_seam)
+    monkeypatch.setattr(plugin, "install", broken)
     monkeypatch.setenv("SPARSEETY_KAFKA_BOOTSTRAP", "127.0.0.1:1")
     with caplog.at_level(logging.WARNING, logger="sparseety"):
         plugin.register()
-    assert "vLLM plugin disabled" in caplog.text and "no Scheduler.schedule" in caplog.text
+    assert "vLLM plugin disabled" in caplog.text and "boom" in caplog.text
+
+
+def test_a_missing_seam_is_one_log_line_and_nothing_is_patched(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plugin, "_version", lambda: "9.9")
+
+    class Scheduler:  # an imagined vLLM without update_from_output
+        def __init__(self) -> None: ...
+        def schedule(self) -> None: ...
+        def _free_request(self, r: Any) -> None: ...
+        def shutdown(self) -> None: ...
+
+    with caplog.at_level(logging.WARNING, logger="sparseety"):
+        assert plugin._on_scheduler_module(SimpleNamespace(Scheduler=Scheduler)) == []
+    assert "has no Scheduler.update_from_output" in caplog.text and "covers vLLM 0.32" in caplog.text
+    assert not getattr(Scheduler.schedule, "_sparseety", False)
+
+
+def test_modules_are_patched_when_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sparseety_fake_vllm_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[Any] = []
+    plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE))
+    assert seen == []  # nothing is imported eagerly
+    import sparseety_fake_vllm_mod  # noqa: F401
+
+    assert seen == [1]
+    plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE + 1))
+    assert seen == [1, 2]  # already imported: at once
+    assert not any(
+        isinstance(f, plugin._AfterImport) and f.name == "sparseety_fake_vllm_mod" for f in sys.meta_path
+    )
 
 
 def test_tenant_header_middleware_rewrites_the_body() -> None:
