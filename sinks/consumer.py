@@ -28,7 +28,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -69,17 +68,7 @@ class Partitions(Protocol):
 
 def dead_letter_record(exc: DecodeError, key: bytes | None, component: str = COMPONENT) -> dict[str, Any]:
     """A DeadLetter record for a payload that could not be used (positions from ``exc``)."""
-    return {
-        "error_type": type(exc).__name__,
-        "reason": str(exc),
-        "component": component,
-        "topic": exc.topic or "",
-        "partition": exc.partition if exc.partition is not None else -1,
-        "offset": exc.offset if exc.offset is not None else -1,
-        "key": key,
-        "value": exc.raw,
-        "ts_ns": time.time_ns(),
-    }
+    return ev.dead_letter_record(exc, key, component)
 
 
 def fail_closed() -> None:

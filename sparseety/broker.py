@@ -20,6 +20,7 @@ from pathlib import Path
 from sparseety.config import Config
 from sparseety.errors import BrokerBinaryMissingError, BrokerError, PortInUseError
 from sparseety.kafka import ensure_topics, wait_for_kafka
+from sparseety.pids import pid_alive
 
 
 def tansu_binary() -> Path:
@@ -60,21 +61,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); reap it if it is ours.
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    return True
-
-
 @dataclass(frozen=True)
 class BrokerStatus:
     """What ``sparseety broker status`` reports."""
@@ -112,7 +98,7 @@ class EmbeddedBroker:
             pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def start(self, *, create_topics: bool = True, timeout_s: float = 30.0) -> BrokerStatus:
         """Start the broker (no-op when already running), wait until ready, create topics.
@@ -186,9 +172,9 @@ class EmbeddedBroker:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.pid_file.unlink(missing_ok=True)

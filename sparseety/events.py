@@ -7,10 +7,12 @@ express (columnar arrays of equal length).
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
-from sparseety.errors import InvalidEventError
-from sparseety.schema_store import full_name
+from sparseety.errors import DecodeError, InvalidEventError, SchemaError
+from sparseety.schema_store import full_name, read_schema_files, schema_dir
 
 ENGINE_STARTED = full_name("EngineStarted")
 ENGINE_STOPPED = full_name("EngineStopped")
@@ -29,6 +31,49 @@ USAGE_WINDOW = full_name("UsageWindow")
 DEAD_LETTER = full_name("DeadLetter")
 
 CORE_STREAM = "core"
+
+#: RequestAccounting's disjoint token classes (what a request's compute and cache use splits into).
+TOKEN_COUNTS = (
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_tokens",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "skipped_tokens",
+    "evicted_tokens",
+)
+
+
+@functools.cache
+def _defaults(name: str) -> dict[str, Any]:
+    for raw in read_schema_files(schema_dir()):
+        if full_name(raw["name"]) == name:
+            return {f["name"]: f["default"] for f in raw["fields"] if "default" in f}
+    raise SchemaError(f"no record {name} in schemas/", name=name)
+
+
+def with_defaults(record_name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` completed with the schema's defaults for the fields it leaves out.
+
+    Producers that know only part of a record (a proxy knows no block size) state what they know;
+    the defaults stay defined once, in ``schemas/``.
+    """
+    return {**_defaults(full_name(record_name)), **values}
+
+
+def dead_letter_record(exc: DecodeError, key: bytes | None, component: str) -> dict[str, Any]:
+    """A DeadLetter record for a payload that could not be used (its position taken from ``exc``)."""
+    return {
+        "error_type": type(exc).__name__,
+        "reason": str(exc),
+        "component": component,
+        "topic": exc.topic or "",
+        "partition": exc.partition if exc.partition is not None else -1,
+        "offset": exc.offset if exc.offset is not None else -1,
+        "key": key,
+        "value": exc.raw,
+        "ts_ns": time.time_ns(),
+    }
 
 
 def engine_id(engine_name: str, epoch: str) -> str:

@@ -285,17 +285,7 @@ class AssemblerWorker:
 
 def dead_letter(exc: DecodeError, key: bytes | None, component: str) -> Output:
     """A DeadLetter output for a payload that could not be used."""
-    record = {
-        "error_type": type(exc).__name__,
-        "reason": str(exc),
-        "component": component,
-        "topic": exc.topic or "",
-        "partition": exc.partition if exc.partition is not None else -1,
-        "offset": exc.offset if exc.offset is not None else -1,
-        "key": key,
-        "value": exc.raw,
-        "ts_ns": time.time_ns(),
-    }
+    record = ev.dead_letter_record(exc, key, component)
     dlq_key = key.decode(errors="replace") if key else f"{exc.topic}/{exc.partition}/{exc.offset}"
     return Output(DLQ, dlq_key, ev.DEAD_LETTER, record)
 

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
+from sparseety.events import TOKEN_COUNTS
+
 
 def epoch_key(engine_id: str) -> str:
     return f"e|{engine_id}"
@@ -44,13 +46,7 @@ WINDOW_COUNTERS = (
     "incomplete_requests",
     "prompt_tokens",
     "output_tokens",
-    "cache_read_tokens",
-    "uncached_computed_tokens",
-    "recomputed_tokens",
-    "draft_accepted_tokens",
-    "draft_rejected_tokens",
-    "skipped_tokens",
-    "evicted_tokens",
+    *TOKEN_COUNTS,
     "gpu_time_ns",
     "est_flops",
 )

@@ -22,21 +22,7 @@ def window_start(ts_ns: int, window_ns: int) -> int:
 
 def counters_of(acc: dict[str, Any]) -> list[Any]:
     """A RequestAccounting record's contribution, in WINDOW_COUNTERS order."""
-    return [
-        1,
-        0 if acc["complete"] else 1,
-        acc["prompt_tokens"],
-        acc["output_tokens"],
-        acc["cache_read_tokens"],
-        acc["uncached_computed_tokens"],
-        acc["recomputed_tokens"],
-        acc["draft_accepted_tokens"],
-        acc["draft_rejected_tokens"],
-        acc["skipped_tokens"],
-        acc["evicted_tokens"],
-        acc["gpu_time_ns"],
-        acc["est_flops"],
-    ]
+    return [1, 0 if acc["complete"] else 1, *(acc[name] for name in WINDOW_COUNTERS[2:])]
 
 
 def _record(

@@ -176,39 +176,18 @@ def parse_line(
 
 
 def engine_started(source: str) -> dict[str, Any]:
-    """The EngineStarted payload of a trace epoch (request level: no engine shape is known)."""
-    return {
-        "model": source,
-        "served_model_name": "",
-        "engine_kind": ENGINE_KIND,
-        "engine_version": "",
-        "sparseety_version": __version__,
-        "host": "",
-        "pid": 0,
-        "block_size": 0,
-        "enable_prefix_caching": False,
-        "prefix_hash_algo": "",
-        "kv_cache_groups": [],
-        "kv_cache_dtype": "",
-        "dtype": "",
-        "spec_method": None,
-        "spec_num_tokens": 0,
-        "moe_num_experts": 0,
-        "moe_top_k": 0,
-        "num_layers": 0,
-        "hidden_size": 0,
-        "intermediate_size": 0,
-        "num_attention_heads": 0,
-        "num_kv_heads": 0,
-        "head_dim": 0,
-        "vocab_size": 0,
-        "max_num_seqs": 0,
-        "max_num_batched_tokens": 0,
-        "max_model_len": 0,
-        "num_gpu_blocks": 0,
-        "privacy_mode": "none",
-        "routing_capture": False,
-    }
+    """The EngineStarted payload of a trace epoch (request level: no engine shape is known, the
+    schema's defaults stand for it)."""
+    return ev.with_defaults(
+        ev.ENGINE_STARTED,
+        {
+            "model": source,
+            "engine_kind": ENGINE_KIND,
+            "sparseety_version": __version__,
+            "kv_cache_dtype": "",
+            "privacy_mode": "none",
+        },
+    )
 
 
 def request_payloads(req: TraceRequest) -> list[tuple[str, dict[str, Any]]]:

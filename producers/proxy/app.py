@@ -18,11 +18,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -105,18 +106,19 @@ class ProxyProducer:
         served = await self._served_model()
         self.emitter.emit_record(
             ev.ENGINE_STARTED,
-            {
-                "model": self.upstream,
-                "served_model_name": served,
-                "engine_kind": "proxy",
-                "engine_version": "",
-                "sparseety_version": __version__,
-                "host": __import__("socket").gethostname(),
-                "pid": __import__("os").getpid(),
-                "kv_cache_groups": [],
-                "privacy_mode": "none",
-            }
-            | _engine_started_defaults(),
+            ev.with_defaults(  # an HTTP proxy knows no engine shape: the schema's defaults stand
+                ev.ENGINE_STARTED,
+                {
+                    "model": self.upstream,
+                    "served_model_name": served,
+                    "engine_kind": "proxy",
+                    "sparseety_version": __version__,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "kv_cache_dtype": "",
+                    "privacy_mode": "none",
+                },
+            ),
         )
         log.info("sparseety proxy: forwarding to %s as engine %s", self.upstream, self.emitter.engine_id)
 
@@ -243,32 +245,6 @@ class ProxyProducer:
         return StreamingResponse(
             relay(), status_code=resp.status_code, headers=_response_headers(resp.headers)
         )
-
-
-def _engine_started_defaults() -> dict[str, Any]:
-    return {
-        "block_size": 0,
-        "enable_prefix_caching": False,
-        "prefix_hash_algo": "",
-        "kv_cache_dtype": "",
-        "dtype": "",
-        "spec_method": None,
-        "spec_num_tokens": 0,
-        "moe_num_experts": 0,
-        "moe_top_k": 0,
-        "num_layers": 0,
-        "hidden_size": 0,
-        "intermediate_size": 0,
-        "num_attention_heads": 0,
-        "num_kv_heads": 0,
-        "head_dim": 0,
-        "vocab_size": 0,
-        "max_num_seqs": 0,
-        "max_num_batched_tokens": 0,
-        "max_model_len": 0,
-        "num_gpu_blocks": 0,
-        "routing_capture": False,
-    }
 
 
 def create_app(proxy: ProxyProducer) -> FastAPI:

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from sparseety.config import Config
 from sparseety.errors import StoreError, StoreLockedError
+from sparseety.pids import pid_alive
 
 T = TypeVar("T")
 OWNER_FILE = "sparseety-owner.json"
@@ -77,21 +78,11 @@ def read_owner(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def locked_error(path: Path, cause: BaseException) -> StoreLockedError:
     """The error for a chDB path another process holds, naming that process when known."""
     owner = read_owner(path)
     pid = owner.get("pid") if owner else None
-    if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+    if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
         who = f"process {pid} ({owner.get('command', '?') if owner else '?'})"
     else:
         who = "another process"

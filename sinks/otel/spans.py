@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparseety import events as ev
+
 OPERATION = "text_completion"
 SCOPE = "sparseety.sinks.otel"
 
@@ -133,16 +135,7 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         "sparseety.attention.pairs": int(record["attention_pairs"]),
         "sparseety.attention.pairs_skipped": int(record["attention_pairs_skipped"]),
     }
-    for name in (
-        "cache_read_tokens",
-        "uncached_computed_tokens",
-        "recomputed_tokens",
-        "draft_accepted_tokens",
-        "draft_rejected_tokens",
-        "skipped_tokens",
-        "evicted_tokens",
-        "scheduled_tokens",
-    ):
+    for name in (*ev.TOKEN_COUNTS, "scheduled_tokens"):
         attrs[f"sparseety.usage.{name}"] = int(record[name])
     for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
         value = int(record[f"engine_{name}"])

@@ -11,7 +11,6 @@ process that owns it — found in ``<data_dir>/api/endpoint.json`` and reached w
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
+from sparseety.pids import pid_alive
 from sparseety.sinks.clickhouse.queries import QueryError, Scope
 
 
@@ -85,7 +85,7 @@ class RemoteQueries:
         """The API of the process that serves this data dir (endpoint record, else ``api.*``)."""
         found = read_endpoint(cfg.data_path)
         pid = found.get("pid") if found else None
-        if found and isinstance(pid, int) and _alive(pid):
+        if found and isinstance(pid, int) and pid_alive(pid):
             url = str(found["url"])
         else:
             url = client_url(cfg.api.host, cfg.api.port)
@@ -260,16 +260,6 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _owner_text(exc: StoreLockedError) -> str:

@@ -24,6 +24,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from sparseety import events as ev
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
 from sparseety.stack.supervisor import Stack
@@ -32,17 +33,7 @@ Say = Callable[[str], None]
 
 #: Demo prices (USD per million tokens, per GPU-hour): list prices of a mid-size model.
 DEMO_PRICES = {"input": "3.00", "cached_input": "0.30", "output": "15.00", "gpu_hour": "2.50"}
-TOKEN_CLASSES = (
-    "prompt_tokens",
-    "output_tokens",
-    "cache_read_tokens",
-    "uncached_computed_tokens",
-    "recomputed_tokens",
-    "draft_accepted_tokens",
-    "draft_rejected_tokens",
-    "skipped_tokens",
-    "evicted_tokens",
-)
+TOKEN_CLASSES = ("prompt_tokens", "output_tokens", *ev.TOKEN_COUNTS)
 
 
 class DemoError(SparseetyError):

@@ -23,6 +23,7 @@ from pathlib import Path
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
+from sparseety.pids import pid_alive
 
 Progress = Callable[[str], None]
 
@@ -40,20 +41,6 @@ class PartStatus:
     pid: int | None
     endpoint: str
     log: Path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    return True
 
 
 class Stack:
@@ -90,7 +77,7 @@ class Stack:
             pid = int(self._pid_file(name).read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     @property
     def api_url(self) -> str:
@@ -187,9 +174,9 @@ class Stack:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
-            while _alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _alive(pid):
+            if pid_alive(pid):
                 progress(f"{name}: did not stop in {timeout_s:.0f} s, killing it")
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
