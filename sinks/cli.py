@@ -7,6 +7,7 @@ aiokafka) happen inside the commands.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -90,6 +91,7 @@ def sink_cmd(
     from faust import Worker
 
     from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.lifecycle import exit_after
     from sparseety.sinks.base import load_sink_class
     from sparseety.sinks.consumer import create_app
     from sparseety.sinks.fanout import FanOutSink
@@ -100,6 +102,7 @@ def sink_cmd(
     wait_for_kafka(cfg)
     ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
     sink = classes[0].from_config(cfg) if len(classes) == 1 else FanOutSink.from_config(cfg, names=names)
+    code = 1
     try:
         app = create_app(
             cfg,
@@ -109,8 +112,14 @@ def sink_cmd(
             crash_after_writes=crash_after_writes,
         )
         Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        logging.getLogger("sparseety.sink").exception("the sink failed")
+        raise
     finally:
-        sink.close()
+        exit_after(sink.close, code)  # a stalled chDB shutdown must not keep a stopped process alive
 
 
 # --- replay ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 from sparseety.config import Config
 from sparseety.errors import BrokerBinaryMissingError, BrokerError, PortInUseError
 from sparseety.kafka import ensure_topics, wait_for_kafka
-from sparseety.pids import pid_alive
+from sparseety.lifecycle import pid_alive
 
 
 def tansu_binary() -> Path:

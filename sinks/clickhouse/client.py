@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from sparseety.config import Config
 from sparseety.errors import StoreError, StoreLockedError
-from sparseety.pids import pid_alive
+from sparseety.lifecycle import pid_alive
 
 T = TypeVar("T")
 OWNER_FILE = "sparseety-owner.json"

@@ -24,7 +24,7 @@ from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
-from sparseety.pids import pid_alive
+from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.queries import QueryError, Scope
 
 

@@ -63,6 +63,7 @@ def run_store(
 
     from sparseety.api.app import create_api
     from sparseety.kafka import ensure_topics, wait_for_kafka
+    from sparseety.lifecycle import exit_after
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.sinks.consumer import create_app
@@ -73,6 +74,18 @@ def run_store(
     store = Store.open(cfg, owner="sparseety store")
     admin = ""
     backend = None
+    sink: ClickHouseSink | None = None
+
+    def cleanup() -> None:
+        if sink is not None:
+            sink.close()
+        if backend is not None:
+            backend.close()
+        if admin:
+            remove_admin_token(cfg.data_path, admin)
+        store.close()
+
+    code = 1
     try:
         sink = ClickHouseSink.from_config(cfg, store=store)  # migrates; leaves the store open
         app = create_app(cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s)
@@ -86,16 +99,15 @@ def run_store(
             log_level=loglevel,
             access_log=access_log,
         )
-        try:
-            Worker(app, _api_service(server), loglevel=loglevel, quiet=True).execute_from_commandline()
-        finally:
-            sink.close()
+        Worker(app, _api_service(server), loglevel=loglevel, quiet=True).execute_from_commandline()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        log.exception("the store process failed")
+        raise
     finally:
-        if backend is not None:
-            backend.close()
-        if admin:
-            remove_admin_token(cfg.data_path, admin)
-        store.close()
+        exit_after(cleanup, code)  # a stalled chDB shutdown must not keep a stopped process alive
 
 
 async def _serve_until_signalled(server: ApiServer) -> None:

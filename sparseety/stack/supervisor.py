@@ -23,7 +23,7 @@ from pathlib import Path
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.pids import pid_alive
+from sparseety.lifecycle import pid_alive
 
 Progress = Callable[[str], None]
 
