@@ -6,9 +6,9 @@ it is off) routing is read from the router gates with forward hooks:
 
 * The hooks are installed on every ``<...>.gate`` module whose parent owns ``experts`` (Mixtral
   ``block_sparse_moe.gate``, Qwen-MoE ``mlp.gate``, ...) when the model is loaded.
-* Each call takes ``torch.topk(router_logits, top_k)`` — the experts a softmax-top-k router
-  picks (routers with grouped top-k or score bias, e.g. DeepSeek-V3, are approximated) — and
-  keeps the index tensor. Nothing else happens in the forward pass.
+* Each call keeps a copy of the router logits (nothing else happens in the forward pass); the
+  emitter thread takes ``torch.topk(router_logits, top_k)`` — the experts a softmax-top-k router
+  picks (routers with grouped top-k or score bias, e.g. DeepSeek-V3, are approximated).
 * The runner's ``execute_model`` wrapper knows the step (the core stamps ``SchedulerOutput``) and,
   after the forward pass, the batch layout (``input_batch.req_ids``, ``query_start_loc``); it hands
   all of it to the emitter, whose thread counts experts per request with numpy.
@@ -80,18 +80,20 @@ def find_gates(model: Any) -> list[tuple[str, Any]]:
 
 
 def routing_counts(
-    step: int, req_ids: list[str], qsl: Any, layers: list[tuple[int, Any]], num_experts: int
+    step: int, req_ids: list[str], qsl: Any, layers: list[tuple[int, Any]], num_experts: int, top_k: int
 ) -> tuple[str, dict[str, Any]]:
-    """Emitter-thread builder: expert counts per request, layer and expert for one step."""
+    """Emitter-thread builder: the experts each token chose (top-k of the router logits), counted
+    per request, layer and expert for one step."""
     import numpy as np
+    import torch
 
     n_req = len(req_ids)
     layers = sorted(layers, key=lambda x: x[0])
     counts = np.zeros((n_req, len(layers), num_experts), dtype=np.int64)
     per_req = np.diff(np.asarray(qsl[: n_req + 1], dtype=np.int64))
     row_req = np.repeat(np.arange(n_req), per_req)
-    for li, (_, ids) in enumerate(layers):
-        top = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+    for li, (_, logits) in enumerate(layers):
+        top = torch.topk(logits.float(), top_k, dim=-1).indices.cpu().numpy()
         rows = min(top.shape[0], row_req.shape[0])
         k = top.shape[1]
         np.add.at(counts[:, li, :], (np.repeat(row_req[:rows], k), top[:rows].reshape(-1)), 1)
@@ -156,9 +158,9 @@ class RoutingCapture:
     def record(self, layer: int, logits: Any) -> None:
         if self.current is None:
             return
-        import torch
-
-        self.layers.append((layer, torch.topk(logits, self.top_k, dim=-1).indices))
+        # A copy (the MoE kernels may reuse the buffer); top-k runs on the emitter thread, where
+        # torch releases the GIL: on CPU, topk of bf16 logits costs more than the copy.
+        self.layers.append((layer, logits.detach().clone()))
 
     def begin(self, so: Any) -> None:
         self.current = getattr(so, STEP_STAMP, None)
@@ -181,7 +183,7 @@ class RoutingCapture:
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
         qsl = self.runner.query_start_loc.np[: n + 1].copy()
-        em.emit(routing_counts, stamp[2], req_ids, qsl, layers, self.num_experts)
+        em.emit(routing_counts, stamp[2], req_ids, qsl, layers, self.num_experts, self.top_k)
 
     def close(self) -> None:
         _CAPTURES.pop(id(self), None)

@@ -334,3 +334,20 @@ def test_tenant_header_middleware_rewrites_the_body() -> None:
     asyncio.run(mw(scope, receive, None))
     assert json.loads(seen["body"]) == {"model": "m", "vllm_xargs": {"tenant": "gw"}}
     assert seen["length"] == str(len(seen["body"])).encode()
+
+
+def test_routing_counts_top_k_per_request_and_layer() -> None:
+    import torch
+
+    from sparseety.producers.vllm.routing import routing_counts
+
+    # 3 tokens: request a owns rows 0-1, request b row 2; 4 experts, top-2, two layers.
+    layer0 = torch.tensor([[9.0, 8.0, 0.0, 0.0], [0.0, 9.0, 8.0, 0.0], [0.0, 0.0, 8.0, 9.0]]).to(
+        torch.bfloat16
+    )
+    layer1 = torch.tensor([[0.0, 0.0, 5.0, 9.0], [0.0, 0.0, 8.0, 9.0], [9.0, 8.0, 0.0, 0.0]])
+    kind, p = routing_counts(7, ["a", "b"], [0, 2, 3, 3], [(1, layer1), (0, layer0)], 4, 2)
+    assert kind == ev.MOE_ROUTING and (p["step"], p["num_layers"], p["num_experts"]) == (7, 2, 4)
+    a0, a1, b0, b1 = (p["expert_counts"][i * 4 : (i + 1) * 4] for i in range(4))
+    assert (a0, a1) == ([1, 2, 1, 0], [0, 0, 2, 2])
+    assert sum(a1) == 2 * 2 and (b0, b1) == ([0, 0, 1, 1], [1, 1, 0, 0])
