@@ -367,13 +367,14 @@ class Assembler:
         per_token = shape.linear_flops_per_token
         per_pair = shape.flops_per_pair
         store = self.store
+        get = store.get
         touch = store.touch
         prefix = f"r|{epoch.engine_id}|"
         shares: list[tuple[RequestState, float]] = []
         total = 0.0
         for i, rid in enumerate(rids):
             key = prefix + rid
-            r = store.get(key)
+            r = get(key)
             if r is None:
                 r = self._request(epoch, rid)
                 assert r is not None
