@@ -74,6 +74,9 @@ class TableStore:
     def touch(self, key: str) -> None:
         self.dirty.add(key)
 
+    def touch_many(self, keys: list[str]) -> None:
+        self.dirty.update(keys)
+
     def delete(self, key: str) -> None:
         self.cache.pop(key, None)
         self.dirty.discard(key)

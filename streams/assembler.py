@@ -92,6 +92,9 @@ class Assembler:
         self.retention_ns = int(cfg.closed_retention_s * 1e9)
         self._shapes: dict[str, ModelShape] = {}
         self._last_seen: dict[str, int] = {}  # engine_id -> wall clock of its last event here
+        # Request states by key, the same objects the store holds: the per-step loop reads them
+        # with a plain dict lookup instead of a store call (dropped with them in _drop_request).
+        self._requests: dict[str, RequestState] = {}
 
     # --- entry points ---------------------------------------------------------------------
 
@@ -367,18 +370,19 @@ class Assembler:
         per_token = shape.linear_flops_per_token
         per_pair = shape.flops_per_pair
         store = self.store
-        get = store.get
-        touch = store.touch
+        cached = self._requests
+        touched: list[str] = []
         prefix = f"r|{epoch.engine_id}|"
         shares: list[tuple[RequestState, float]] = []
         total = 0.0
         for i, rid in enumerate(rids):
             key = prefix + rid
-            r = get(key)
+            r = cached.get(key)
             if r is None:
                 r = self._request(epoch, rid)
                 assert r is not None
-            elif r.seq >= seq or r.closed:
+                cached[key] = r
+            if r.seq >= seq or r.closed:
                 continue
             c = before[i]
             n = n_sched[i]
@@ -447,7 +451,8 @@ class Assembler:
                     drafts = min(a, new)
                     sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
-            touch(key)
+            touched.append(key)
+        store.touch_many(touched)
         if total > 0:
             scale = step_ns / total
             for r, f in shares:
@@ -561,9 +566,13 @@ class Assembler:
         # it is dropped by the next sweeps once older than the retention.
         self._retire(epoch, r)
 
+    def _drop_request(self, key: str) -> None:
+        self._requests.pop(key, None)
+        self.store.delete(key)
+
     def _retire(self, epoch: EpochState, r: RequestState) -> None:
         if self.retention_ns == 0:
-            self.store.delete(request_key(r.engine_id, r.request_id))
+            self._drop_request(request_key(r.engine_id, r.request_id))
         else:
             epoch.retiring.append([r.request_id, r.close_ts])
 
@@ -573,7 +582,7 @@ class Assembler:
         for rid, ts in epoch.retiring:
             if ts > horizon:
                 break
-            self.store.delete(request_key(epoch.engine_id, rid))
+            self._drop_request(request_key(epoch.engine_id, rid))
             keep += 1
         if keep:
             del epoch.retiring[:keep]

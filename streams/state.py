@@ -209,6 +209,10 @@ class StateStore(Protocol):
         """Mark a value returned by ``get`` and changed in place as dirty."""
         ...
 
+    def touch_many(self, keys: list[str]) -> None:
+        """:meth:`touch` for several keys."""
+        ...
+
     def delete(self, key: str) -> None: ...
 
     def keys(self, prefix: str) -> Iterator[str]: ...
@@ -233,6 +237,9 @@ class MemoryStore:
 
     def touch(self, key: str) -> None:
         self.dirty.add(key)
+
+    def touch_many(self, keys: list[str]) -> None:
+        self.dirty.update(keys)
 
     def delete(self, key: str) -> None:
         if self.data.pop(key, None) is not None:
