@@ -1,0 +1,57 @@
+"""`sparseety up / status / down` as a user runs them: separate CLI invocations that agree through
+the data dir; the status table and exit codes say what runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from sparseety.broker import free_port
+from tests.helpers import VENV_BIN
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VENV_BIN / "sparseety"), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_up_status_down(tmp_path: Path) -> None:
+    api_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env |= {
+        "SPARSEETY_DATA_DIR": str(tmp_path / "data"),
+        "SPARSEETY_BROKER_PORT": str(free_port()),
+        "SPARSEETY_API_PORT": str(api_port),
+        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
+    }
+    try:
+        stopped = cli(env, "status")
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout
+
+        up = cli(env, "up", "--workers", "2")
+        assert up.returncode == 0, up.stderr
+        assert "worker-1: starting the assembler" in up.stderr
+        table = {
+            line.split()[0]: line.split()[1] for line in up.stdout.splitlines()[1:] if line[:1].isalpha()
+        }
+        assert table["broker"] == "ready" and table["store"] == "ready"
+        assert table["worker-0"] == table["worker-1"] == "running"
+        assert httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=5).json()["status"] == "ok"
+
+        status = cli(env, "status")
+        assert status.returncode == 0 and status.stdout.count("running") == 2
+
+        again = cli(env, "up")  # idempotent: nothing new starts
+        assert again.returncode == 0 and "starting" not in again.stderr.replace("broker: starting", "")
+        assert (tmp_path / "data" / "logs" / "worker-0.log").stat().st_size > 0
+    finally:
+        down = cli(env, "down")
+    assert down.returncode == 0, down.stderr
+    assert "stopped: worker-0, worker-1, store, broker" in down.stdout
+    after = cli(env, "status")
+    states = [line.split()[1] for line in after.stdout.splitlines()[1:] if not line.startswith("logs:")]
+    assert after.returncode == 0 and states and set(states) == {"stopped"}
