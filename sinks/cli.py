@@ -22,17 +22,6 @@ FORMAT = click.option(
 )
 
 
-def _topic(cfg: Config, name: str) -> str:
-    """A topic by role (timelines, usage, dlq, engine-events) or by its full name."""
-    roles = {
-        "timelines": cfg.topics.timelines,
-        "usage": cfg.topics.usage,
-        "dlq": cfg.topics.dlq,
-        "engine-events": cfg.topics.engine_events,
-    }
-    return roles.get(name, name)
-
-
 @contextlib.contextmanager
 def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
     from sparseety.sinks.clickhouse.client import Store
@@ -156,7 +145,7 @@ def replay_cmd(
     from sparseety.sinks.replay import Replay, parse_bound
 
     cfg = c.cfg
-    name = _topic(cfg, topic)
+    name = cfg.topics.resolve(topic)
     now = time.time_ns()
     lo, hi = parse_bound(start, now_ns=now), parse_bound(stop, now_ns=now)
     proc = load_processor(processor, cfg) if processor else processor_for_topic(cfg, name)

@@ -6,28 +6,12 @@ import csv
 import io
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from sparseety.api.encode import jsonable
+
 FORMATS = ("table", "json", "csv")
-
-
-def _plain(value: Any) -> Any:
-    """A JSON/CSV-friendly value: exact decimals as text, times as ISO-8601 UTC, bytes as hex."""
-    if isinstance(value, Decimal):
-        return format(value.normalize(), "f") if value == value.to_integral() else format(value, "f")
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _cell(value: Any) -> str:
@@ -42,12 +26,12 @@ def _cell(value: Any) -> str:
         return "yes" if value else "no"
     if isinstance(value, (list, tuple)):
         return ",".join(_cell(v) for v in value)
-    return str(_plain(value))
+    return str(jsonable(value))
 
 
 def render_object(obj: dict[str, Any]) -> str:
     """One object (a request, token statistics) as JSON."""
-    return json.dumps(_plain(obj), indent=2)
+    return json.dumps(jsonable(obj), indent=2)
 
 
 def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
@@ -57,7 +41,7 @@ def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
         ValueError: unknown format.
     """
     if fmt == "json":
-        return json.dumps([_plain(r) for r in rows], indent=2)
+        return json.dumps([jsonable(r) for r in rows], indent=2)
     columns: list[str] = []
     for r in rows:
         columns.extend(k for k in r if k not in columns)
@@ -68,7 +52,9 @@ def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
         for r in rows:
             writer.writerow(
                 [
-                    _plain(r.get(c, "")) if not isinstance(r.get(c), list) else json.dumps(_plain(r.get(c)))
+                    jsonable(r.get(c, ""))
+                    if not isinstance(r.get(c), list)
+                    else json.dumps(jsonable(r.get(c)))
                     for c in columns
                 ]
             )

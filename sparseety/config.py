@@ -66,6 +66,16 @@ class TopicsConfig(_Section):
         """Every topic SparSEEty owns."""
         return [self.engine_events, self.timelines, self.usage, self.dlq]
 
+    def resolve(self, name: str) -> str:
+        """A topic by role (engine-events, timelines, usage, dlq) or, failing that, its full name."""
+        roles = {
+            "engine-events": self.engine_events,
+            "timelines": self.timelines,
+            "usage": self.usage,
+            "dlq": self.dlq,
+        }
+        return roles.get(name, name)
+
 
 class RegistryConfig(_Section):
     """Confluent Schema Registry; empty url = Avro single-object encoding against schemas/."""

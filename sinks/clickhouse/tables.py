@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparseety.events import TOKEN_COUNTS
+
 
 @dataclass(frozen=True)
 class Table:
@@ -45,13 +47,7 @@ REQUESTS = Table(
         "seq_gap",
         "prompt_tokens",
         "output_tokens",
-        "cache_read_tokens",
-        "uncached_computed_tokens",
-        "recomputed_tokens",
-        "draft_accepted_tokens",
-        "draft_rejected_tokens",
-        "skipped_tokens",
-        "evicted_tokens",
+        *TOKEN_COUNTS,
         "scheduled_tokens",
         "preemptions",
         "steps",
@@ -128,13 +124,7 @@ USAGE = Table(
         "incomplete_requests",
         "prompt_tokens",
         "output_tokens",
-        "cache_read_tokens",
-        "uncached_computed_tokens",
-        "recomputed_tokens",
-        "draft_accepted_tokens",
-        "draft_rejected_tokens",
-        "skipped_tokens",
-        "evicted_tokens",
+        *TOKEN_COUNTS,
         "gpu_time_ns",
         "est_flops",
     ),

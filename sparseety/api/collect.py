@@ -59,17 +59,6 @@ class IngestSpec(BaseModel):
     strict: bool = Field(False, description="Publish nothing if any line is bad.")
 
 
-def topic_name(cfg: Config, name: str) -> str:
-    """A topic by role (timelines, usage, dlq, engine-events) or its full name."""
-    roles = {
-        "timelines": cfg.topics.timelines,
-        "usage": cfg.topics.usage,
-        "dlq": cfg.topics.dlq,
-        "engine-events": cfg.topics.engine_events,
-    }
-    return roles.get(name, name)
-
-
 class ReplayJob:
     """A checked replay spec, ready to run on a job thread."""
 
@@ -78,7 +67,7 @@ class ReplayJob:
         from sparseety.sinks.replay import parse_bound
 
         self.cfg, self.store, self.spec = cfg, store, spec
-        self.topic = topic_name(cfg, spec.topic)
+        self.topic = cfg.topics.resolve(spec.topic)
         now = time.time_ns()
         self.lo, self.hi = parse_bound(spec.start, now_ns=now), parse_bound(spec.stop, now_ns=now)
         if self.lo.kind == "end" or self.hi.kind == "beginning":

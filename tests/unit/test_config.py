@@ -69,3 +69,10 @@ def test_plugin_activation_rule() -> None:
     assert not is_configured({})
     assert is_configured({"SPARSEETY_KAFKA_BOOTSTRAP": "h:1"})
     assert is_configured({"SPARSEETY_CONFIG": "/etc/sparseety.toml"})
+
+
+def test_topics_resolve_roles_and_full_names() -> None:
+    cfg = load_config(topics={"timelines": "t.timelines"})
+    assert cfg.topics.resolve("timelines") == "t.timelines"
+    assert cfg.topics.resolve("engine-events") == cfg.topics.engine_events
+    assert cfg.topics.resolve("some.other.topic") == "some.other.topic"
