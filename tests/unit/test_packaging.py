@@ -1,16 +1,36 @@
-"""The distribution installs every package of the source tree (the packages list is explicit,
-because the top-level folders install under other names)."""
+"""The distribution installs every package and data file of the source tree (the packages list is
+explicit, because the top-level folders install under other names)."""
 
 from __future__ import annotations
 
+import fnmatch
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _setuptools() -> dict:
+def _setuptools() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def _owner(module: PurePosixPath, dirs: dict[str, str], packages: set[str]) -> tuple[str, PurePosixPath]:
+    """The deepest listed package whose folder holds ``module`` (a repository path), and the rest."""
+    best: tuple[str, PurePosixPath] | None = None
+    for name, folder in dirs.items():
+        base = PurePosixPath(folder)
+        if not module.is_relative_to(base):
+            continue
+        parts = module.relative_to(base).parts[:-1]
+        for depth in range(len(parts), -1, -1):
+            pkg = ".".join([name, *parts[:depth]])
+            if pkg in packages:
+                if best is None or len(pkg) > len(best[0]):
+                    best = (pkg, PurePosixPath(*module.relative_to(base).parts[depth:]))
+                break
+    assert best is not None, f"{module} is in no listed package"
+    return best
 
 
 def test_every_source_package_is_listed() -> None:
@@ -25,13 +45,21 @@ def test_every_source_package_is_listed() -> None:
     assert found - listed == set(), "packages missing from pyproject.toml [tool.setuptools] packages"
 
 
-def test_package_data_belongs_to_listed_packages_and_matches_files() -> None:
+def test_every_data_file_is_package_data() -> None:
     st = _setuptools()
     listed = set(st["packages"])
-    dirs = st["package-dir"]
-    for pkg, patterns in st["package-data"].items():
-        assert pkg in listed, f"package-data for unlisted package {pkg}"
-        top = max((n for n in dirs if pkg == n or pkg.startswith(n + ".")), key=len)
-        folder = ROOT / dirs[top] / Path(*pkg[len(top) :].strip(".").split(".") if pkg != top else ())
-        # Some patterns name optional folders (schemas/history/); at least one must match.
-        assert any(list(folder.glob(p)) for p in patterns), f"{pkg}: {patterns} match nothing in {folder}"
+    data = st["package-data"]
+    files = [
+        PurePosixPath(p.relative_to(ROOT).as_posix())
+        for folder in st["package-dir"].values()
+        for p in (ROOT / folder).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
+    missing = []
+    for path in files:
+        if path.suffix in (".py", ".pyi", ".md"):
+            continue
+        pkg, rest = _owner(path, st["package-dir"], listed)
+        if not any(fnmatch.fnmatch(str(rest), pattern) for pattern in data.get(pkg, [])):
+            missing.append(str(path))
+    assert missing == [], "files a wheel would leave out (add them to package-data)"
