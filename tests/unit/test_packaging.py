@@ -4,7 +4,11 @@ explicit, because the top-level folders install under other names)."""
 from __future__ import annotations
 
 import fnmatch
+import os
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -63,3 +67,40 @@ def test_every_data_file_is_package_data() -> None:
         if not any(fnmatch.fnmatch(str(rest), pattern) for pattern in data.get(pkg, [])):
             missing.append(str(path))
     assert missing == [], "files a wheel would leave out (add them to package-data)"
+
+
+def test_the_built_wheel_runs_without_the_source_tree(tmp_path: Path) -> None:
+    """What a deploy image installs: the wheel alone must carry schemas, migrations, dashboard."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("sparseety-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = (
+        "import sparseety, pathlib, importlib.resources as r;"
+        f"assert pathlib.Path(sparseety.__file__).is_relative_to({str(site)!r}), sparseety.__file__;"
+        "from sparseety.schema_store import SchemaStore; assert SchemaStore.load().current;"
+        "from sparseety.sinks.clickhouse.migrate import load_migrations; assert load_migrations();"
+        "import sparseety.api.app, sparseety.streams.app, sparseety.producers.vllm.plugin;"
+        "assert r.files('sparseety.api').joinpath('static', 'dashboard.html').is_file()"
+    )
+    # The editable finder comes after sys.path, so PYTHONPATH wins; cwd keeps the checkout out.
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
