@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path, PurePosixPath
@@ -71,6 +73,14 @@ def test_every_data_file_is_package_data() -> None:
 
 def test_the_built_wheel_runs_without_the_source_tree(tmp_path: Path) -> None:
     """What a deploy image installs: the wheel alone must carry schemas, migrations, dashboard."""
+    # Built from a copy of what deploy/docker/Dockerfile copies: a stale build/ folder in the
+    # checkout would otherwise hide files the packages list leaves out.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in set(_setuptools()["package-dir"].values()):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [
             sys.executable,
@@ -82,7 +92,7 @@ def test_the_built_wheel_runs_without_the_source_tree(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         capture_output=True,
@@ -98,9 +108,11 @@ def test_the_built_wheel_runs_without_the_source_tree(tmp_path: Path) -> None:
         "import sparseety.api.app, sparseety.streams.app, sparseety.producers.vllm.plugin;"
         "assert r.files('sparseety.api').joinpath('static', 'dashboard.html').is_file()"
     )
-    # The editable finder comes after sys.path, so PYTHONPATH wins; cwd keeps the checkout out.
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # -S: no site module, so the editable install's import hook never loads and nothing can come
+    # from the checkout; the dependencies still import from site-packages through PYTHONPATH.
+    deps = sysconfig.get_paths()["purelib"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), deps])}
     done = subprocess.run(
-        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-S", "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
