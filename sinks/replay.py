@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.errors import DecodeError, ReplayError, SinkWriteError
+from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
 from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.clickhouse.queries import QueryError, parse_duration, to_ns
@@ -236,6 +236,7 @@ class Replay:
 
     async def _read(self) -> None:
         from aiokafka import AIOKafkaConsumer
+        from aiokafka.errors import KafkaConnectionError
 
         consumer = AIOKafkaConsumer(
             **aiokafka_settings(self.cfg),
@@ -245,7 +246,15 @@ class Replay:
             fetch_max_wait_ms=100,
             max_partition_fetch_bytes=8 * 1024 * 1024,
         )
-        await consumer.start()
+        try:
+            await consumer.start()
+        except KafkaConnectionError as exc:
+            await consumer.stop()
+            raise KafkaUnavailableError(
+                f"cannot replay: Kafka at {self.cfg.kafka.bootstrap} does not answer ({exc}); "
+                "is the broker up (`sparseety status`)?",
+                bootstrap=self.cfg.kafka.bootstrap,
+            ) from exc
         try:
             plans = await self._plan(consumer)
             self.report.plans = plans

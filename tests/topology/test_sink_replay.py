@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from sparseety.broker import free_port
 from sparseety.cli import main
 from sparseety.config import Config, to_env
 from sparseety.kafka import make_encoder, make_producer
@@ -200,3 +201,10 @@ def test_replay_cli_reports_throughput_and_rows(kafka_cfg: Config, store: Store)
     assert folded.exit_code == 0 and "epochs folded" in folded.stderr
     bad = runner.invoke(main, ["replay", "--topic", "not-a-topic"], env=env)
     assert bad.exit_code == 2 and "not a SparSEEty topic" in bad.output
+
+
+def test_replay_cli_without_kafka_says_so(kafka_cfg: Config, tmp_path: Any) -> None:
+    cfg = kafka_cfg.replace(kafka={"bootstrap": f"127.0.0.1:{free_port()}"}, data_dir=str(tmp_path))
+    result = CliRunner().invoke(main, ["replay", "--topic", "timelines", "--idle", "0.5"], env=to_env(cfg))
+    assert result.exit_code == 2, result.output
+    assert "Kafka at 127.0.0.1:" in result.output and "does not answer" in result.output
