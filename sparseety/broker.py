@@ -186,7 +186,7 @@ class EmbeddedBroker:
         ready = False
         if pid is not None:
             try:
-                wait_for_kafka(self.client_config(), timeout_s=2.0)
+                wait_for_kafka(self.client_config(), timeout_s=2.0, quiet=True)
                 ready = True
             except Exception:
                 ready = False

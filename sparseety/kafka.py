@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -9,6 +10,8 @@ from sparseety.config import Config
 from sparseety.errors import ConfigError, KafkaUnavailableError, SparseetyError
 from sparseety.schema_store import SchemaStore
 from sparseety.serde import Decoder, Encoder
+
+log = logging.getLogger("sparseety.kafka")
 
 
 def producer_conf(cfg: Config, **extra: Any) -> dict[str, Any]:
@@ -89,13 +92,16 @@ def make_admin(cfg: Config) -> Any:
     return AdminClient(cfg.kafka.librdkafka())
 
 
-def wait_for_kafka(cfg: Config, timeout_s: float = 30.0) -> None:
-    """Block until the cluster answers a metadata request.
+def wait_for_kafka(cfg: Config, timeout_s: float = 30.0, *, quiet: bool = False) -> None:
+    """Block until the cluster answers a metadata request (``quiet``: no "waiting" log line).
 
     Raises:
         KafkaUnavailableError: no answer within ``timeout_s``.
     """
-    admin = make_admin(cfg)
+    from confluent_kafka.admin import AdminClient
+
+    # librdkafka would log every failed connect (~20 lines a second); the error below says it once.
+    admin = AdminClient(cfg.kafka.librdkafka(log_level=2))
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -103,6 +109,8 @@ def wait_for_kafka(cfg: Config, timeout_s: float = 30.0) -> None:
             admin.list_topics(timeout=min(5.0, max(0.5, deadline - time.monotonic())))
             return
         except Exception as exc:  # KafkaException, or a timeout
+            if last is None and not quiet:
+                log.warning("waiting up to %.0f s for Kafka at %s", timeout_s, cfg.kafka.bootstrap)
             last = exc
             time.sleep(0.2)
     raise KafkaUnavailableError(
