@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -78,7 +79,7 @@ def read_owner(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def locked_error(path: Path, cause: BaseException) -> StoreLockedError:
+def locked_error(path: Path, cause: BaseException | None = None) -> StoreLockedError:
     """The error for a chDB path another process holds, naming that process when known."""
     owner = read_owner(path)
     pid = owner.get("pid") if owner else None
@@ -88,13 +89,30 @@ def locked_error(path: Path, cause: BaseException) -> StoreLockedError:
         who = "another process"
     return StoreLockedError(
         f"the embedded ClickHouse store at {path} is open in {who}. chDB lets one process own a "
-        f"data path: in the embedded stack the store process (`sparseety sink`) owns it and serves "
-        f"queries; stop it to open the path directly, or point clickhouse.dsn at a ClickHouse "
-        f"server (http://...). ({cause})",
+        f"data path: in the embedded stack the store process (`sparseety store`, started by "
+        f"`sparseety up`) owns it and serves queries; stop it to open the path directly, or point "
+        f"clickhouse.dsn at a ClickHouse server (http://...)." + (f" ({cause})" if cause else ""),
         path=str(path),
         owner_pid=pid,
         owner_command=owner.get("command") if owner else None,
     )
+
+
+def _check_unlocked(path: Path) -> None:
+    """Raise StoreLockedError if another process holds the chDB path.
+
+    ClickHouse takes an exclusive ``flock`` on ``<path>/status`` for as long as it runs; asking
+    for the same lock first spares the user chDB's own error text on stderr.
+    """
+    status = path / "status"
+    if not status.exists():
+        return
+    with open(status, "rb") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise locked_error(path) from None
+        fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 class _Engine:
@@ -155,6 +173,7 @@ def _open_engine(target: Target, cfg: Config, owner: str) -> _Engine:
                 path.mkdir(parents=True, exist_ok=True)
 
                 def connect() -> Any:
+                    _check_unlocked(path)
                     try:
                         return clickhouse_connect.get_client(dsn=f"chdb://{key}")
                     except Exception as exc:

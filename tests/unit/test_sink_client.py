@@ -38,7 +38,9 @@ def test_parse_dsn() -> None:
         parse_dsn("clickhouse://x")
 
 
-def test_a_path_held_by_another_process_is_a_clear_error(tmp_path: Path) -> None:
+def test_a_path_held_by_another_process_is_a_clear_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "held"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(path)],
@@ -52,8 +54,9 @@ def test_a_path_held_by_another_process_is_a_clear_error(tmp_path: Path) -> None
         with pytest.raises(StoreLockedError) as info:
             Store.open(load_config(clickhouse={"dsn": f"chdb://{path}"}))
         msg = str(info.value)
-        assert f"process {holder.pid} (holder-for-test)" in msg and "sparseety sink" in msg
+        assert f"process {holder.pid} (holder-for-test)" in msg and "sparseety store" in msg
         assert info.value.fields["owner_pid"] == holder.pid
+        assert "Cannot lock file" not in capfd.readouterr().err, "chDB was asked, and wrote its own error"
     finally:
         holder.kill()
         holder.wait()
