@@ -266,6 +266,7 @@ def db_status(c: CliContext, fmt: str) -> None:
 
 
 def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Any:
+    from sparseety.errors import ReplayError
     from sparseety.sinks.clickhouse.queries import Scope
     from sparseety.sinks.replay import parse_bound
 
@@ -274,9 +275,12 @@ def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> An
     def bound(text: str | None) -> int | None:
         if text is None:
             return None
-        b = parse_bound(text, now_ns=now)
-        if b.kind not in ("time", "end"):
-            raise click.BadParameter(f"{text!r} is not a time (use ISO-8601 or a duration ago like 1h)")
+        try:
+            b = parse_bound(text, now_ns=now)
+        except ReplayError:
+            b = None
+        if b is None or b.kind not in ("time", "end"):
+            raise click.BadParameter(f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)")
         return b.value
 
     return Scope(bound(since), bound(until), tuple(tenants) or None)

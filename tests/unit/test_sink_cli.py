@@ -112,6 +112,9 @@ def test_prices_and_queries(env: dict[str, str], tmp_path: Path) -> None:
     assert json.loads(out)["cached_token_count"] == 4
     code, out = run(env, "query", "request", "nope")
     assert code == 1 and "no request" in out
+    for bad in ("banana", "12"):  # not a time; an offset is a replay bound, not a time
+        code, out = run(env, "query", "cost", "--since", bad)
+        assert code == 2 and f"'{bad}' is not a time" in out, out
 
 
 def test_render_formats() -> None:
