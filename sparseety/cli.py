@@ -15,7 +15,7 @@ import click
 
 from sparseety import __version__
 from sparseety.cli_context import CliContext, pass_ctx
-from sparseety.config import Config
+from sparseety.config import to_toml
 from sparseety.errors import SparseetyError
 
 #: Modules that define ``COMMANDS`` (a list of click commands) to mount on ``sparseety``.
@@ -61,11 +61,9 @@ def config() -> None:
 @config.command("show")
 @pass_ctx
 def config_show(c: CliContext) -> None:
-    """Print the effective configuration (secrets masked)."""
-    cfg = c.cfg
-    for name in Config.model_fields:
-        click.echo(f"{name}: {getattr(cfg, name)!r}")
-    click.echo(f"clickhouse dsn (effective): {cfg.clickhouse_dsn}")
+    """Print the effective configuration as TOML (secrets masked), defaults and overrides applied."""
+    click.echo(f"# effective ClickHouse DSN: {c.cfg.clickhouse_dsn}")
+    click.echo(to_toml(c.cfg), nl=False)
 
 
 # --- broker ------------------------------------------------------------------------------------

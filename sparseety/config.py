@@ -352,6 +352,50 @@ def load_config(
     return _validate(data, str(path) if path else "defaults+environment")
 
 
+MASK = "**********"
+
+
+def masked_dict(cfg: Config) -> dict[str, Any]:
+    """The configuration as plain data with every secret replaced by ``MASK`` (for printing)."""
+    data = cfg.model_dump(mode="json")  # SecretStr fields dump as "**********"
+    data["kafka"]["client"] = {k: (MASK if _is_secret_option(k) else v) for k, v in cfg.kafka.client.items()}
+    data["otel"]["headers"] = {k: MASK for k in cfg.otel.headers}
+    # Bearer tokens are the keys: show each one's tenant scope under a placeholder name.
+    data["api"]["tokens"] = {f"<token {i + 1}>": t for i, t in enumerate(cfg.api.tokens.values())}
+    return data
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items())
+        return "{ " + items + " }" if items else "{}"
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+
+def to_toml(cfg: Config) -> str:
+    """The effective configuration as a TOML file (secrets masked): what ``--config`` reads.
+
+    Unset optional values (``None``) are left out: TOML has no null, and leaving them out means
+    the same default.
+    """
+    data = masked_dict(cfg)
+    top = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    lines = [*top, ""] if top else []
+    for section, fields in data.items():
+        if not isinstance(fields, dict):
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def to_env(cfg: Config) -> dict[str, str]:
     """``SPARSEETY_*`` variables that reproduce ``cfg`` in a child process (secrets included:
     pass them only to processes you start, never print them)."""

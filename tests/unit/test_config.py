@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from sparseety.config import is_configured, load_config
+from sparseety.config import is_configured, load_config, to_toml
 from sparseety.errors import ConfigError
 
 
@@ -76,3 +77,31 @@ def test_topics_resolve_roles_and_full_names() -> None:
     assert cfg.topics.resolve("timelines") == "t.timelines"
     assert cfg.topics.resolve("engine-events") == cfg.topics.engine_events
     assert cfg.topics.resolve("some.other.topic") == "some.other.topic"
+
+
+def test_config_show_is_toml_that_loads_back_to_the_same_config(tmp_path: Path) -> None:
+    cfg = load_config(
+        data_dir=str(tmp_path),
+        kafka={"bootstrap": "k:9092", "client": {"security.protocol": "SASL_SSL"}},
+        topics={"partitions": 8},
+        worker={"window_s": 30.0},
+        api={"port": 9000},
+    )
+    path = tmp_path / "shown.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path=path, env={}) == cfg
+
+
+def test_config_show_masks_every_secret() -> None:
+    cfg = load_config(
+        kafka={"client": {"sasl.password": "hunter2-kafka", "sasl.username": "u"}},
+        clickhouse={"password": "hunter2-clickhouse"},
+        schema_registry={"basic_auth": "user:hunter2-registry"},
+        privacy={"mode": "hashed", "key": "hunter2-privacy-key-0123"},
+        otel={"headers": {"authorization": "Bearer hunter2-otel"}},
+        api={"tokens": {"hunter2-api-token": ["acme"]}},
+    )
+    shown = to_toml(cfg)
+    assert "hunter2" not in shown
+    assert tomllib.loads(shown)["api"]["tokens"] == {"<token 1>": ["acme"]}
+    assert tomllib.loads(shown)["kafka"]["client"]["sasl.username"] == "u"
