@@ -63,15 +63,39 @@ def with_defaults(record_name: str, values: dict[str, Any]) -> dict[str, Any]:
 
 def dead_letter_record(exc: DecodeError, key: bytes | None, component: str) -> dict[str, Any]:
     """A DeadLetter record for a payload that could not be used (its position taken from ``exc``)."""
+    return dead_letter(
+        type(exc).__name__,
+        str(exc),
+        component,
+        topic=exc.topic or "",
+        partition=exc.partition if exc.partition is not None else -1,
+        offset=exc.offset if exc.offset is not None else -1,
+        key=key,
+        value=exc.raw,
+    )
+
+
+def dead_letter(
+    error_type: str,
+    reason: str,
+    component: str,
+    *,
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+) -> dict[str, Any]:
+    """A DeadLetter record (``partition``/``offset`` -1 where the input had none)."""
     return {
-        "error_type": type(exc).__name__,
-        "reason": str(exc),
+        "error_type": error_type,
+        "reason": reason,
         "component": component,
-        "topic": exc.topic or "",
-        "partition": exc.partition if exc.partition is not None else -1,
-        "offset": exc.offset if exc.offset is not None else -1,
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
         "key": key,
-        "value": exc.raw,
+        "value": value,
         "ts_ns": time.time_ns(),
     }
 

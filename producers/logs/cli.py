@@ -33,16 +33,16 @@ def ingest_cmd(
 ) -> None:
     """Publish a trace file (recording or JSONL log) to the engine-events topic.
 
-    Bad lines are skipped and reported with their line numbers; the exit status is 1 when any
-    line was skipped. The assembler then folds the events like a live engine's (or replay the
-    engine-events topic into the store).
+    Bad lines are skipped, reported with their line numbers and sent to the dlq topic with their
+    bytes; the exit status is 1 when any line was skipped. The assembler then folds the events
+    like a live engine's (or replay the engine-events topic into the store).
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.producers.logs.ingest import ingest
 
     cfg = c.cfg
     wait_for_kafka(cfg)
-    ensure_topics(cfg, [cfg.topics.engine_events])
+    ensure_topics(cfg, [cfg.topics.engine_events, cfg.topics.dlq])
     err = click.get_text_stream("stderr")
     with click.progressbar(length=1, label=f"ingesting {path}", file=err) as bar:
 
@@ -70,7 +70,10 @@ def ingest_cmd(
             click.echo(f"  skipped line {line}: {reason}", err=True)
         more = report.bad - len(report.errors)
         click.echo(
-            f"{report.bad} bad lines skipped" + (f" ({more} not listed)" if more > 0 else ""), err=True
+            f"{report.bad} bad lines skipped"
+            + (f" ({more} not listed)" if more > 0 else "")
+            + f"; {report.dead_lettered} sent to {c.cfg.topics.dlq}",
+            err=True,
         )
         raise SystemExit(1)
 

@@ -1,11 +1,13 @@
 """Publish a trace file to the engine-events topic (recordings and JSONL logs).
 
-Bad input policy: a line (JSONL) or record (recording) that cannot be used is **skipped and
-reported** — counted in :attr:`IngestReport.bad`, with its line number and reason in
-:attr:`IngestReport.errors` (the first :data:`MAX_ERRORS`) — and the rest of the file is still
-published. With ``strict=True`` the whole file is checked first and nothing is published when any
-line is bad (:class:`~sparseety.producers.logs.errors.BadTraceLineError` for the first one).
-A recording cut short ends the read there (nothing after it can be framed); that is one bad record.
+Bad input policy: a line (JSONL) or record (recording) that cannot be used is **skipped,
+reported and dead-lettered** — counted in :attr:`IngestReport.bad`, with its line number and
+reason in :attr:`IngestReport.errors` (the first :data:`MAX_ERRORS`), and sent to the dlq topic as
+a DeadLetter (component ``ingest``, topic ``file:<path>``, offset = line or record number, value =
+its bytes) — and the rest of the file is still published. With ``strict=True`` the whole file is
+checked first and nothing is published when any line is bad
+(:class:`~sparseety.producers.logs.errors.BadTraceLineError` for the first one). A recording cut
+short ends the read there (nothing after it can be framed); that is one bad record.
 
 Delivery: confluent-kafka's idempotent producer, keyed by engine name (one engine's events stay
 in order in one partition); the ingest returns once Kafka acknowledged every event, or raises
@@ -32,6 +34,7 @@ from sparseety.producers.logs.jsonl import TraceEpoch, TraceRequest, parse_line
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]
 MAX_ERRORS = 100
+COMPONENT = "ingest"
 _PROGRESS_EVERY = 2000
 
 
@@ -48,20 +51,27 @@ class IngestReport:
     events_published: int = 0
     requests: int = 0
     bad: int = 0
+    dead_lettered: int = 0
     errors: list[tuple[int, str]] = field(default_factory=list)
     engine_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Called with each bad line (its bytes on ``exc.raw``): the ingest sends it to the dlq topic.
+    on_bad: Callable[[BadTraceLineError], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def events_per_s(self) -> float:
         """Events published per second of wall time."""
         return self.events_published / self.seconds if self.seconds else 0.0
 
-    def bad_line(self, exc: BadTraceLineError) -> None:
-        """Count one bad line and keep its reason (the first :data:`MAX_ERRORS`)."""
+    def bad_line(self, exc: BadTraceLineError, raw: bytes | None = None) -> None:
+        """Count one bad line, keep its reason (the first :data:`MAX_ERRORS`), dead-letter it."""
+        if exc.raw is None:
+            exc.raw = raw
         self.bad += 1
         if len(self.errors) < MAX_ERRORS:
             self.errors.append((exc.line, exc.reason))
+        if self.on_bad is not None:
+            self.on_bad(exc)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the collect job's result)."""
@@ -74,6 +84,7 @@ class IngestReport:
             "events_published": self.events_published,
             "requests": self.requests,
             "bad_lines": self.bad,
+            "dead_lettered": self.dead_lettered,
             "errors": [{"line": n, "reason": r} for n, r in self.errors],
             "engine_ids": list(self.engine_ids),
             "seconds": round(self.seconds, 3),
@@ -171,7 +182,7 @@ def _jsonl_requests(
                     raise BadTraceLineError(n, f"duplicate request id {req.request_id!r} in this file")
                 seen.add(req.request_id)
             except BadTraceLineError as exc:
-                report.bad_line(exc)
+                report.bad_line(exc, line)
                 continue
             yield req
 
@@ -202,10 +213,10 @@ def _recording_events(
                     raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
                 ev.validate_engine_event(record, value)
             except DecodeError as exc:
-                report.bad_line(BadTraceLineError(n, f"{type(exc).__name__}: {exc}"))
+                report.bad_line(BadTraceLineError(n, f"{type(exc).__name__}: {exc}"), value)
                 continue
             except BadTraceLineError as exc:
-                report.bad_line(exc)
+                report.bad_line(exc, value)
                 continue
             yield n, record, value
 
@@ -276,6 +287,23 @@ def ingest(
     report = IngestReport(str(p), resolved, total, topic=topic)
     publisher = KafkaPublisher(cfg, topic, producer)
     encoder = make_encoder(cfg, "EngineEvent", topic)
+    dlq = KafkaPublisher(cfg, cfg.topics.dlq, publisher.producer)
+    dlq_encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)
+
+    def dead_letter(exc: BadTraceLineError) -> None:
+        record = ev.dead_letter(
+            type(exc).__name__,
+            exc.reason,
+            COMPONENT,
+            topic=f"file:{p}",
+            partition=-1,
+            offset=exc.line,
+            key=p.name.encode(),
+            value=exc.raw,
+        )
+        dlq.send(p.name.encode(), dlq_encoder.encode(record))
+
+    report.on_bad = dead_letter
     engines: dict[str, None] = {}
     if resolved == "jsonl":
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
@@ -297,7 +325,9 @@ def ingest(
                 report.requests += 1
             publisher.send(record["engine_name"].encode(), encoder.encode(record) if reencode else value)
     publisher.close()
+    dlq.close()
     report.events_published = publisher.delivered
+    report.dead_lettered = dlq.delivered
     report.engine_ids = list(engines)
     report.seconds = time.monotonic() - started
     if progress:

@@ -172,7 +172,10 @@ def test_ingest_command_publishes_and_reports_bad_lines(kafka_cfg: Config, tmp_p
     result = CliRunner().invoke(main, ["ingest", str(path), "--tenant", "acme"], env=env)
     assert result.exit_code == 1, result.output  # a skipped line is not success
     assert "jsonl: 2 records read, 1 requests, 4 events published" in result.output
-    assert "skipped line 2: not valid JSON" in result.output and "1 bad lines skipped" in result.output
+    assert "skipped line 2: not valid JSON" in result.output
+    assert f"1 bad lines skipped; 1 sent to {kafka_cfg.topics.dlq}" in result.output
+    (dead,) = [r[3] for r in read_topic(kafka_cfg, kafka_cfg.topics.dlq, quiet_s=0.5)]
+    assert (dead["component"], dead["offset"], dead["value"]) == ("ingest", 2, b"not json\n")
     records = read_topic(kafka_cfg, kafka_cfg.topics.engine_events, quiet_s=0.5)
     assert [ev.payload_type(r[3]) for r in sorted(records, key=lambda r: r[1])] == [
         ev.ENGINE_STARTED,

@@ -186,17 +186,28 @@ def test_ingest_skips_and_reports_bad_lines_and_the_fold_accounts_every_good_one
         (3, "not valid JSON (Expecting property name enclosed in double quotes)"),
         (9, "duplicate request id 'req-1' in this file"),
     ]
-    assert report.events_published == len(producer.messages) == 1 + 2 * 6 + 1
+    events = [m for m in producer.messages if m[0] == cfg.topics.engine_events]
+    assert report.events_published == len(events) == 1 + 2 * 6 + 1
     assert seen[-1] == (path.stat().st_size, path.stat().st_size)
     (engine_id,) = report.engine_ids
     assert engine_id.startswith("trace-requests@")
-    assert {k for _, k, _ in producer.messages} == {b"trace-requests"}
-    assert {t for t, _, _ in producer.messages} == {cfg.topics.engine_events}
+    assert {k for _, k, _ in events} == {b"trace-requests"}
+
+    # each bad line went to the dlq topic with its reason, position and bytes
+    decoder = make_decoder(cfg)
+    dead = [decoder.decode(v) for t, _, v in producer.messages if t == cfg.topics.dlq]
+    assert report.dead_lettered == len(dead) == 2 == len(producer.messages) - len(events)
+    assert {name for name, _ in dead} == {ev.DEAD_LETTER}
+    assert [(d["offset"], d["value"], d["component"]) for _, d in dead] == [
+        (3, b"{oops\n", "ingest"),
+        (9, (json.dumps(line(1)) + "\n").encode(), "ingest"),
+    ]
+    assert dead[0][1]["topic"] == f"file:{path}" and "not valid JSON" in dead[0][1]["reason"]
+    assert dead[1][1]["error_type"] == "BadTraceLineError"
 
     # the real assembler turns the events into request-level accounting
-    decoder = make_decoder(cfg)
     fold = FoldProcessor(cfg)
-    out = [o for i, (_, _, v) in enumerate(producer.messages) for o in fold(*decoder.decode(v), "t", 0, i)]
+    out = [o for i, (_, _, v) in enumerate(events) for o in fold(*decoder.decode(v), "t", 0, i)]
     accounting = {r["request_id"]: r for name, r in out if name == ev.REQUEST_ACCOUNTING}
     assert set(accounting) == {f"req-{i}" for i in range(6)}
     for i in range(6):

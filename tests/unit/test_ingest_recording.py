@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparseety.config import load_config
+from sparseety.kafka import make_decoder
 from sparseety.producers.logs.errors import BadTraceLineError
 from sparseety.producers.logs.format import detect_format, iter_recording, pack
 from sparseety.producers.logs.ingest import ingest
@@ -70,8 +71,15 @@ def test_corrupt_records_are_skipped_and_counted(tmp_path: Path) -> None:
     path.write_bytes(pack(broken) + b"\x00\x00\x01")  # and a cut-short tail
     producer = FakeProducer()
     report = ingest(cfg, path, producer=producer)
-    assert [v for _, _, v in producer.messages] == values
+    assert [v for t, _, v in producer.messages if t == cfg.topics.engine_events] == values
     assert report.bad == 3 and [n for n, _ in report.errors] == [6, 12, 23]
+    dead = [make_decoder(cfg).decode(v)[1] for t, _, v in producer.messages if t == cfg.topics.dlq]
+    assert report.dead_lettered == 3
+    assert [(d["offset"], d["value"]) for d in dead] == [
+        (6, broken[5]),
+        (12, broken[11]),
+        (23, None),  # a cut-short frame has no record bytes to keep
+    ]
     assert "UnknownSchemaError" in report.errors[0][1] and "truncated length prefix" in report.errors[2][1]
     with pytest.raises(BadTraceLineError, match="line 6: UnknownSchemaError"):
         ingest(cfg, path, strict=True, producer=FakeProducer())
