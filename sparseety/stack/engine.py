@@ -70,6 +70,22 @@ def phases(sessions: int, quick: bool) -> list[list[tuple[str, str, int]]]:
     return turns
 
 
+#: Room kept free beyond max_tokens: the drafter's proposals also take positions.
+SPEC_MARGIN = 8
+
+
+def fit_tokens(ids: list[int], room: int, tail: int = 16) -> list[int]:
+    """``ids`` cut to ``room`` tokens by dropping from the middle.
+
+    The head keeps the shared policy and system prompts (prefix cache hits stay the same whatever
+    the tokenizer), the tail keeps the question; how many tokens a text takes depends on the
+    model's tokenizer, so prompts are sized in tokens, not characters.
+    """
+    if len(ids) <= room:
+        return ids
+    return ids[: room - tail] + ids[-tail:]
+
+
 def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
@@ -83,13 +99,18 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
         **engine_args,
     )
     print(f"engine: ready in {time.time() - started:.0f} s", flush=True)
+    tokenizer = llm.get_tokenizer()
+    max_model_len = llm.llm_engine.model_config.max_model_len
     results: list[dict[str, Any]] = []
     answers: list[str] = []
     all_phases = phases(sessions, quick)
     for n, phase in enumerate(all_phases, 1):
-        prompts, params = [], []
+        prompts: list[Any] = []
+        params = []
         for i, (tenant, template, max_tokens) in enumerate(phase):
-            prompts.append(template.replace("{answer}", answers[i] if i < len(answers) else ""))
+            text = template.replace("{answer}", answers[i] if i < len(answers) else "")
+            ids = fit_tokens(tokenizer.encode(text), max_model_len - max_tokens - SPEC_MARGIN)
+            prompts.append({"prompt_token_ids": ids})
             params.append(
                 SamplingParams(
                     temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"tenant": tenant}
