@@ -61,6 +61,16 @@ def test_two_workers_then_one_killed_and_one_added(kafka_cfg: Config, unique: st
         wait_for(
             lambda: len(read_topic(cfg, cfg.topics.timelines, quiet_s=0.3)) > 10, 180, 1, "first outputs"
         )
+
+        def split_between_a_and_b() -> bool:
+            # b alone can produce the first outputs while a is still joining: kill a only once it
+            # really holds partitions, or nothing would move.
+            pa, pb = assigned(a, cfg.topics.engine_events), assigned(b, cfg.topics.engine_events)
+            if not (pa and pb):
+                return False
+            return not (pa[-1] & pb[-1]) and (pa[-1] | pb[-1]) == {0, 1, 2, 3}
+
+        wait_for(split_between_a_and_b, 180, 1, "a and b sharing the partitions")
         a.kill()  # SIGKILL: its partitions move to b after the session timeout
         c = start("c")  # and a newcomer joins mid-stream
         half = len(rest) // 2
@@ -86,7 +96,7 @@ def test_two_workers_then_one_killed_and_one_added(kafka_cfg: Config, unique: st
         # The partitions really moved: the newcomer took over some the killed worker held.
         held_by_a = assigned(a, cfg.topics.engine_events)
         taken_by_c = assigned(c, cfg.topics.engine_events)
-        assert held_by_a and taken_by_c and held_by_a[0] & set().union(*taken_by_c)
+        assert held_by_a and taken_by_c and held_by_a[-1] & set().union(*taken_by_c)
     finally:
         for p in procs:
             p.stop()
