@@ -139,6 +139,14 @@ def _grouped(name: str, method: str, default_by: str, doc: str) -> Any:
     return handler
 
 
+async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
+    """One request in ``scope``; another tenant's request is as unknown as a missing one (404)."""
+    found = await back.query("request", back.queries.request, request_id, scope=scope)
+    if found is None:
+        raise NotFound(f"no request {request_id!r}")
+    return found
+
+
 def _router() -> APIRouter:
     api = APIRouter(prefix="/api/v1")
 
@@ -174,10 +182,7 @@ def _router() -> APIRouter:
     @api.get("/requests/{request_id:path}/timeline", tags=["requests"])
     async def timeline(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
         """A request's token timeline: counts per status and the run-length segments."""
-        scope = s.scope(who, back.clock())
-        found = await back.query("request", back.queries.request, request_id, scope=scope)
-        if found is None:
-            raise NotFound(f"no request {request_id!r}")
+        found = await _request(back, request_id, s.scope(who, back.clock()))
         counts = timeline_counts(found["segments"])
         counts["draft_rejected"] = int(found["draft_rejected_tokens"])
         return JSONResponse(
@@ -197,11 +202,7 @@ def _router() -> APIRouter:
     @api.get("/requests/{request_id:path}", tags=["requests"])
     async def request_detail(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
         """One request: every count, its cost in each mode and its segment timeline."""
-        scope = s.scope(who, back.clock())
-        found = await back.query("request", back.queries.request, request_id, scope=scope)
-        if found is None:
-            raise NotFound(f"no request {request_id!r}")
-        return JSONResponse(jsonable(found))
+        return JSONResponse(jsonable(await _request(back, request_id, s.scope(who, back.clock()))))
 
     @api.get("/cost", tags=["cost"])
     async def cost(

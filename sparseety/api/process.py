@@ -30,6 +30,20 @@ def _tokens(cfg: Config) -> tuple[TokenTable, str]:
     return TokenTable(cfg.api.tokens, admin_token=admin), admin
 
 
+def _api_server(cfg: Config, backend: Backend, loglevel: str, access_log: bool) -> ApiServer:
+    """The HTTP server both process kinds run (the API app over ``backend``)."""
+    from sparseety.api.app import create_api
+
+    return ApiServer(
+        create_api(backend),
+        host=cfg.api.host,
+        port=cfg.api.port,
+        data_path=cfg.data_path,
+        log_level=loglevel,
+        access_log=access_log,
+    )
+
+
 def _api_service(server: ApiServer) -> Any:
     """A mode Service that starts and stops ``server`` with the Faust worker."""
     from mode import Service
@@ -61,7 +75,6 @@ def run_store(
     """
     from faust import Worker
 
-    from sparseety.api.app import create_api
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.lifecycle import exit_after
     from sparseety.sinks.clickhouse.client import Store
@@ -91,14 +104,7 @@ def run_store(
         app = create_app(cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s)
         tokens, admin = _tokens(cfg)
         backend = Backend(cfg, store, tokens=tokens, sink_worker=app.sparseety_sink)
-        server = ApiServer(
-            create_api(backend),
-            host=cfg.api.host,
-            port=cfg.api.port,
-            data_path=cfg.data_path,
-            log_level=loglevel,
-            access_log=access_log,
-        )
+        server = _api_server(cfg, backend, loglevel, access_log)
         Worker(app, _api_service(server), loglevel=loglevel, quiet=True).execute_from_commandline()
         code = 0
     except SystemExit as exc:
@@ -132,7 +138,6 @@ def run_api(cfg: Config, *, loglevel: str = "info", access_log: bool = False) ->
         ConfigError: an open API (no tokens) on a non-loopback host.
         StoreLockedError: another process (e.g. ``sparseety store``) owns the embedded store.
     """
-    from sparseety.api.app import create_api
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.migrate import migrate
 
@@ -143,14 +148,7 @@ def run_api(cfg: Config, *, loglevel: str = "info", access_log: bool = False) ->
         tokens, admin = _tokens(cfg)
         backend = Backend(cfg, store, tokens=tokens)
         try:
-            server = ApiServer(
-                create_api(backend),
-                host=cfg.api.host,
-                port=cfg.api.port,
-                data_path=cfg.data_path,
-                log_level=loglevel,
-                access_log=access_log,
-            )
+            server = _api_server(cfg, backend, loglevel, access_log)
             asyncio.run(_serve_until_signalled(server))
         finally:
             backend.close()
