@@ -13,10 +13,10 @@ group ``sparseety.sinks``; :func:`load_sink_class` finds it and checks that it i
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from sparseety.config import Config
 from sparseety.errors import PluginLoadError
@@ -36,6 +36,68 @@ class Batch:
     def as_tuple(self) -> tuple[str, int, int, int]:
         """``(topic, partition, first_offset, last_offset)``, as :class:`SinkWriteError` carries it."""
         return (self.topic, self.partition, self.first_offset, self.last_offset)
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Buffered records of one partition over a contiguous offset range: one :class:`Batch` once
+    written. Sinks subclass it with what they buffer (rows, spans)."""
+
+    topic: str
+    partition: int
+    first: int
+    last: int
+
+    @property
+    def batch(self) -> Batch:
+        """The offset range this chunk covers."""
+        return Batch(self.topic, self.partition, self.first, self.last)
+
+
+C = TypeVar("C", bound=Chunk)
+
+
+class ChunkBuffer(Generic[C]):
+    """What a sink holds between flushes: chunks in arrival order, one open chunk per partition.
+
+    Args:
+        make: ``(topic, partition, offset) -> chunk`` starting at ``offset``.
+    """
+
+    def __init__(self, make: Callable[[str, int, int], C]) -> None:
+        self._make = make
+        self.chunks: list[C] = []
+        self._open: dict[tuple[str, int], C] = {}
+
+    def chunk_for(self, topic: str, partition: int, offset: int) -> C:
+        """The open chunk of the partition, or a new one; the caller advances ``chunk.last``."""
+        chunk = self._open.get((topic, partition))
+        if chunk is None or offset < chunk.last:
+            # a partition read again from an earlier offset (a seek back) starts a new batch
+            chunk = self._make(topic, partition, offset)
+            self._open[(topic, partition)] = chunk
+            self.chunks.append(chunk)
+        return chunk
+
+    def seal(self) -> list[C]:
+        """Close every open chunk (later records start new ones); return all held chunks."""
+        self._open.clear()
+        return list(self.chunks)
+
+    def remove(self, done: list[C]) -> None:
+        """Forget chunks that were written."""
+        self.chunks = [c for c in self.chunks if c not in done]
+
+    def discard(self, topic: str, partition: int) -> list[C]:
+        """Drop everything held for a partition (it was revoked); return what was dropped."""
+        dropped = [c for c in self.chunks if (c.topic, c.partition) == (topic, partition)]
+        self.remove(dropped)
+        self._open.pop((topic, partition), None)
+        return dropped
+
+    def batches(self) -> list[Batch]:
+        """The offset ranges held, in arrival order."""
+        return [c.batch for c in self.chunks]
 
 
 @dataclass

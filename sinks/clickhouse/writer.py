@@ -28,7 +28,7 @@ from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError, StoreError
-from sparseety.sinks.base import Batch, FlushResult, Sink
+from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
 from sparseety.sinks.clickhouse.tables import SINK_TABLES, Table
@@ -39,18 +39,10 @@ MAX_BACKOFF_S = 10.0
 
 
 @dataclass(eq=False)
-class _Chunk:
-    topic: str
-    partition: int
-    first: int
-    last: int
+class _Chunk(Chunk):
     rows: RowBuffer = field(default_factory=RowBuffer)
     written: set[str] = field(default_factory=set)
     sealed: bool = False
-
-    @property
-    def batch(self) -> Batch:
-        return Batch(self.topic, self.partition, self.first, self.last)
 
     def pending_tables(self) -> list[Table]:
         return [t for t in SINK_TABLES if t.name not in self.written and self.rows.rows(t)]
@@ -95,8 +87,7 @@ class ClickHouseSink(Sink):
         self._own_store = own_store
         self._sleep = sleep
         self._clock = clock
-        self._chunks: list[_Chunk] = []
-        self._open: dict[tuple[str, int], _Chunk] = {}
+        self._buffer = ChunkBuffer(lambda topic, partition, offset: _Chunk(topic, partition, offset, offset))
         self._pending_rows = 0
         self._oldest: float | None = None
         self._token_prefix = uuid.uuid4().hex[:12]
@@ -139,12 +130,7 @@ class ClickHouseSink(Sink):
     def add(
         self, record_name: str, record: Mapping[str, Any], *, topic: str, partition: int, offset: int
     ) -> None:
-        chunk = self._open.get((topic, partition))
-        if chunk is None or offset < chunk.last:
-            # a partition read again from an earlier offset (a seek back) starts a new batch
-            chunk = _Chunk(topic, partition, offset, offset)
-            self._open[(topic, partition)] = chunk
-            self._chunks.append(chunk)
+        chunk = self._buffer.chunk_for(topic, partition, offset)
         mark = chunk.rows.mark()
         try:
             added = chunk.rows.add(record_name, record, topic=topic, partition=partition, offset=offset)
@@ -160,7 +146,7 @@ class ClickHouseSink(Sink):
         return self._pending_rows
 
     def pending_batches(self) -> list[Batch]:
-        return [c.batch for c in self._chunks]
+        return self._buffer.batches()
 
     def should_flush(self) -> bool:
         """Enough rows buffered, or the oldest buffered row waited ``batch_interval_s``."""
@@ -170,20 +156,19 @@ class ClickHouseSink(Sink):
 
     def discard(self, topic: str, partition: int) -> int:
         before = self._pending_rows
-        self._chunks = [c for c in self._chunks if (c.topic, c.partition) != (topic, partition)]
-        self._open.pop((topic, partition), None)
+        self._buffer.discard(topic, partition)
         self._recount()
         return before - self._pending_rows
 
     def _recount(self) -> None:
-        self._pending_rows = sum(c.rows.rows(t) for c in self._chunks for t in c.pending_tables())
+        self._pending_rows = sum(c.rows.rows(t) for c in self._buffer.chunks for t in c.pending_tables())
 
     def _seal(self) -> list[_Chunk]:
         """Close every open chunk (later records start new ones); return all to write."""
-        self._open.clear()
-        for c in self._chunks:
+        chunks = self._buffer.seal()
+        for c in chunks:
             c.sealed = True
-        return list(self._chunks)
+        return chunks
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -232,9 +217,9 @@ class ClickHouseSink(Sink):
         done = [c for c in chunks if c not in failed]
         result.written.extend(c.batch for c in done)
         result.failed.extend(c.batch for c in failed)
-        self._chunks = [c for c in self._chunks if c not in done]
+        self._buffer.remove(done)
         self._recount()
-        self._oldest = self._clock() if self._chunks else None
+        self._oldest = self._clock() if self._buffer.chunks else None
         return result
 
     def _write(self, table: Table, chunks: list[_Chunk], result: FlushResult, retries: int) -> None:

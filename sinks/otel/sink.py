@@ -31,7 +31,7 @@ from sparseety import __version__
 from sparseety import events as ev
 from sparseety.config import Config, OtelConfig
 from sparseety.errors import SinkWriteError
-from sparseety.sinks.base import Batch, FlushResult, Sink
+from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
 from sparseety.sinks.otel.spans import SCOPE, SpanSpec, span_spec
 
 log = logging.getLogger(__name__)
@@ -117,16 +117,8 @@ def http_traces_url(endpoint: str) -> str | None:
 
 
 @dataclass(eq=False)
-class _Chunk:
-    topic: str
-    partition: int
-    first: int
-    last: int
+class _Chunk(Chunk):
     spans: list[SpanSpec] = field(default_factory=list)
-
-    @property
-    def batch(self) -> Batch:
-        return Batch(self.topic, self.partition, self.first, self.last)
 
 
 class OtelSink(Sink):
@@ -158,8 +150,7 @@ class OtelSink(Sink):
             )
         )
         self.tracer = self.provider.get_tracer(SCOPE, __version__)
-        self._chunks: list[_Chunk] = []
-        self._open: dict[tuple[str, int], _Chunk] = {}
+        self._buffer = ChunkBuffer(lambda topic, partition, offset: _Chunk(topic, partition, offset, offset))
         self._pending = 0
         self._closed = False
         self.totals = FlushResult()
@@ -180,11 +171,7 @@ class OtelSink(Sink):
         if record_name != ev.REQUEST_ACCOUNTING:
             return  # accepted so that the consumer does not dead-letter them; no span
         spec = span_spec(record, provider_name=self.cfg.provider_name)
-        chunk = self._open.get((topic, partition))
-        if chunk is None or offset < chunk.last:
-            chunk = _Chunk(topic, partition, offset, offset)
-            self._open[(topic, partition)] = chunk
-            self._chunks.append(chunk)
+        chunk = self._buffer.chunk_for(topic, partition, offset)
         chunk.spans.append(spec)
         chunk.last = offset
         self._pending += 1
@@ -193,12 +180,10 @@ class OtelSink(Sink):
         return self._pending
 
     def pending_batches(self) -> list[Batch]:
-        return [c.batch for c in self._chunks]
+        return self._buffer.batches()
 
     def discard(self, topic: str, partition: int) -> int:
-        dropped = [c for c in self._chunks if (c.topic, c.partition) == (topic, partition)]
-        self._chunks = [c for c in self._chunks if c not in dropped]
-        self._open.pop((topic, partition), None)
+        dropped = self._buffer.discard(topic, partition)
         n = sum(len(c.spans) for c in dropped)
         self._pending -= n
         return n
@@ -218,8 +203,7 @@ class OtelSink(Sink):
         span.end(end_time=spec.end_ns)
 
     def flush(self) -> FlushResult:
-        chunks = list(self._chunks)
-        self._open.clear()  # later records start new chunks
+        chunks = self._buffer.seal()
         result = FlushResult()
         if not chunks:
             return result
@@ -246,7 +230,7 @@ class OtelSink(Sink):
             )
             err.fields["result"] = result
             raise err
-        self._chunks = [c for c in self._chunks if c not in chunks]
+        self._buffer.remove(chunks)
         n = sum(len(c.spans) for c in chunks)
         self._pending -= n
         result.rows[SPANS] = n
