@@ -7,10 +7,8 @@ and tests; production points ``kafka.bootstrap`` at a real cluster instead.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 from sparseety.config import Config
 from sparseety.errors import BrokerBinaryMissingError, BrokerError, PortInUseError
 from sparseety.kafka import ensure_topics, wait_for_kafka
-from sparseety.lifecycle import pid_alive
+from sparseety.lifecycle import pid_alive, terminate
 
 
 def tansu_binary() -> Path:
@@ -169,14 +167,7 @@ class EmbeddedBroker:
         if pid is None:
             self.pid_file.unlink(missing_ok=True)
             return False
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        terminate(pid, timeout_s)
         self.pid_file.unlink(missing_ok=True)
         return True
 

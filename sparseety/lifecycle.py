@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -24,6 +26,25 @@ def pid_alive(pid: int) -> bool:
         if done == pid:
             return False
     return True
+
+
+def terminate(pid: int, timeout_s: float, *, group: bool = False) -> bool:
+    """SIGTERM ``pid`` (its process group with ``group``), wait up to ``timeout_s``, then SIGKILL.
+
+    Returns:
+        True when it stopped on SIGTERM, False when it had to be killed.
+    """
+    send = os.killpg if group else os.kill
+    with contextlib.suppress(ProcessLookupError):
+        send(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not pid_alive(pid):
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        send(pid, signal.SIGKILL)
+    return False
 
 
 def exit_after(cleanup: Callable[[], object], code: int = 0, timeout_s: float = 15.0) -> NoReturn:

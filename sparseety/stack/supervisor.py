@@ -10,9 +10,7 @@ as they use the same configuration (data dir).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +21,7 @@ from pathlib import Path
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.lifecycle import pid_alive
+from sparseety.lifecycle import pid_alive, terminate
 
 Progress = Callable[[str], None]
 
@@ -171,15 +169,8 @@ class Stack:
                 self._pid_file(name).unlink(missing_ok=True)
                 continue
             progress(f"{name}: stopping (pid {pid})")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if pid_alive(pid):
-                progress(f"{name}: did not stop in {timeout_s:.0f} s, killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+            if not terminate(pid, timeout_s, group=True):
+                progress(f"{name}: did not stop in {timeout_s:.0f} s, killed it")
             self._pid_file(name).unlink(missing_ok=True)
             stopped.append(name)
         progress("broker: stopping (its in-memory topics are gone afterwards)")
