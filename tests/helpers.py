@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from sparseety.config import Config, to_env
+from sparseety.config import Config, load_config, to_env
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 
 VENV_BIN = Path(sys.executable).parent
@@ -122,3 +124,23 @@ class ComponentProcess:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+def chdb_config(tmp_path_factory: Any, database: str | None = None, **overrides: Any) -> Config:
+    """A config on the test process's one chDB path (chDB allows one per process), own database."""
+    path = tmp_path_factory.getbasetemp() / "chdb-unit"
+    db = database or f"t{uuid.uuid4().hex[:10]}"
+    return load_config(clickhouse={"dsn": f"chdb://{path}", "database": db}, **overrides)
+
+
+@contextlib.contextmanager
+def throwaway_store(cfg: Config) -> Iterator[Any]:
+    """``cfg``'s store, open; its database is dropped and the store closed afterwards."""
+    from sparseety.sinks.clickhouse.client import Store
+
+    store = Store.open(cfg)
+    try:
+        yield store
+    finally:
+        store.command(f"DROP DATABASE IF EXISTS {store.database}")
+        store.close()

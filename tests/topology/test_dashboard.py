@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,10 @@ from sparseety.api.client import RemoteQueries
 from sparseety.api.dashboard import build_figures, collect, render_dashboard
 from sparseety.api.queries import ApiQueries
 from sparseety.api.server import ApiServer
-from sparseety.config import Config, load_config
+from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.queries import Scope
+from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import MIN, T0, seed, uid
 
 CHROMIUM = "/usr/bin/chromium"
@@ -49,22 +49,14 @@ CHARTS = ["health", "cost", "savings", "timeline", "experts-0"]  # one MoE model
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    return load_config(
-        data_dir=str(tmp_path_factory.mktemp("dash")),
-        clickhouse={"dsn": f"chdb://{path}", "database": f"t{uuid.uuid4().hex[:10]}"},
-    )
+    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("dash")))
 
 
 @pytest.fixture(scope="module")
 def store(cfg: Config) -> Iterator[Store]:
-    s = Store.open(cfg)
-    try:
+    with throwaway_store(cfg) as s:
         seed(s)
         yield s
-    finally:
-        s.command(f"DROP DATABASE IF EXISTS {s.database}")
-        s.close()
 
 
 @pytest.fixture(scope="module")

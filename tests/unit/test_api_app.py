@@ -4,7 +4,6 @@ query library."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -21,9 +20,10 @@ from sparseety.api.client import RemoteApiError, RemoteQueries
 from sparseety.api.encode import jsonable
 from sparseety.api.queries import ApiQueries
 from sparseety.cli import main
-from sparseety.config import Config, load_config
+from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.queries import QueryError, Scope
+from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import MIN, T0, dataset, seed, uid
 
 NOW = T0 + 10 * MIN
@@ -35,22 +35,14 @@ GI = {"Authorization": "Bearer tok-gi"}
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    return load_config(
-        data_dir=str(tmp_path_factory.mktemp("api-data")),
-        clickhouse={"dsn": f"chdb://{path}", "database": f"t{uuid.uuid4().hex[:10]}"},
-    )
+    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("api-data")))
 
 
 @pytest.fixture(scope="module")
 def store(cfg: Config) -> Iterator[Store]:
-    s = Store.open(cfg)
-    try:
+    with throwaway_store(cfg) as s:
         seed(s)
         yield s
-    finally:
-        s.command(f"DROP DATABASE IF EXISTS {s.database}")
-        s.close()
 
 
 @pytest.fixture(scope="module")

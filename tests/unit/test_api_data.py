@@ -242,28 +242,20 @@ def seed(store: Store) -> None:
 
 
 def test_the_data_set_is_what_the_docstring_says(tmp_path_factory: Any, unique: str) -> None:
-    from sparseety.config import load_config
+    from tests.helpers import chdb_config, throwaway_store
 
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    cfg = load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"t{unique}"})
-    with Store.open(cfg) as store:
-        try:
-            seed(store)
-            q = Queries(store)
-            by_tenant = {r["tenant"]: r["requests"] for r in q.cost(by=("tenant",))}
-            assert by_tenant == {"acme": 2, "globex": 2, "initech": 2}
-            for rec in dataset():
-                stats = q.tokens_statistics(rec["request_uid"])
-                assert stats is not None
-                segments = rec["timeline"]["segments"]
-                assert (
-                    sum(s["end"] - s["start"] for s in segments)
-                    == rec["prompt_tokens"] + rec["output_tokens"]
-                )
-                assert stats["skipped_token_count"] == sum(
-                    s["end"] - s["start"] for s in segments if s["status"] == "skipped"
-                )
-            assert {r["layer"] for r in q.expert_load()} == {0, 1}
-            assert q.duplication()[0]["duplicated_blocks"] == 1
-        finally:
-            store.command(f"DROP DATABASE IF EXISTS {store.database}")
+    with throwaway_store(chdb_config(tmp_path_factory, f"t{unique}")) as store:
+        seed(store)
+        q = Queries(store)
+        by_tenant = {r["tenant"]: r["requests"] for r in q.cost(by=("tenant",))}
+        assert by_tenant == {"acme": 2, "globex": 2, "initech": 2}
+        for rec in dataset():
+            stats = q.tokens_statistics(rec["request_uid"])
+            assert stats is not None
+            segments = rec["timeline"]["segments"]
+            assert sum(s["end"] - s["start"] for s in segments) == rec["prompt_tokens"] + rec["output_tokens"]
+            assert stats["skipped_token_count"] == sum(
+                s["end"] - s["start"] for s in segments if s["status"] == "skipped"
+            )
+        assert {r["layer"] for r in q.expert_load()} == {0, 1}
+        assert q.duplication()[0]["duplicated_blocks"] == 1

@@ -42,6 +42,7 @@ from sparseety.streams.app import STATE_TABLE
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
+from tests.helpers import chdb_config, throwaway_store
 from tests.recorded import load_scenario, scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -841,11 +842,7 @@ def substitute(sql: str, db: str, t0: int, t1: int, choice: dict[str, list[str]]
 @pytest.fixture(scope="module")
 def recorded_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Store, list[dict[str, Any]]]]:
     """A migrated database holding every recorded real-vLLM request (plus usage, dead letters, prices)."""
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    store = Store.open(
-        load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"d{uuid.uuid4().hex[:10]}"})
-    )
-    try:
+    with throwaway_store(chdb_config(tmp_path_factory, f"d{uuid.uuid4().hex[:10]}")) as store:
         migrate(store)
         records: list[dict[str, Any]] = []
         for name in scenarios():
@@ -871,9 +868,6 @@ def recorded_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
             ]
         set_prices(store, prices)
         yield store, records
-    finally:
-        store.command(f"DROP DATABASE IF EXISTS {store.database}")
-        store.close()
 
 
 def test_every_dashboard_query_runs_on_the_migrated_schema_with_recorded_requests(

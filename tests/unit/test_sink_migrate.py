@@ -8,23 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from sparseety.config import load_config
 from sparseety.errors import MigrationError
 from sparseety.sinks.clickhouse import migrate as mg
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.tables import SINK_TABLES
+from tests.helpers import chdb_config, throwaway_store
 
 
 @pytest.fixture
 def store(tmp_path_factory: pytest.TempPathFactory, unique: str) -> Iterator[Store]:
     """A fresh, unmigrated database on the process's one chDB path."""
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    s = Store.open(load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"t{unique}"}))
-    try:
+    with throwaway_store(chdb_config(tmp_path_factory, f"t{unique}")) as s:
         yield s
-    finally:
-        s.command(f"DROP DATABASE IF EXISTS {s.database}")
-        s.close()
 
 
 def test_split_statements_drops_comments_and_splits_at_line_end() -> None:

@@ -19,7 +19,6 @@ A/J drafts accepted/rejected); blocks are 1000 tokens; lifetimes are (engine, bl
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -28,13 +27,13 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
-from sparseety.config import load_config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
 from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope, group_key
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
+from tests.helpers import chdb_config, throwaway_store
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S  # 2023-11-14 22:13:20 UTC
@@ -215,9 +214,7 @@ PRICES = [
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """One database for the module: the queries only read the crafted data set."""
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    s = Store.open(load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"t{uuid.uuid4().hex[:10]}"}))
-    try:
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
         migrate(s)
         sink = ClickHouseSink(s)
         for i, rec in enumerate(dataset()):
@@ -225,9 +222,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
         sink.flush()
         set_prices(s, PRICES)
         yield s
-    finally:
-        s.command(f"DROP DATABASE IF EXISTS {s.database}")
-        s.close()
 
 
 @pytest.fixture

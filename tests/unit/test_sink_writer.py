@@ -19,18 +19,14 @@ from sparseety.sinks.clickhouse.rows import request_version
 from sparseety.sinks.clickhouse.tables import SINK_TABLES
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
+from tests.helpers import chdb_config, throwaway_store
 
 
 @pytest.fixture
 def store(tmp_path_factory: pytest.TempPathFactory, unique: str) -> Iterator[Store]:
-    path = tmp_path_factory.getbasetemp() / "chdb-unit"
-    s = Store.open(load_config(clickhouse={"dsn": f"chdb://{path}", "database": f"t{unique}"}))
-    try:
+    with throwaway_store(chdb_config(tmp_path_factory, f"t{unique}")) as s:
         migrate(s)
         yield s
-    finally:
-        s.command(f"DROP DATABASE IF EXISTS {s.database}")
-        s.close()
 
 
 def rich(uid: str, **over: Any) -> dict[str, Any]:
