@@ -266,9 +266,7 @@ def db_status(c: CliContext, fmt: str) -> None:
 
 
 def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Any:
-    from sparseety.errors import ReplayError
-    from sparseety.sinks.clickhouse.queries import Scope
-    from sparseety.sinks.replay import parse_bound
+    from sparseety.sinks.clickhouse.queries import QueryError, Scope, parse_time
 
     now = time.time_ns()
 
@@ -276,12 +274,11 @@ def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> An
         if text is None:
             return None
         try:
-            b = parse_bound(text, now_ns=now)
-        except ReplayError:
-            b = None
-        if b is None or b.kind not in ("time", "end"):
-            raise click.BadParameter(f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)")
-        return b.value
+            return parse_time(text, now_ns=now, name="time")
+        except QueryError:
+            raise click.BadParameter(
+                f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)"
+            ) from None
 
     return Scope(bound(since), bound(until), tuple(tenants) or None)
 

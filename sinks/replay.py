@@ -32,7 +32,7 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
 from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
-from sparseety.sinks.clickhouse.queries import QueryError, parse_duration, to_ns
+from sparseety.sinks.clickhouse.queries import QueryError, parse_time
 from sparseety.sinks.consumer import dead_letter_record
 from sparseety.sinks.processors import Processor
 
@@ -70,12 +70,8 @@ def parse_bound(text: str, *, now_ns: int) -> Bound:
     if t.isdigit():
         return Bound("offset", int(t))
     try:
-        return Bound("time", now_ns - int(parse_duration(t).total_seconds() * 1e9))
+        return Bound("time", parse_time(t, now_ns=now_ns, name="bound"))
     except QueryError:
-        pass
-    try:
-        return Bound("time", to_ns(datetime.fromisoformat(t.replace("Z", "+00:00"))))
-    except ValueError:
         raise ReplayError(
             f"cannot read {text!r} as a replay bound: use an offset, an ISO-8601 time, a duration "
             f"ago (e.g. 2h), beginning or end",

@@ -59,6 +59,28 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
 
 
+def parse_time(text: str, *, now_ns: int, name: str) -> int:
+    """An ISO-8601 time (naive = UTC), ``now``, or a duration ago (``15m``, ``2h``) -> wall ns.
+
+    Raises:
+        QueryError: none of those (``name`` says which parameter).
+    """
+    t = text.strip()
+    if t.lower() == "now":
+        return now_ns
+    try:
+        return now_ns - int(parse_duration(t).total_seconds() * 1e9)
+    except QueryError:
+        pass
+    try:
+        return to_ns(datetime.fromisoformat(t.replace("Z", "+00:00")))
+    except ValueError:
+        raise QueryError(
+            f"bad {name} {text!r}: use an ISO-8601 time (2024-05-01T12:00:00Z), now, or a duration "
+            f"ago such as 15m, 2h or 1d"
+        ) from None
+
+
 def to_ns(t: datetime | int) -> int:
     """Wall-clock ns of a datetime (naive means UTC) or an int already in ns."""
     if isinstance(t, int):

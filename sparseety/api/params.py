@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 
-from sparseety.sinks.clickhouse.queries import DIMENSIONS, MODES, QueryError, Scope, parse_duration, to_ns
-
-
-def parse_time(text: str, *, now_ns: int, name: str) -> int:
-    """An ISO-8601 time (naive = UTC), ``now``, or a duration ago (``15m``, ``2h``) -> wall ns.
-
-    Raises:
-        QueryError: none of those.
-    """
-    t = text.strip()
-    if t.lower() == "now":
-        return now_ns
-    try:
-        return now_ns - int(parse_duration(t).total_seconds() * 1e9)
-    except QueryError:
-        pass
-    try:
-        return to_ns(datetime.fromisoformat(t.replace("Z", "+00:00")))
-    except ValueError:
-        raise QueryError(
-            f"bad {name} {text!r}: use an ISO-8601 time (2024-05-01T12:00:00Z), now, or a duration "
-            f"ago such as 15m, 2h or 1d"
-        ) from None
+from sparseety.sinks.clickhouse.queries import (
+    DIMENSIONS,
+    MODES,
+    QueryError,
+    Scope,
+    parse_duration,
+    parse_time,
+)
 
 
 def time_range(
