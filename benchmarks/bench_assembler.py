@@ -144,41 +144,7 @@ def decode_fold(blobs: list[bytes]) -> float:
 
 
 def long_request_state() -> tuple[int, int]:
-    prompt = 131_072
-    hashes = [i.to_bytes(8, "big") for i in range(prompt // BS)]
-    groups = [{"kind": "full_attention", "sliding_window": None, "block_size": BS, "num_layers": 2}]
-    events = [
-        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(block_size=BS, kv_cache_groups=groups)),
-        f.wrap(
-            1,
-            ev.KV_STORED,
-            {
-                "block_hashes": hashes[: len(hashes) // 2],
-                "parent_block_hash": None,
-                "block_size": BS,
-                "num_tokens": prompt // 2,
-                "lora_id": None,
-                "medium": "GPU",
-                "group_kind": "full_attention",
-                "sliding_window": None,
-            },
-        ),
-        f.wrap(
-            2,
-            ev.REQUEST_STARTED,
-            f.request_started("long", [], hashes=hashes, prompt_len=prompt, num_cached_tokens=prompt // 2),
-        ),
-    ]
-    seq, c = 3, prompt // 2
-    while c < prompt:
-        n = min(8192, prompt - c)
-        events.append(
-            f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])]))
-        )
-        seq, c = seq + 1, c + n
-    for i in range(1000):
-        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", 1, prompt + i, [2])])))
-        seq += 1
+    events = f.long_request(1000, prompt=131_072, block_size=BS, hash_bytes=8)
     store = MemoryStore()
     asm = Assembler(WorkerConfig(), store)
     for e in events:

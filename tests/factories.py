@@ -180,6 +180,45 @@ def one_of_each() -> list[dict[str, Any]]:
     return [wrap(i, t, p) for i, (t, p) in enumerate(payloads)]
 
 
+def long_request(
+    decode_steps: int, *, prompt: int = 131_072, block_size: int = 16, hash_bytes: int = 16
+) -> list[dict[str, Any]]:
+    """Events of one long request "long": half its prompt from the prefix cache, the rest in
+    chunked prefill of 8k tokens, then ``decode_steps`` decode steps (not finished; seqs from 0)."""
+    hashes = [i.to_bytes(hash_bytes, "big") for i in range(prompt // block_size)]
+    groups = [{"kind": "full_attention", "sliding_window": None, "block_size": block_size, "num_layers": 2}]
+    stored = {
+        "block_hashes": hashes[: len(hashes) // 2],
+        "parent_block_hash": None,
+        "block_size": block_size,
+        "num_tokens": prompt // 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "group_kind": "full_attention",
+        "sliding_window": None,
+    }
+    events = [
+        wrap(0, ev.ENGINE_STARTED, engine_started(block_size=block_size, kv_cache_groups=groups)),
+        wrap(1, ev.KV_STORED, stored),
+        wrap(
+            2,
+            ev.REQUEST_STARTED,
+            request_started("long", [], hashes=hashes, prompt_len=prompt, num_cached_tokens=prompt // 2),
+        ),
+    ]
+    seq, c = 3, prompt // 2
+    while c < prompt:
+        n = min(8192, prompt - c)
+        events.append(
+            wrap(seq, ev.STEP_BATCH, step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])]))
+        )
+        seq, c = seq + 1, c + n
+    for i in range(decode_steps):
+        events.append(wrap(seq, ev.STEP_BATCH, step_batch(seq, [("long", 1, prompt + i, [2])])))
+        seq += 1
+    return events
+
+
 def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
     """A RequestAccounting record with every field set."""
     rec: dict[str, Any] = {

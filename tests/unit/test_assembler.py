@@ -464,45 +464,9 @@ def test_shuffling_nearby_events_and_duplicating_them_changes_nothing(
 
 def test_state_per_request_is_segments_not_tokens() -> None:
     # A 128k-token prompt, half from the prefix cache, decoded 64 tokens in chunked prefill of 8k.
-    bs, prompt = 16, 131_072
-    hashes = [i.to_bytes(16, "big") for i in range(prompt // bs)]
-    kv = {
-        "parent_block_hash": None,
-        "block_size": bs,
-        "num_tokens": prompt // 2,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
-    events = [
-        f.wrap(
-            0,
-            ev.ENGINE_STARTED,
-            f.engine_started(
-                block_size=bs,
-                kv_cache_groups=[
-                    {"kind": "full_attention", "sliding_window": None, "block_size": bs, "num_layers": 2}
-                ],
-            ),
-        ),
-        f.wrap(1, ev.KV_STORED, {"block_hashes": hashes[: len(hashes) // 2], **kv}),
-        f.wrap(
-            2,
-            ev.REQUEST_STARTED,
-            f.request_started("long", [], hashes=hashes, prompt_len=prompt, num_cached_tokens=prompt // 2),
-        ),
-    ]
-    seq, c = 3, prompt // 2
-    while c < prompt:
-        n = min(8192, prompt - c)
-        events.append(
-            f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", n, c, [1] if c + n == prompt else [])]))
-        )
-        seq, c = seq + 1, c + n
-    for i in range(63):
-        events.append(f.wrap(seq, ev.STEP_BATCH, f.step_batch(seq, [("long", 1, prompt + i, [2])])))
-        seq += 1
+    prompt = 131_072
+    events = f.long_request(63, prompt=prompt)
+    seq = events[-1]["seq"] + 1
     store = MemoryStore()
     asm = Assembler(CFG, store)
     for e in events:
