@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparseety.config import Config, load_config
+from sparseety.config import Config
 
 TESTS = Path(__file__).parent
 
@@ -30,15 +30,10 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def broker(session_dir: Path) -> Iterator[Config]:
     """A real Tansu broker for the whole session; yields a config pointing at it."""
-    from sparseety.broker import EmbeddedBroker, free_port
+    from tests.helpers import running_broker
 
-    cfg = load_config(data_dir=str(session_dir / "broker"), broker={"port": free_port()})
-    b = EmbeddedBroker(cfg)
-    b.start(create_topics=False)
-    try:
+    with running_broker(session_dir / "broker") as b:
         yield b.client_config()
-    finally:
-        b.stop()
 
 
 @pytest.fixture

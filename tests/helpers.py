@@ -144,3 +144,17 @@ def throwaway_store(cfg: Config) -> Iterator[Any]:
     finally:
         store.command(f"DROP DATABASE IF EXISTS {store.database}")
         store.close()
+
+
+@contextlib.contextmanager
+def running_broker(data_dir: Path) -> Iterator[Any]:
+    """A Tansu broker of its own on a free port (no topics), stopped afterwards: for tests that
+    stop or restart the broker, which the session's shared one must never be."""
+    from sparseety.broker import EmbeddedBroker, free_port
+
+    broker = EmbeddedBroker(load_config(data_dir=str(data_dir), broker={"port": free_port()}))
+    broker.start(create_topics=False)
+    try:
+        yield broker
+    finally:
+        broker.stop()

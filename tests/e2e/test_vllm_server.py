@@ -22,10 +22,11 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.broker import EmbeddedBroker, free_port
-from sparseety.config import Config, load_config
+from sparseety.config import Config
 from sparseety.kafka import ensure_topics
 from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, tiny_model
 from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
+from tests.helpers import running_broker
 from tests.recorded import reconstruct, seq_gaps
 
 SYSTEMS = [
@@ -40,13 +41,8 @@ QUESTION = "Question {i}: " + "please explain the report in detail, " * 1
 
 @pytest.fixture(scope="module")
 def server_broker(session_dir: Path) -> Iterator[EmbeddedBroker]:
-    cfg = load_config(data_dir=str(session_dir / "server-broker"), broker={"port": free_port()})
-    broker = EmbeddedBroker(cfg)
-    broker.start(create_topics=False)
-    try:
+    with running_broker(session_dir / "server-broker") as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 @pytest.fixture(scope="module")

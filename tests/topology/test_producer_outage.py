@@ -12,23 +12,18 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
-from sparseety.broker import EmbeddedBroker, free_port
-from sparseety.config import Config, load_config
+from sparseety.broker import EmbeddedBroker
+from sparseety.config import Config
 from sparseety.errors import SparseetyError
 from sparseety.kafka import ensure_topics
 from sparseety.producers.emitter import Emitter
-from tests.helpers import read_topic
+from tests.helpers import read_topic, running_broker
 
 
 @pytest.fixture
 def own_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    cfg = load_config(data_dir=str(tmp_path / "broker"), broker={"port": free_port()})
-    broker = EmbeddedBroker(cfg)
-    broker.start(create_topics=False)
-    try:
+    with running_broker(tmp_path / "broker") as broker:
         yield broker
-    finally:
-        broker.stop()
 
 
 def _finished(i: int) -> tuple[str, dict[str, Any]]:
