@@ -176,15 +176,8 @@ class ProxyProducer:
         )
         if exchange.prepare_stream_usage():
             body = json.dumps(exchange.body).encode()
-        upstream_req = self.client.build_request(
-            request.method,
-            path,
-            params=request.query_params,
-            headers=_forward_headers(request.headers, identity=True),
-            content=body,
-        )
         try:
-            resp = await self.client.send(upstream_req, stream=True)
+            resp = await self._send(request, body, identity=True)
         except httpx.HTTPError as exc:
             exchange.status = 502
             self.record(exchange, "error")
@@ -221,17 +214,21 @@ class ProxyProducer:
             await resp.aclose()
             self.record(exchange, None if finished else "abort")
 
-    async def _plain(self, request: Request, body: bytes) -> Response:
+    async def _send(self, request: Request, body: bytes, *, identity: bool) -> httpx.Response:
+        """Forward ``request`` upstream; the response streams (raises httpx.HTTPError)."""
         assert self.client is not None
         upstream_req = self.client.build_request(
             request.method,
             request.url.path,
             params=request.query_params,
-            headers=_forward_headers(request.headers, identity=False),
+            headers=_forward_headers(request.headers, identity=identity),
             content=body,
         )
+        return await self.client.send(upstream_req, stream=True)
+
+    async def _plain(self, request: Request, body: bytes) -> Response:
         try:
-            resp = await self.client.send(upstream_req, stream=True)
+            resp = await self._send(request, body, identity=False)
         except httpx.HTTPError as exc:
             return Response(f"upstream unreachable: {exc}", status_code=502)
 
