@@ -5,13 +5,33 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sparseety.api.encode import jsonable
-
 FORMATS = ("table", "json", "csv")
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON-ready copy of a query result, as the CLI (json, csv) and the HTTP API send it:
+    Decimals as decimal text, times as ISO-8601 UTC, bytes as hex, NaN as null."""
+    if isinstance(value, Decimal):
+        return format(value, "f")
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
 
 
 def _cell(value: Any) -> str:

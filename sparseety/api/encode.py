@@ -7,31 +7,15 @@ datetimes, so a remote caller gets what :class:`~sparseety.sinks.clickhouse.quer
 
 from __future__ import annotations
 
-import math
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from sparseety.sinks.output import jsonable
+
+__all__ = ["decode_rows", "decode_value", "jsonable"]
+
 _TIME_KEYS = ("bucket", "finished_at", "window_start")
-
-
-def jsonable(value: Any) -> Any:
-    """A JSON-ready copy of a query result."""
-    if isinstance(value, Decimal):
-        return format(value, "f")
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def decode_value(key: str, value: Any) -> Any:
