@@ -266,7 +266,8 @@ def db_status(c: CliContext, fmt: str) -> None:
 
 
 def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Any:
-    from sparseety.sinks.clickhouse.queries import QueryError, Scope, parse_time
+    from sparseety.sinks.clickhouse.queries import QueryError, Scope
+    from sparseety.times import parse_time
 
     now = time.time_ns()
 

@@ -32,9 +32,9 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
 from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
-from sparseety.sinks.clickhouse.queries import QueryError, parse_time
 from sparseety.sinks.consumer import dead_letter_record
 from sparseety.sinks.processors import Processor
+from sparseety.times import QueryError, parse_time
 
 Progress = Callable[[int, int], None]
 

@@ -146,5 +146,9 @@ class SinkWriteError(StoreError):
         self.failed = failed
 
 
+class QueryError(SparseetyError):
+    """A query was asked with arguments it cannot answer (unknown mode, dimension, bucket, time)."""
+
+
 class ReplayError(SparseetyError):
     """A replay range cannot be resolved, or the replay cannot run."""

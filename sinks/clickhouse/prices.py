@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparseety.errors import ConfigError
-from sparseety.sinks.clickhouse.queries import to_ns
+from sparseety.times import to_ns
 
 if TYPE_CHECKING:
     from sparseety.sinks.clickhouse.client import Store

@@ -13,13 +13,14 @@ method, so an HTTP front (the API, later) can serve the same answers.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Protocol
 
-from sparseety.errors import SparseetyError
+from sparseety.errors import QueryError
+from sparseety.times import parse_duration, to_ns
 
 PICO = Decimal(10**12)
 MODES = ("actual", "amortized", "list", "gpu")
@@ -31,12 +32,6 @@ DIMENSIONS: dict[str, str] = {
     "engine": "engine_name",
     "lora": "ifNull(lora_name, '')",
 }
-_DURATION = re.compile(r"^(\d+)\s*([smhdw])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-class QueryError(SparseetyError):
-    """A query was asked with arguments it cannot answer (unknown mode, dimension, bucket)."""
 
 
 class Queryable(Protocol):
@@ -45,49 +40,6 @@ class Queryable(Protocol):
     database: str
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[dict[str, Any]]: ...
-
-
-def parse_duration(text: str) -> timedelta:
-    """``90s``, ``15m``, ``1h``, ``2d``, ``1w`` -> timedelta.
-
-    Raises:
-        QueryError: anything else.
-    """
-    m = _DURATION.match(text.strip())
-    if m is None:
-        raise QueryError(f"bad duration {text!r}: use a number and s, m, h, d or w (e.g. 15m, 1h)")
-    return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
-
-
-def parse_time(text: str, *, now_ns: int, name: str) -> int:
-    """An ISO-8601 time (naive = UTC), ``now``, or a duration ago (``15m``, ``2h``) -> wall ns.
-
-    Raises:
-        QueryError: none of those (``name`` says which parameter).
-    """
-    t = text.strip()
-    if t.lower() == "now":
-        return now_ns
-    try:
-        return now_ns - int(parse_duration(t).total_seconds() * 1e9)
-    except QueryError:
-        pass
-    try:
-        return to_ns(datetime.fromisoformat(t.replace("Z", "+00:00")))
-    except ValueError:
-        raise QueryError(
-            f"bad {name} {text!r}: use an ISO-8601 time (2024-05-01T12:00:00Z), now, or a duration "
-            f"ago such as 15m, 2h or 1d"
-        ) from None
-
-
-def to_ns(t: datetime | int) -> int:
-    """Wall-clock ns of a datetime (naive means UTC) or an int already in ns."""
-    if isinstance(t, int):
-        return t
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=UTC)
-    return (t - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
 
 
 @dataclass(frozen=True)
@@ -533,8 +485,3 @@ class Queries:
         if not rows:
             return None
         return {k: int(rows[0][k]) for k in TOKEN_STATISTICS}
-
-
-def group_key(row: Mapping[str, Any], by: Sequence[str]) -> tuple[Any, ...]:
-    """The group key of a result row (handy for tests and callers that index results)."""
-    return tuple(row[d] for d in by)

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sparseety.sinks.clickhouse.queries import (
-    DIMENSIONS,
-    MODES,
-    QueryError,
-    Scope,
-    parse_duration,
-    parse_time,
-)
+from sparseety.sinks.clickhouse.queries import DIMENSIONS, MODES, QueryError, Scope
+from sparseety.times import parse_duration, parse_time
 
 
 def time_range(

@@ -30,7 +30,7 @@ from sparseety import events as ev
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope, group_key
+from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store
@@ -230,7 +230,7 @@ def q(store: Store) -> Queries:
 
 
 def by_key(rows: list[dict[str, Any]], *dims: str) -> dict[Any, dict[str, Any]]:
-    return {group_key(r, dims)[0] if len(dims) == 1 else group_key(r, dims): r for r in rows}
+    return {r[dims[0]] if len(dims) == 1 else tuple(r[d] for d in dims): r for r in rows}
 
 
 # Per-request costs by hand (USD):
