@@ -13,11 +13,11 @@ method, so an HTTP front (the API, later) can serve the same answers.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
 from sparseety.times import parse_duration, to_ns
@@ -365,68 +365,25 @@ class Queries:
         self.store = store
         self.db = store.database
 
+    if TYPE_CHECKING:
+        # the registry's queries are attached below (one method per :data:`QUERIES` entry)
+        def __getattr__(self, name: str) -> Callable[..., list[dict[str, Any]]]: ...
+
     def _run(self, built: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
         sql, params = built
         return _finish(self.store.query(sql, params))
 
-    def cost(
+    def ask(
         self,
+        spec: QuerySpec,
         *,
-        mode: str = "actual",
-        by: Sequence[str] = ("tenant",),
+        by: Sequence[str] | None = None,
         bucket: str | None = None,
         scope: Scope = Scope(),
+        **arguments: Any,
     ) -> list[dict[str, Any]]:
-        """Cost per group (``by`` dimensions, optional time ``bucket`` such as ``1h``).
-
-        Rows: the group keys, ``requests``, the token counts the mode charges (input, cached,
-        output; ``gpu_time_ns`` for ``gpu``), ``cost_usd`` and ``unpriced_requests`` (requests whose
-        model has no price at their finish time; they cost 0 here). ``amortized`` adds
-        ``shared_delta_usd``: what sharing moved onto (+) or off (-) the group.
-        """
-        return self._run(cost_sql(self.db, mode=mode, by=by, bucket=bucket, scope=scope))
-
-    def savings(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
-    ) -> list[dict[str, Any]]:
-        """Prefix-cache savings per group: hit rate and ``saved_usd`` = reads x (input - cached price)."""
-        return self._run(savings_sql(self.db, by=by, bucket=bucket, scope=scope))
-
-    def waste(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
-    ) -> list[dict[str, Any]]:
-        """Recomputed + rejected-draft tokens per group, their share of compute and their cost."""
-        return self._run(waste_sql(self.db, by=by, bucket=bucket, scope=scope))
-
-    def spec_efficiency(
-        self, *, by: Sequence[str] = ("model",), bucket: str | None = None, scope: Scope = Scope()
-    ) -> list[dict[str, Any]]:
-        """Speculative-decoding acceptance and the compute rejected drafts cost."""
-        return self._run(spec_sql(self.db, by=by, bucket=bucket, scope=scope))
-
-    def gpu_time(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
-    ) -> list[dict[str, Any]]:
-        """GPU time attributed per group, its share of the scope's total and its GPU-hour cost."""
-        return self._run(gpu_time_sql(self.db, by=by, bucket=bucket, scope=scope))
-
-    def expert_load(self, *, model: str | None = None, scope: Scope = Scope()) -> list[dict[str, Any]]:
-        """Tokens per (model, layer, expert) and each expert's share of its layer."""
-        return self._run(expert_load_sql(self.db, model=model, scope=scope))
-
-    def duplication(self, *, by: Sequence[str] = ("model",), scope: Scope = Scope()) -> list[dict[str, Any]]:
-        """Blocks computed on several engines (fleet prefix duplication), per model."""
-        return self._run(duplication_sql(self.db, by=by, scope=scope))
-
-    def duplicated_blocks(self, *, scope: Scope = Scope(), limit: int = 20) -> list[dict[str, Any]]:
-        """The most duplicated blocks: hash, engines that computed it, computations."""
-        return self._run(duplicated_blocks_sql(self.db, scope=scope, limit=limit))
-
-    def usage(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = Scope()
-    ) -> list[dict[str, Any]]:
-        """Windowed usage (from the usage topic), by window start."""
-        return self._run(usage_sql(self.db, by=by, bucket=bucket, scope=scope))
+        """Run one registry query (``by`` defaults to its default grouping)."""
+        return self._run(spec.build(self.db, by=by, bucket=bucket, scope=scope, **arguments))
 
     def request(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, Any] | None:
         """One request: every count, its cost in each mode and its segment timeline.
@@ -485,3 +442,209 @@ class Queries:
         if not rows:
             return None
         return {k: int(rows[0][k]) for k in TOKEN_STATISTICS}
+
+
+# --- the registry -------------------------------------------------------------------------------
+#
+# One declaration per query. The query library's methods (below), the API's routes
+# (sparseety/api/app.py), the remote client (sparseety/api/client.py) and `sparseety query ...`
+# (sparseety/api/cli.py) are all derived from it: adding a query is one entry plus its SQL builder.
+
+
+@dataclass(frozen=True)
+class Param:
+    """One argument of a query beyond grouping and scope.
+
+    Attributes:
+        name: The library's keyword (and the SQL builder's).
+        type: ``str`` or ``int``.
+        default: The library's default (None = not given).
+        doc: One line, for the CLI's help and the OpenAPI docs.
+        http: Its query-string name (default ``name``); the CLI option is ``--<http>``.
+        choices: The values allowed (checked before any query runs), and ``what`` names them.
+        ge, le: Bounds of an int.
+    """
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    http: str = ""
+    choices: tuple[str, ...] = ()
+    what: str = ""
+    ge: int | None = None
+    le: int | None = None
+
+    @property
+    def wire(self) -> str:
+        return self.http or self.name
+
+    def check(self, value: Any) -> Any:
+        """The value, or a QueryError when it is not one of :attr:`choices`."""
+        if self.choices and value not in self.choices:
+            raise QueryError(
+                f"unknown {self.what or self.name} {value!r}: choose from {', '.join(self.choices)}"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """One query: its name, SQL, grouping, parameters and doc.
+
+    Attributes:
+        name: The library's method name.
+        sql: The pure SQL builder ``(db, *, [by], [bucket], scope, **params) -> (sql, params)``.
+        doc: What it answers (CLI help, OpenAPI description, method docstring).
+        route: ``/api/v1/<route>`` and ``sparseety query <route>``.
+        group_by: The default grouping; None when the query takes no ``by``.
+        dims: The dimensions it may be grouped by.
+        bucket: Whether it takes a time bucket (``1h``).
+        params: Its other arguments.
+        selected_by: For a query served on another query's route: the param that, when non-zero
+            there, runs this one instead (its route default is 0).
+    """
+
+    name: str
+    sql: Callable[..., tuple[str, dict[str, Any]]]
+    doc: str
+    route: str
+    group_by: str | None = None
+    dims: tuple[str, ...] = tuple(DIMENSIONS)
+    bucket: bool = False
+    params: tuple[Param, ...] = ()
+    selected_by: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What answers name the query (``query`` in the API's body, the metrics' label)."""
+        return self.name if self.selected_by else self.route
+
+    def build(
+        self, db: str, *, by: Sequence[str] | None, bucket: str | None, scope: Scope, **arguments: Any
+    ) -> tuple[str, dict[str, Any]]:
+        kwargs: dict[str, Any] = {p.name: arguments.get(p.name, p.default) for p in self.params}
+        unknown = set(arguments) - set(kwargs)
+        if unknown:
+            raise TypeError(f"{self.name}() got unexpected arguments {sorted(unknown)}")
+        if self.group_by is not None:
+            kwargs["by"] = (self.group_by,) if by is None else tuple(by)
+        if self.bucket:
+            kwargs["bucket"] = bucket
+        return self.sql(db, scope=scope, **kwargs)
+
+
+QUERIES: tuple[QuerySpec, ...] = (
+    QuerySpec(
+        "cost",
+        cost_sql,
+        "Cost per group in one attribution mode; money is exact decimal USD text.\n\n"
+        "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
+        "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
+        "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
+        "onto (+) or off (-) the group.",
+        route="cost",
+        group_by="tenant",
+        bucket=True,
+        params=(
+            Param(
+                "mode",
+                str,
+                "actual",
+                "actual, amortized, list or gpu (docs/cost-model.md).",
+                choices=MODES,
+                what="attribution mode",
+            ),
+        ),
+    ),
+    QuerySpec(
+        "savings",
+        savings_sql,
+        "Prefix-cache savings: hit rate and money saved, per group.",
+        route="savings",
+        group_by="tenant",
+        bucket=True,
+    ),
+    QuerySpec(
+        "waste",
+        waste_sql,
+        "Recomputed and rejected-draft tokens, their share and cost.",
+        route="waste",
+        group_by="tenant",
+        bucket=True,
+    ),
+    QuerySpec(
+        "spec_efficiency",
+        spec_sql,
+        "Speculative decoding: acceptance and rejected compute.",
+        route="spec",
+        group_by="model",
+        bucket=True,
+    ),
+    QuerySpec(
+        "gpu_time",
+        gpu_time_sql,
+        "GPU time attributed per group, its share and cost.",
+        route="gpu",
+        group_by="tenant",
+        bucket=True,
+    ),
+    QuerySpec(
+        "usage",
+        usage_sql,
+        "Windowed usage (usage topic), by window start.",
+        route="usage",
+        group_by="tenant",
+        bucket=True,
+    ),
+    QuerySpec(
+        "expert_load",
+        expert_load_sql,
+        "Tokens routed to each (layer, expert) and each expert's share of its layer.",
+        route="experts",
+        params=(Param("model", str, None, "Only this model."),),
+    ),
+    QuerySpec(
+        "duplication",
+        duplication_sql,
+        "Fleet prefix duplication: blocks computed on more than one engine.",
+        route="duplication",
+        group_by="model",
+        dims=("model",),
+    ),
+    QuerySpec(
+        "duplicated_blocks",
+        duplicated_blocks_sql,
+        "The most duplicated blocks: hash, engines that computed it, computations.",
+        route="duplication",
+        params=(
+            Param(
+                "limit", int, 20, "List the N most duplicated blocks instead.", http="top", ge=0, le=10_000
+            ),
+        ),
+        selected_by="limit",
+    ),
+)
+#: The registry by method name.
+BY_NAME: dict[str, QuerySpec] = {q.name: q for q in QUERIES}
+
+
+def routes() -> dict[str, list[QuerySpec]]:
+    """Route -> the queries it serves (the plain one first, then those a param selects)."""
+    out: dict[str, list[QuerySpec]] = {}
+    for q in sorted(QUERIES, key=lambda q: q.selected_by is not None):
+        out.setdefault(q.route, []).append(q)
+    return out
+
+
+def _library_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
+    def method(self: Queries, **kwargs: Any) -> list[dict[str, Any]]:
+        return self.ask(spec, **kwargs)
+
+    method.__name__ = method.__qualname__ = spec.name
+    method.__doc__ = spec.doc
+    return method
+
+
+for _spec in QUERIES:
+    setattr(Queries, _spec.name, _library_method(_spec))

@@ -11,6 +11,7 @@ Errors are JSON ``{"error": <code>, "message": <text>}``: 400 ``bad_parameter``,
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Annotated, Any
@@ -33,7 +34,7 @@ from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import ORDERS, timeline_counts
 from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
 from sparseety.producers.logs.errors import TraceError
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
 
 log = logging.getLogger("sparseety.api")
 
@@ -119,24 +120,65 @@ def _rows(query: str, scope: Scope, rows: list[dict[str, Any]], **extra: Any) ->
     return JSONResponse(jsonable(body))
 
 
-def _grouped(name: str, method: str, default_by: str, doc: str) -> Any:
-    async def handler(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        group_by: GroupBy = [],  # noqa: B006
-        bucket: Bucket = None,
-    ) -> JSONResponse:
-        scope = s.scope(who, back.clock())
-        by = params.group_by(group_by, default_by)
-        rows = await back.query(
-            name, getattr(back.queries, method), by=by, bucket=params.bucket(bucket), scope=scope
-        )
-        return _rows(name, scope, rows, group_by=list(by), bucket=bucket)
+def _kw(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
 
-    handler.__doc__ = doc
-    handler.__name__ = f"get_{name}"
+
+def _registry_route(specs: list[QuerySpec]) -> Any:
+    """The handler of one registry route: scope, grouping and params from the query string.
+
+    ``specs[0]`` is the route's plain query; a later one runs instead when its ``selected_by``
+    param is non-zero (``/duplication?top=N``).
+    """
+    plain, variants = specs[0], specs[1:]
+    params_of = [p for s in specs for p in s.params]
+    switches = {s.selected_by: s for s in variants if s.selected_by}
+
+    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> JSONResponse:
+        scope = s.scope(who, back.clock())
+        for name, spec in switches.items():
+            (switch,) = (p for p in spec.params if p.name == name)
+            if given[switch.wire]:
+                return await _answer(back, spec, scope, given)
+        return await _answer(back, plain, scope, given)
+
+    # FastAPI reads a handler's parameters from its signature: declare the registry's there
+    signature = [_kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
+    if plain.group_by is not None:
+        signature.append(_kw("group_by", GroupBy, []))
+    for p in params_of:
+        default = 0 if p.name in switches else p.default
+        kind = p.type if default is not None else p.type | None
+        signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], default))
+    if plain.bucket:
+        signature.append(_kw("bucket", Bucket, None))
+    handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
+    handler.__doc__ = plain.doc.split("\n\n")[0]
+    handler.__name__ = plain.route
     return handler
+
+
+async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str, Any]) -> JSONResponse:
+    """Run one registry query with the route's parameters; the body echoes what it used."""
+    arguments = {p.name: p.check(given[p.wire]) for p in spec.params}
+    extra: dict[str, Any] = {p.wire: arguments[p.name] for p in spec.params}
+    by = bucket = None
+    if spec.group_by is not None:
+        by = params.group_by(given["group_by"], spec.group_by)
+        extra["group_by"] = list(by)
+    if spec.bucket:
+        bucket = given["bucket"]
+        extra["bucket"] = bucket
+    rows = await back.query(
+        spec.label,
+        back.queries.ask,
+        spec,
+        by=by,
+        bucket=params.bucket(bucket),
+        scope=scope,
+        **arguments,
+    )
+    return _rows(spec.label, scope, rows, **extra)
 
 
 async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
@@ -204,64 +246,8 @@ def _router() -> APIRouter:
         """One request: every count, its cost in each mode and its segment timeline."""
         return JSONResponse(jsonable(await _request(back, request_id, s.scope(who, back.clock()))))
 
-    @api.get("/cost", tags=["cost"])
-    async def cost(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        group_by: GroupBy = [],  # noqa: B006
-        mode: Annotated[
-            str, Query(description="actual, amortized, list or gpu (docs/cost-model.md).")
-        ] = "actual",
-        bucket: Bucket = None,
-    ) -> JSONResponse:
-        """Cost per group in one attribution mode; money is exact decimal USD text."""
-        scope = s.scope(who, back.clock())
-        by = params.group_by(group_by, "tenant")
-        m = params.mode(mode)
-        rows = await back.query(
-            "cost", back.queries.cost, mode=m, by=by, bucket=params.bucket(bucket), scope=scope
-        )
-        return _rows("cost", scope, rows, mode=m, group_by=list(by), bucket=bucket)
-
-    for name, method, default_by, doc in (
-        ("savings", "savings", "tenant", "Prefix-cache savings: hit rate and money saved, per group."),
-        ("waste", "waste", "tenant", "Recomputed and rejected-draft tokens, their share and cost."),
-        ("spec", "spec_efficiency", "model", "Speculative decoding: acceptance and rejected compute."),
-        ("gpu", "gpu_time", "tenant", "GPU time attributed per group, its share and cost."),
-        ("usage", "usage", "tenant", "Windowed usage (usage topic), by window start."),
-    ):
-        api.add_api_route(f"/{name}", _grouped(name, method, default_by, doc), methods=["GET"], tags=["cost"])
-
-    @api.get("/experts", tags=["cost"])
-    async def experts(
-        who: Caller, back: Back, s: Scoped, model: Annotated[str | None, Query()] = None
-    ) -> JSONResponse:
-        """Tokens routed to each (layer, expert) and each expert's share of its layer."""
-        scope = s.scope(who, back.clock())
-        rows = await back.query("expert_load", back.queries.expert_load, model=model, scope=scope)
-        return _rows("experts", scope, rows, model=model)
-
-    @api.get("/duplication", tags=["cost"])
-    async def duplication(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        group_by: GroupBy = [],  # noqa: B006
-        top: Annotated[
-            int, Query(ge=0, le=10_000, description="List the N most duplicated blocks instead.")
-        ] = 0,
-    ) -> JSONResponse:
-        """Fleet prefix duplication: blocks computed on more than one engine."""
-        scope = s.scope(who, back.clock())
-        if top:
-            rows = await back.query(
-                "duplicated_blocks", back.queries.duplicated_blocks, scope=scope, limit=top
-            )
-            return _rows("duplicated_blocks", scope, rows, top=top)
-        by = params.group_by(group_by, "model")
-        rows = await back.query("duplication", back.queries.duplication, by=by, scope=scope)
-        return _rows("duplication", scope, rows, group_by=list(by))
+    for route, specs in routes().items():
+        api.add_api_route(f"/{route}", _registry_route(specs), methods=["GET"], tags=["cost"])
 
     @api.get("/health", tags=["operations"])
     async def health(who: Caller, back: Back, s: Scoped) -> JSONResponse:

@@ -11,9 +11,9 @@ process that owns it — found in ``<data_dir>/api/endpoint.json`` and reached w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -25,7 +25,7 @@ from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
+from sparseety.sinks.clickhouse.queries import QUERIES, QueryError, QuerySpec, Scope
 
 
 class RemoteApiError(SparseetyError):
@@ -140,73 +140,34 @@ class RemoteQueries:
         body = self._get(path, {**params, **_scope_params(scope)})
         return decode_rows(body["rows"])
 
-    def _grouped(
-        self, path: str, by: Sequence[str], bucket: str | None, scope: Scope
-    ) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"group_by": ",".join(by)}
-        if bucket is not None:
-            params["bucket"] = bucket
-        return self._rows(path, params, scope)
+    # --- the query library's methods (derived from the registry; request lookups below) --------
 
-    # --- the query library's methods ----------------------------------------------------------
+    if TYPE_CHECKING:
 
-    def cost(
+        def __getattr__(self, name: str) -> Callable[..., list[dict[str, Any]]]: ...
+
+    def ask(
         self,
+        spec: QuerySpec,
         *,
-        mode: str = "actual",
-        by: Sequence[str] = ("tenant",),
+        by: Sequence[str] | None = None,
         bucket: str | None = None,
         scope: Scope = EVERYTHING,
+        **arguments: Any,
     ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.cost`."""
-        params: dict[str, Any] = {"mode": mode, "group_by": ",".join(by)}
-        if bucket is not None:
+        """Like :meth:`Queries.ask`: one registry query, through its route."""
+        params: dict[str, Any] = {}
+        for p in spec.params:
+            value = arguments.pop(p.name, p.default)
+            if value is not None:
+                params[p.wire] = value
+        if arguments:
+            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        if spec.group_by is not None:
+            params["group_by"] = ",".join((spec.group_by,) if by is None else by)
+        if spec.bucket and bucket is not None:
             params["bucket"] = bucket
-        return self._rows("/api/v1/cost", params, scope)
-
-    def savings(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.savings`."""
-        return self._grouped("/api/v1/savings", by, bucket, scope)
-
-    def waste(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.waste`."""
-        return self._grouped("/api/v1/waste", by, bucket, scope)
-
-    def spec_efficiency(
-        self, *, by: Sequence[str] = ("model",), bucket: str | None = None, scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.spec_efficiency`."""
-        return self._grouped("/api/v1/spec", by, bucket, scope)
-
-    def gpu_time(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.gpu_time`."""
-        return self._grouped("/api/v1/gpu", by, bucket, scope)
-
-    def usage(
-        self, *, by: Sequence[str] = ("tenant",), bucket: str | None = None, scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.usage`."""
-        return self._grouped("/api/v1/usage", by, bucket, scope)
-
-    def expert_load(self, *, model: str | None = None, scope: Scope = EVERYTHING) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.expert_load`."""
-        return self._rows("/api/v1/experts", {"model": model} if model else {}, scope)
-
-    def duplication(
-        self, *, by: Sequence[str] = ("model",), scope: Scope = EVERYTHING
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.duplication`."""
-        return self._rows("/api/v1/duplication", {"group_by": ",".join(by)}, scope)
-
-    def duplicated_blocks(self, *, scope: Scope = EVERYTHING, limit: int = 20) -> list[dict[str, Any]]:
-        """Like :meth:`Queries.duplicated_blocks`."""
-        return self._rows("/api/v1/duplication", {"top": limit}, scope)
+        return self._rows(f"/api/v1/{spec.route}", params, scope)
 
     def request(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, Any] | None:
         """Like :meth:`Queries.request` (None when unknown or not visible)."""
@@ -260,6 +221,19 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+
+def _remote_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
+    def method(self: RemoteQueries, **kwargs: Any) -> list[dict[str, Any]]:
+        return self.ask(spec, **kwargs)
+
+    method.__name__ = method.__qualname__ = spec.name
+    method.__doc__ = f"Like :meth:`Queries.{spec.name}`."
+    return method
+
+
+for _spec in QUERIES:
+    setattr(RemoteQueries, _spec.name, _remote_method(_spec))
 
 
 def _owner_text(exc: StoreLockedError) -> str:

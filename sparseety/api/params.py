@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sparseety.sinks.clickhouse.queries import DIMENSIONS, MODES, QueryError, Scope
+from sparseety.sinks.clickhouse.queries import DIMENSIONS, QueryError, Scope
 from sparseety.times import parse_duration, parse_time
 
 
@@ -57,17 +57,6 @@ def group_by(values: Sequence[str], default: str) -> tuple[str, ...]:
         if d not in DIMENSIONS:
             raise QueryError(f"cannot group by {d!r}: choose from {', '.join(DIMENSIONS)}")
     return dims
-
-
-def mode(value: str) -> str:
-    """An attribution mode.
-
-    Raises:
-        QueryError: not one of :data:`MODES`.
-    """
-    if value not in MODES:
-        raise QueryError(f"unknown attribution mode {value!r}: choose from {', '.join(MODES)}")
-    return value
 
 
 def bucket(value: str | None) -> str | None:
