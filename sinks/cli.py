@@ -1,4 +1,5 @@
-"""Sink commands: ``sink``, ``replay``, ``db``, ``query`` and ``prices``.
+"""Sink commands: ``sink``, ``replay``, ``db`` and ``prices`` (``query`` is the API's: it may go
+through the store process's HTTP API, ``sparseety/api/cli.py``).
 
 Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports (Faust, clickhouse-connect,
 aiokafka) happen inside the commands.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -36,7 +37,8 @@ def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
         store.close()
 
 
-def _echo(rows: Any, fmt: str) -> None:
+def echo_rows(rows: Any, fmt: str) -> None:
+    """Rows (or one object) in the chosen format."""
     from sparseety.sinks.output import render, render_object
 
     if isinstance(rows, dict) and fmt == "json":
@@ -257,196 +259,9 @@ def db_status(c: CliContext, fmt: str) -> None:
         }
         for s in states
     ]
-    _echo(rows, fmt)
+    echo_rows(rows, fmt)
     if not all(s.applied and s.checksum_ok for s in states):
         raise SystemExit(1)
-
-
-# --- query -------------------------------------------------------------------------------------
-
-
-def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Any:
-    from sparseety.sinks.clickhouse.queries import QueryError, Scope
-    from sparseety.times import parse_time
-
-    now = time.time_ns()
-
-    def bound(text: str | None) -> int | None:
-        if text is None:
-            return None
-        try:
-            return parse_time(text, now_ns=now, name="time")
-        except QueryError:
-            raise click.BadParameter(
-                f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)"
-            ) from None
-
-    return Scope(bound(since), bound(until), tuple(tenants) or None)
-
-
-def scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Options every query shares: time range, tenants, output format."""
-    for opt in reversed(
-        [
-            click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h)."),
-            click.option("--until", help="Finished before: ISO-8601 time or a duration ago."),
-            click.option("--tenant", "tenants", multiple=True, help="Only these tenants (repeatable)."),
-            FORMAT,
-        ]
-    ):
-        fn = opt(fn)
-    return fn
-
-
-def grouped(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = click.option(
-            "--by",
-            multiple=True,
-            type=click.Choice(["tenant", "model", "engine", "lora"]),
-            help=f"Group by (repeatable; default {default}).",
-        )(fn)
-        return click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(fn)
-
-    return deco
-
-
-@contextlib.contextmanager
-def _queries(cfg: Config) -> Iterator[Any]:
-    """The query library over the store, or over the store process's HTTP API when another
-    process (``sparseety store`` / ``sparseety api``) owns the embedded store."""
-    from sparseety.api.client import open_queries
-
-    with open_queries(cfg, "sparseety query") as q:
-        yield q
-
-
-def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
-    with _queries(c.cfg) as q:
-        rows = call(q)
-    _echo(rows, fmt)
-
-
-@click.group("query")
-def query() -> None:
-    """Ask the store: costs, savings, waste, experts, duplication, one request.
-
-    While the store process runs (it owns the embedded store), queries go through its HTTP API.
-    """
-
-
-@query.command("cost")
-@click.option(
-    "--mode", type=click.Choice(["actual", "amortized", "list", "gpu"]), default="actual", show_default=True
-)
-@grouped("tenant")
-@scoped
-@pass_ctx
-def query_cost(
-    c: CliContext,
-    mode: str,
-    by: tuple[str, ...],
-    bucket: str | None,
-    since: str | None,
-    until: str | None,
-    tenants: tuple[str, ...],
-    fmt: str,
-) -> None:
-    """Cost per tenant/model/engine/time bucket in one attribution mode (docs/cost-model.md)."""
-    scope = _scope(since, until, tenants)
-    _run_query(c, fmt, lambda q: q.cost(mode=mode, by=by or ("tenant",), bucket=bucket, scope=scope))
-
-
-def _simple(name: str, method: str, default_by: str, doc: str) -> click.Command:
-    @grouped(default_by)
-    @scoped
-    @pass_ctx
-    def cmd(
-        c: CliContext,
-        by: tuple[str, ...],
-        bucket: str | None,
-        since: str | None,
-        until: str | None,
-        tenants: tuple[str, ...],
-        fmt: str,
-    ) -> None:
-        scope = _scope(since, until, tenants)
-        _run_query(c, fmt, lambda q: getattr(q, method)(by=by or (default_by,), bucket=bucket, scope=scope))
-
-    cmd.__doc__ = doc
-    return query.command(name)(cmd)
-
-
-_simple("savings", "savings", "tenant", "Prefix-cache savings: hit rate and money saved.")
-_simple("waste", "waste", "tenant", "Recomputed and rejected-draft tokens, their share and cost.")
-_simple("spec", "spec_efficiency", "model", "Speculative decoding: acceptance and rejected compute.")
-_simple("gpu", "gpu_time", "tenant", "GPU time attributed per group and its share.")
-_simple("usage", "usage", "tenant", "Windowed usage from the usage topic.")
-
-
-@query.command("experts")
-@click.option("--model", default=None, help="Only this model.")
-@scoped
-@pass_ctx
-def query_experts(
-    c: CliContext, model: str | None, since: str | None, until: str | None, tenants: tuple[str, ...], fmt: str
-) -> None:
-    """Tokens routed to each (layer, expert) and its share of the layer."""
-    scope = _scope(since, until, tenants)
-    _run_query(c, fmt, lambda q: q.expert_load(model=model, scope=scope))
-
-
-@query.command("duplication")
-@click.option("--top", type=int, default=0, help="Also list the N most duplicated blocks.")
-@scoped
-@pass_ctx
-def query_duplication(
-    c: CliContext, top: int, since: str | None, until: str | None, tenants: tuple[str, ...], fmt: str
-) -> None:
-    """Fleet prefix duplication: blocks computed on several engines, per model."""
-    scope = _scope(since, until, tenants)
-    if top:
-        _run_query(c, fmt, lambda q: q.duplicated_blocks(scope=scope, limit=top))
-    else:
-        _run_query(c, fmt, lambda q: q.duplication(scope=scope))
-
-
-@query.command("request")
-@click.argument("request_uid")
-@click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
-@FORMAT
-@pass_ctx
-def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
-    """One request: every count, its cost in each mode and its segment timeline."""
-    from sparseety.sinks.clickhouse.queries import Scope
-
-    with _queries(c.cfg) as q:
-        found = q.request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    if fmt == "json":
-        _echo(found, fmt)
-        return
-    segments = found.pop("segments")
-    cost = found.pop("cost")
-    _echo([{"field": k, "value": v} for k, v in found.items()], fmt)
-    click.echo()
-    _echo([{"mode": k, "usd": v} for k, v in cost.items()], fmt)
-    click.echo()
-    _echo(segments, fmt)
-
-
-@query.command("tokens")
-@click.argument("request_uid")
-@FORMAT
-@pass_ctx
-def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
-    """Token statistics of one request (what the HTTP API serves)."""
-    with _queries(c.cfg) as q:
-        found = q.tokens_statistics(request_uid)
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    _echo(found, fmt)
 
 
 # --- prices ------------------------------------------------------------------------------------
@@ -501,7 +316,7 @@ def prices_list(c: CliContext, model: str | None, fmt: str) -> None:
     from sparseety.sinks.clickhouse.prices import list_prices
 
     with _store(c.cfg, "sparseety prices") as store:
-        _echo(list_prices(store, model), fmt)
+        echo_rows(list_prices(store, model), fmt)
 
 
-COMMANDS = [sink_cmd, replay_cmd, db, query, prices]
+COMMANDS = [sink_cmd, replay_cmd, db, prices]

@@ -1,4 +1,10 @@
-"""API commands: ``store`` (sink + API in one process), ``api`` (API alone), ``dashboard``, ``ingest``.
+"""API commands: ``store`` (sink + API in one process), ``api`` (API alone), ``query``, ``dashboard``,
+``ingest``.
+
+``query`` has one command per entry of the query registry
+(:data:`~sparseety.sinks.clickhouse.queries.QUERIES`, options derived from its grouping and
+params) plus the request lookups; it opens the store here, or goes through the HTTP API of the
+process that owns it.
 
 Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports happen inside the commands.
 ``ingest`` lives with the trace readers (``producers/logs/cli.py``) and is mounted from here.
@@ -6,12 +12,17 @@ Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports happen inside th
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.producers.logs.cli import ingest_cmd
+from sparseety.sinks.cli import FORMAT, echo_rows
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
+from sparseety.times import parse_time
 
 LOGLEVEL = click.option(
     "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
@@ -74,6 +85,148 @@ def api_cmd(c: CliContext, host: str | None, port: int | None, access_log: bool,
     run_api(_listen(c, host, port), loglevel=loglevel, access_log=access_log)
 
 
+# --- query -------------------------------------------------------------------------------------
+
+
+def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Scope:
+    now = time.time_ns()
+
+    def bound(text: str | None) -> int | None:
+        if text is None:
+            return None
+        try:
+            return parse_time(text, now_ns=now, name="time")
+        except QueryError:
+            raise click.BadParameter(
+                f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)"
+            ) from None
+
+    return Scope(bound(since), bound(until), tuple(tenants) or None)
+
+
+def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options every query shares: time range, tenants, output format."""
+    for opt in reversed(
+        [
+            click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h)."),
+            click.option("--until", help="Finished before: ISO-8601 time or a duration ago."),
+            click.option("--tenant", "tenants", multiple=True, help="Only these tenants (repeatable)."),
+            FORMAT,
+        ]
+    ):
+        fn = opt(fn)
+    return fn
+
+
+def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
+    from sparseety.api.client import open_queries
+
+    with open_queries(c.cfg, "sparseety query") as q:
+        rows = call(q)
+    echo_rows(rows, fmt)
+
+
+@click.group("query")
+def query() -> None:
+    """Ask the store: costs, savings, waste, experts, duplication, one request.
+
+    While the store process runs (it owns the embedded store), queries go through its HTTP API.
+    """
+
+
+def _registry_command(specs: list[QuerySpec]) -> click.Command:
+    """``sparseety query <route>``: the route's plain query, or a variant its param selects."""
+    plain, variants = specs[0], specs[1:]
+    switches = {s.selected_by: s for s in variants if s.selected_by}
+
+    @_scoped
+    @pass_ctx
+    def cmd(
+        c: CliContext,
+        since: str | None,
+        until: str | None,
+        tenants: tuple[str, ...],
+        fmt: str,
+        by: tuple[str, ...] = (),
+        bucket: str | None = None,
+        **given: Any,
+    ) -> None:
+        scope = _scope(since, until, tenants)
+        spec = next((s for name, s in switches.items() if given.get(name)), plain)
+        arguments = {p.name: given[p.name] for p in spec.params}
+        if spec is plain and plain.group_by is not None:
+            arguments["by"] = by or (plain.group_by,)
+        if spec is plain and plain.bucket:
+            arguments["bucket"] = bucket
+        _run_query(c, fmt, lambda q: q.ask(spec, scope=scope, **arguments))
+
+    if plain.bucket:
+        cmd = click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(cmd)
+    if plain.group_by is not None:
+        cmd = click.option(
+            "--by",
+            multiple=True,
+            type=click.Choice(plain.dims),
+            help=f"Group by (repeatable; default {plain.group_by}).",
+        )(cmd)
+    for p in reversed([p for s in specs for p in s.params]):
+        default = 0 if p.name in switches else p.default
+        cmd = click.option(
+            f"--{p.wire}",
+            p.name,
+            type=click.Choice(p.choices) if p.choices else p.type,
+            default=default,
+            show_default=default is not None,
+            help=p.doc,
+        )(cmd)
+    cmd.__doc__ = plain.doc.split("\n\n")[0]
+    return query.command(plain.route)(cmd)
+
+
+for _route, _specs in routes().items():
+    _registry_command(_specs)
+
+
+@query.command("request")
+@click.argument("request_uid")
+@click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
+@FORMAT
+@pass_ctx
+def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
+    """One request: every count, its cost in each mode and its segment timeline."""
+    from sparseety.api.client import open_queries
+
+    with open_queries(c.cfg, "sparseety query") as q:
+        found = q.request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
+    if found is None:
+        raise click.ClickException(f"no request {request_uid!r}")
+    if fmt == "json":
+        echo_rows(found, fmt)
+        return
+    segments = found.pop("segments")
+    cost = found.pop("cost")
+    echo_rows([{"field": k, "value": v} for k, v in found.items()], fmt)
+    click.echo()
+    echo_rows([{"mode": k, "usd": v} for k, v in cost.items()], fmt)
+    click.echo()
+    echo_rows(segments, fmt)
+
+
+@query.command("tokens")
+@click.argument("request_uid")
+@FORMAT
+@pass_ctx
+def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
+    """Token statistics of one request (what the HTTP API serves)."""
+    from sparseety.api.client import open_queries
+
+    with open_queries(c.cfg, "sparseety query") as q:
+        found = q.tokens_statistics(request_uid)
+    if found is None:
+        raise click.ClickException(f"no request {request_uid!r}")
+    echo_rows(found, fmt)
+
+
 @click.command("dashboard")
 @click.option("--out", "out", default="dashboard.html", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--request", "request_uids", multiple=True, help="Draw these requests' timelines (repeatable).")
@@ -90,8 +243,6 @@ def dashboard_cmd(
     tenants: tuple[str, ...],
 ) -> None:
     """Write a self-contained HTML dashboard (charts work offline)."""
-    import time
-
     from sparseety.api.client import RemoteQueries, open_queries
     from sparseety.api.dashboard import render_dashboard
     from sparseety.api.params import scope
@@ -103,4 +254,4 @@ def dashboard_cmd(
     click.echo(f"dashboard written to {path}")
 
 
-COMMANDS = [store_cmd, api_cmd, dashboard_cmd, ingest_cmd]
+COMMANDS = [store_cmd, api_cmd, query, dashboard_cmd, ingest_cmd]

@@ -1,0 +1,42 @@
+"""The query registry is the one place a query is declared: every entry is a library method, an
+API route, a `sparseety query` command and a remote-client method, with the same parameters."""
+
+from __future__ import annotations
+
+import inspect
+
+from sparseety.api.app import _router
+from sparseety.api.cli import query
+from sparseety.api.client import RemoteQueries
+from sparseety.sinks.clickhouse.queries import QUERIES, Queries, routes
+
+
+def test_every_registry_entry_is_a_method_a_route_a_command_and_a_remote_method() -> None:
+    api_paths = {getattr(r, "path", "") for r in _router().routes}
+    for spec in QUERIES:
+        assert callable(getattr(Queries, spec.name, None)), spec.name
+        assert callable(getattr(RemoteQueries, spec.name, None)), spec.name
+        assert f"/api/v1/{spec.route}" in api_paths, spec.route
+        command = query.commands.get(spec.route)
+        assert command is not None, spec.route
+        options = {p.name for p in command.params}
+        assert {p.name for p in spec.params} <= options, spec.name
+        if spec.group_by is not None and spec.selected_by is None:
+            assert {"by"} <= options
+        if spec.bucket:
+            assert {"bucket"} <= options
+
+
+def test_routes_serve_their_variants_after_the_plain_query() -> None:
+    for route, specs in routes().items():
+        assert specs[0].selected_by is None, route
+        assert all(s.selected_by in {p.name for p in s.params} for s in specs[1:]), route
+
+
+def test_api_route_parameters_come_from_the_declaration() -> None:
+    handlers = {getattr(r, "path", ""): getattr(r, "endpoint", None) for r in _router().routes}
+    for route, specs in routes().items():
+        names = set(inspect.signature(handlers[f"/api/v1/{route}"]).parameters)
+        assert {p.wire for s in specs for p in s.params} <= names, route
+        assert ("group_by" in names) == (specs[0].group_by is not None), route
+        assert ("bucket" in names) == specs[0].bucket, route
