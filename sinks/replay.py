@@ -33,7 +33,6 @@ from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, Si
 from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.clickhouse.queries import QueryError, parse_time
-from sparseety.sinks.consumer import dead_letter_record
 from sparseety.sinks.processors import Processor
 
 Progress = Callable[[int, int], None]
@@ -313,7 +312,7 @@ class Replay:
             self.report.undecodable.append((r.partition, r.offset, type(exc).__name__))
             if self.topic == self.cfg.topics.dlq:
                 # the live sink stores unreadable dead letters as dead letters: so does a replay
-                self._add(ev.DEAD_LETTER, dead_letter_record(exc, r.key), r.partition, r.offset)
+                self._add(ev.DEAD_LETTER, ev.dead_letter_record(exc, r.key, "sink"), r.partition, r.offset)
             return
         for out_name, out in self.processor(name, record, self.topic, r.partition, r.offset):
             self._add(out_name, out, r.partition, r.offset)

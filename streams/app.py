@@ -204,7 +204,8 @@ class AssemblerWorker:
                     ev.validate_engine_event(decoded, raw=msg.value)
                 except DecodeError as exc:
                     exc.at(msg.topic, msg.partition, msg.offset)
-                    outputs.append(dead_letter(exc, msg.key, "assembler"))
+                    record = ev.dead_letter_record(exc, msg.key, "assembler")
+                    outputs.append(Output(DLQ, ev.dead_letter_key(exc, msg.key), ev.DEAD_LETTER, record))
                     metrics.DEAD_LETTERS.labels("assembler", type(exc).__name__).inc()
                     continue
                 outputs.extend(asm.apply(decoded))
@@ -284,13 +285,6 @@ class AssemblerWorker:
 
     def _export(self, asm: Assembler) -> None:
         metrics.export(id(asm), asm.stats)
-
-
-def dead_letter(exc: DecodeError, key: bytes | None, component: str) -> Output:
-    """A DeadLetter output for a payload that could not be used."""
-    record = ev.dead_letter_record(exc, key, component)
-    dlq_key = key.decode(errors="replace") if key else f"{exc.topic}/{exc.partition}/{exc.offset}"
-    return Output(DLQ, dlq_key, ev.DEAD_LETTER, record)
 
 
 def create_app(cfg: Config) -> faust.App:
