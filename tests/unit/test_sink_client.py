@@ -146,6 +146,6 @@ def test_engine_events_replay_through_the_assemblers_fold() -> None:
 @pytest.mark.parametrize("module", ["sparseety.streams.replay", "sparseety.sinks.replay"])
 def test_replay_imports_no_faust(module: str) -> None:
     """Replay runs the fold in memory: importing it must not pull in Faust (or its runtime)."""
-    probe = f"import {module}, sys; assert 'faust' not in sys.modules, sorted(m for m in sys.modules if 'faust' in m)"
+    probe = f"import {module}, sys; assert 'faust' not in sys.modules, sorted(sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
