@@ -79,13 +79,12 @@ def sink_cmd(
     Batches are written before their offsets are committed (at-least-once); the tables are
     idempotent, so nothing is counted twice. This process owns an embedded (chDB) store.
     """
-    from faust import Worker
-
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.lifecycle import exit_after
     from sparseety.sinks.base import load_sink_class
     from sparseety.sinks.consumer import create_app
     from sparseety.sinks.fanout import FanOutSink
+    from sparseety.streams.runtime import run
 
     cfg = c.cfg
     names = list(dict.fromkeys(sink_names))
@@ -93,7 +92,6 @@ def sink_cmd(
     wait_for_kafka(cfg)
     ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
     sink = classes[0].from_config(cfg) if len(classes) == 1 else FanOutSink.from_config(cfg, names=names)
-    code = 1
     try:
         app = create_app(
             cfg,
@@ -102,15 +100,10 @@ def sink_cmd(
             commit_interval_s=commit_interval,
             crash_after_writes=crash_after_writes,
         )
-        Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         logging.getLogger("sparseety.sink").exception("the sink failed")
-        raise
-    finally:
-        exit_after(sink.close, code)  # a stalled chDB shutdown must not keep a stopped process alive
+        exit_after(sink.close, 1)  # a stalled chDB shutdown must not keep a stopped process alive
+    run(app, cfg=cfg, role="sink", loglevel=loglevel, cleanup=sink.close)
 
 
 # --- replay ------------------------------------------------------------------------------------

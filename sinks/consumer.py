@@ -37,6 +37,7 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import make_decoder, make_encoder
 from sparseety.sinks.base import FlushResult, Sink
+from sparseety.streams.compat import FaustPartitions, hold_unacked
 
 log = logging.getLogger("sparseety.sink")
 
@@ -64,11 +65,6 @@ class Partitions(Protocol):
     def resume(self, tps: set[TP]) -> None: ...
 
     def ack(self, message: Any) -> None: ...
-
-
-def dead_letter_record(exc: DecodeError, key: bytes | None, component: str = COMPONENT) -> dict[str, Any]:
-    """A DeadLetter record for a payload that could not be used (positions from ``exc``)."""
-    return ev.dead_letter_record(exc, key, component)
 
 
 def fail_closed() -> None:
@@ -175,7 +171,7 @@ class SinkWorker:
                 ) from exc
         except DecodeError as exc:
             exc.at(m.topic, m.partition, m.offset)
-            record = dead_letter_record(exc, m.key)
+            record = ev.dead_letter_record(exc, m.key, COMPONENT)
             log.warning("sink: dead-lettering %s[%d]@%d: %s", m.topic, m.partition, m.offset, exc)
             if m.topic == self.dlq_topic:
                 self.sink.add(ev.DEAD_LETTER, record, topic=m.topic, partition=m.partition, offset=m.offset)
@@ -210,7 +206,7 @@ class SinkWorker:
             return
         stopped = set()
         for m in messages:
-            m.incref()  # the take loop's ack then leaves it unacked: its offset is not committed
+            hold_unacked(m)  # its offset is not committed until it is written and acked
             tp = (m.topic, m.partition)
             self.held[tp].append(m)
             stopped.add(tp)
@@ -228,27 +224,6 @@ class SinkWorker:
             log.warning("sink: resumed %s", sorted(done))
 
 
-class FaustPartitions:
-    """:class:`Partitions` over a Faust app's consumer."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    def _tps(self, tps: set[TP]) -> list[Any]:
-        from faust.types import TP as FaustTP
-
-        return [FaustTP(t, p) for t, p in tps]
-
-    def pause(self, tps: set[TP]) -> None:
-        self.app.consumer.pause_partitions(self._tps(tps))
-
-    def resume(self, tps: set[TP]) -> None:
-        self.app.consumer.resume_partitions(self._tps(tps))
-
-    def ack(self, message: Any) -> None:
-        message.ack(self.app.consumer)
-
-
 def create_app(
     cfg: Config,
     sink: Sink,
@@ -263,43 +238,29 @@ def create_app(
     Topics must exist (``sparseety.kafka.ensure_topics``): Faust would otherwise create them with
     the broker's default partition count.
     """
-    import faust
+    from sparseety.streams.runtime import create_app as create_faust_app
+    from sparseety.streams.runtime import raw_topic, send_awaited
 
-    from sparseety.kafka import faust_broker_settings
-
-    datadir = cfg.data_path / "faust" / cfg.sink.group_id
-    datadir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    app = create_faust_app(
+        cfg,
         cfg.sink.group_id,
-        **faust_broker_settings(cfg),
-        store="memory://",
-        topic_partitions=cfg.topics.partitions,
-        topic_replication_factor=cfg.topics.replication_factor,
+        session_timeout_s=session_timeout_s,
         topic_allow_declare=False,
-        broker_session_timeout=session_timeout_s,
-        broker_heartbeat_interval=min(3.0, session_timeout_s / 3),
         broker_rebalance_timeout=max(session_timeout_s, 10.0),
         broker_commit_interval=commit_interval_s,
-        consumer_auto_offset_reset="earliest",
-        web_enabled=False,
-        datadir=str(datadir),
     )
-    raw: dict[str, Any] = {
-        "key_type": bytes,
-        "value_type": bytes,
-        "key_serializer": "raw",
-        "value_serializer": "raw",
-    }
-    source = app.topic(cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq, **raw)
-    dlq = app.topic(cfg.topics.dlq, **raw)
+    source = raw_topic(app, cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq)
+    dlq = raw_topic(app, cfg.topics.dlq)
     encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)
 
     async def send_dead_letters(items: list[tuple[bytes | None, dict[str, Any]]]) -> None:
-        futures = []
-        for key, record in items:
-            dlq_key = key or f"{record['topic']}/{record['partition']}/{record['offset']}".encode()
-            futures.append(await dlq.send(key=dlq_key, value=encoder.encode(record), force=True))
-        await asyncio.gather(*futures)
+        await send_awaited(
+            dlq,
+            [
+                (key or f"{r['topic']}/{r['partition']}/{r['offset']}".encode(), encoder.encode(r))
+                for key, r in items
+            ],
+        )
 
     worker = SinkWorker(
         sink,

@@ -3,10 +3,9 @@
 A processor is a callable ``(record_name, record, topic, partition, offset) -> iterable of
 (record_name, record)``. Records of the stream outputs (topics timelines, usage, dlq) are stored
 as they are: :func:`identity`. Raw engine events need the assembler's fold to become
-RequestAccounting and UsageWindow records; the stream component provides that fold through the
-entry-point group ``sparseety.processors`` (name -> factory ``(cfg) -> processor``), under the name
-``engine-events``. This is the seam for it: replaying ``engine-events`` without a registered
-processor is a clear error, never a silent identity.
+RequestAccounting and UsageWindow records: ``engine-events`` is the stream component's
+:func:`~sparseety.streams.replay.fold_processor`, imported directly (sinks may import streams; the
+fold imports no Faust).
 
 A processor that keeps state across records (a fold) may have a ``finish()`` method returning the
 records it still holds at the end of the range (requests it closes); the replay stores those too.
@@ -15,13 +14,13 @@ records it still holds at the end of the range (requests it closes); the replay 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from importlib.metadata import entry_points
 from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import PluginLoadError, ReplayError
+from sparseety.streams.replay import fold_processor
 
-PROCESSOR_GROUP = "sparseety.processors"
+IDENTITY = "identity"
 ENGINE_EVENTS = "engine-events"
 
 Processor = Callable[[str, dict[str, Any], str, int, int], Iterable[tuple[str, dict[str, Any]]]]
@@ -34,52 +33,36 @@ def identity(
     yield record_name, record
 
 
-def registered_processors() -> dict[str, str]:
-    """Processors registered by installed components: name -> ``module:factory``."""
-    return {ep.name: ep.value for ep in entry_points(group=PROCESSOR_GROUP)}
+#: name -> factory ``(cfg) -> processor`` (``sparseety replay --processor NAME``).
+PROCESSORS: dict[str, Callable[[Config], Processor]] = {
+    IDENTITY: lambda cfg: identity,
+    ENGINE_EVENTS: fold_processor,
+}
 
 
 def load_processor(name: str, cfg: Config) -> Processor:
-    """Build the processor registered under ``name``.
+    """Build the processor named ``name``.
 
     Raises:
-        PluginLoadError: not registered, fails to load, or the factory returns no callable.
+        PluginLoadError: no processor of that name.
     """
-    if name == "identity":
-        return identity
-    found = [ep for ep in entry_points(group=PROCESSOR_GROUP) if ep.name == name]
-    if not found:
+    factory = PROCESSORS.get(name)
+    if factory is None:
         raise PluginLoadError(
-            f"no processor named {name!r} in entry-point group {PROCESSOR_GROUP} "
-            f"(registered: {', '.join(sorted(registered_processors())) or 'none'})",
-            name=name,
+            f"no processor named {name!r} (known: {', '.join(sorted(PROCESSORS))})", name=name
         )
-    try:
-        processor = found[0].load()(cfg)
-    except Exception as exc:
-        raise PluginLoadError(f"processor {name!r} failed to load: {type(exc).__name__}: {exc}") from exc
-    if not callable(processor):
-        raise PluginLoadError(f"processor factory {found[0].value} returned {processor!r}, not a callable")
-    return processor  # type: ignore[no-any-return]
+    return factory(cfg)
 
 
 def processor_for_topic(cfg: Config, topic: str) -> Processor:
     """The processor a replay of ``topic`` uses by default.
 
     Raises:
-        ReplayError: ``topic`` is the engine-events topic and no fold is registered, or a topic
-            SparSEEty does not know.
+        ReplayError: a topic SparSEEty does not know.
     """
     if topic in (cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq):
         return identity
     if topic == cfg.topics.engine_events:
-        if ENGINE_EVENTS not in registered_processors():
-            raise ReplayError(
-                f"replaying {topic} needs the assembler's fold, registered as processor "
-                f"{ENGINE_EVENTS!r} in entry-point group {PROCESSOR_GROUP}; none is installed. "
-                f"Replay the timelines and usage topics instead.",
-                topic=topic,
-            )
         return load_processor(ENGINE_EVENTS, cfg)
     raise ReplayError(
         f"{topic} is not a SparSEEty topic ({', '.join(cfg.topics.all())}); "

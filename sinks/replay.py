@@ -13,7 +13,7 @@ Bounds are offsets (an integer, for every partition), times (ISO-8601, or a dura
 some brokers (the embedded one) resolve at record-batch granularity, so records older than the
 start are skipped one by one. Their high watermark is also batch-granular, so "end" is where
 a partition stays quiet after the watermark, and records written after the replay started are
-left out by their timestamp.
+left out by their timestamp (``streams/compat.py``, item 5).
 
 aiokafka reads here (confluent-kafka's consumer is slow on the embedded broker).
 """
@@ -30,10 +30,10 @@ from typing import Any, Literal
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
-from sparseety.kafka import aiokafka_settings, make_decoder
+from sparseety.kafka import make_decoder
 from sparseety.sinks.base import FlushResult, Sink
-from sparseety.sinks.consumer import dead_letter_record
 from sparseety.sinks.processors import Processor
+from sparseety.streams.compat import aiokafka_settings, offsets_for_time, outside_time_range
 from sparseety.times import QueryError, parse_time
 
 Progress = Callable[[int, int], None]
@@ -207,12 +207,10 @@ class Replay:
         if self.start.kind == "offset":
             starts = {tp: max(low[tp], self.start.value) for tp in tps}
         elif self.start.kind == "time":
-            found = await consumer.offsets_for_times({tp: self.start.value // 1_000_000 for tp in tps})
-            starts = {tp: (found[tp].offset if found.get(tp) else high[tp]) for tp in tps}
+            starts = await offsets_for_time(consumer, tps, self.start.value, high)
         hints = {tp: 0 for tp in tps}
         if self.stop.kind == "time":
-            found = await consumer.offsets_for_times({tp: self.stop.value // 1_000_000 for tp in tps})
-            hints = {tp: (found[tp].offset if found.get(tp) else high[tp]) for tp in tps}
+            hints = await offsets_for_time(consumer, tps, self.stop.value, high)
         plans = []
         for tp in tps:
             consumer.seek(tp, starts[tp])
@@ -294,14 +292,8 @@ class Replay:
             return
         self.report.records_read += 1
         plan.read += 1
-        ts_ns = r.timestamp * 1_000_000
-        if plan.max_ns is not None and ts_ns >= plan.max_ns:
-            # past the end time: done once beyond the offset the time resolved to
-            if r.offset >= plan.hint:
-                plan.done = True
+        if outside_time_range(plan, r.offset, r.timestamp * 1_000_000):
             return
-        if plan.min_ns is not None and ts_ns < plan.min_ns:
-            return  # offsets_for_times pointed at the batch holding the start time
         if plan.stop_offset is not None and r.offset + 1 >= plan.stop_offset:
             plan.done = True
         plan.kept += 1
@@ -313,7 +305,7 @@ class Replay:
             self.report.undecodable.append((r.partition, r.offset, type(exc).__name__))
             if self.topic == self.cfg.topics.dlq:
                 # the live sink stores unreadable dead letters as dead letters: so does a replay
-                self._add(ev.DEAD_LETTER, dead_letter_record(exc, r.key), r.partition, r.offset)
+                self._add(ev.DEAD_LETTER, ev.dead_letter_record(exc, r.key, "sink"), r.partition, r.offset)
             return
         for out_name, out in self.processor(name, record, self.topic, r.partition, r.offset):
             self._add(out_name, out, r.partition, r.offset)

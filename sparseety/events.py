@@ -75,6 +75,11 @@ def dead_letter_record(exc: DecodeError, key: bytes | None, component: str) -> d
     )
 
 
+def dead_letter_key(exc: DecodeError, key: bytes | None) -> str:
+    """The dlq key of a dead letter: the input's key, else its position ``topic/partition/offset``."""
+    return key.decode(errors="replace") if key else f"{exc.topic}/{exc.partition}/{exc.offset}"
+
+
 def dead_letter(
     error_type: str,
     reason: str,

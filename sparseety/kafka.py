@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from sparseety.config import Config
-from sparseety.errors import ConfigError, KafkaUnavailableError, SparseetyError
+from sparseety.errors import KafkaUnavailableError, SparseetyError
 from sparseety.schema_store import SchemaStore
 from sparseety.serde import Decoder, Encoder
 
@@ -32,57 +32,6 @@ def make_producer(cfg: Config, **extra: Any) -> Any:
     from confluent_kafka import Producer
 
     return Producer(producer_conf(cfg, **extra))
-
-
-def faust_broker_settings(cfg: Config) -> dict[str, Any]:
-    """Faust/aiokafka settings equivalent to the librdkafka pass-through options.
-
-    Faust does not speak librdkafka's option names, so the security options users set once in
-    ``kafka.client`` (``security.protocol``, ``sasl.*``, ``ssl.ca.location``) are translated here.
-
-    Raises:
-        ConfigError: a security protocol Faust cannot use.
-    """
-    import ssl
-
-    import faust
-
-    opts = cfg.kafka.client
-    protocol = opts.get("security.protocol", "PLAINTEXT").upper()
-    settings: dict[str, Any] = {"broker": ",".join(f"kafka://{h}" for h in cfg.kafka.bootstrap.split(","))}
-    context = None
-    if protocol in ("SSL", "SASL_SSL"):
-        context = ssl.create_default_context(cafile=opts.get("ssl.ca.location"))
-        if opts.get("ssl.certificate.location"):
-            context.load_cert_chain(opts["ssl.certificate.location"], opts.get("ssl.key.location"))
-    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
-        settings["broker_credentials"] = faust.SASLCredentials(
-            username=opts.get("sasl.username"),
-            password=opts.get("sasl.password"),
-            mechanism=opts.get("sasl.mechanism", "PLAIN"),
-            ssl_context=context,
-        )
-    elif protocol == "SSL":
-        settings["broker_credentials"] = faust.SSLCredentials(context)
-    elif protocol != "PLAINTEXT":
-        raise ConfigError(f"security.protocol {protocol} is not supported by the Faust workers")
-    return settings
-
-
-def aiokafka_settings(cfg: Config) -> dict[str, Any]:
-    """Keyword arguments for aiokafka clients equivalent to the librdkafka pass-through options."""
-    settings: dict[str, Any] = {"bootstrap_servers": cfg.kafka.bootstrap}
-    creds = faust_broker_settings(cfg).get("broker_credentials")
-    if creds is not None:
-        settings["security_protocol"] = creds.protocol.value
-        if hasattr(creds, "mechanism"):
-            settings["sasl_mechanism"] = creds.mechanism.value
-            settings["sasl_plain_username"] = creds.username
-            settings["sasl_plain_password"] = creds.password
-        context = getattr(creds, "ssl_context", None) or getattr(creds, "context", None)
-        if context is not None:
-            settings["ssl_context"] = context
-    return settings
 
 
 def make_admin(cfg: Config) -> Any:

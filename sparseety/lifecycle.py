@@ -1,4 +1,5 @@
-"""Process lifecycle helpers: is a pid still there; end a process that owns native resources."""
+"""Process lifecycle helpers: is a pid still there; end a process that owns native resources;
+announce that a process is ready."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -72,3 +74,20 @@ def exit_after(cleanup: Callable[[], object], code: int = 0, timeout_s: float = 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def ready_file(data_path: Path, role: str, pid: int | None = None) -> Path:
+    """``<data_dir>/run/<role>-<pid>.ready``: present while process ``pid`` (default: this one)
+    in role ``worker``, ``sink``, ``store`` or ``api`` is ready; what supervisors wait for."""
+    return data_path / "run" / f"{role}-{pid or os.getpid()}.ready"
+
+
+def mark_ready(path: Path) -> None:
+    """Announce readiness (the file holds the pid)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+
+
+def clear_ready(path: Path) -> None:
+    """Withdraw readiness (on exit; also before starting, against a stale file of a reused pid)."""
+    path.unlink(missing_ok=True)

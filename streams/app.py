@@ -5,7 +5,8 @@ Per batch of events (``take_events``), per partition:
 1. decode each event (bad bytes or invalid events become DeadLetter records: never dropped);
 2. fold it with the partition's :class:`~streams.assembler.Assembler`;
 3. send the outputs and wait until Kafka acknowledged them;
-4. write the state keys the batch changed to the changelog-backed table, epoch keys last.
+4. write the state keys the batch changed to the changelog-backed table, epoch keys last
+   (``TableStore`` over ``compat.ChangelogTable``).
 
 Faust acks the batch's events after the body returns and commits offsets only after flushing
 its producer, so a crash at any point replays events whose effects are either absent or
@@ -19,7 +20,6 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import faust
@@ -27,103 +27,17 @@ import faust
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, EncodeError
-from sparseety.kafka import faust_broker_settings, make_decoder, make_encoder
+from sparseety.kafka import make_decoder, make_encoder
 from sparseety.streams import metrics
 from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.refetch import Record, Refetcher
-from sparseety.streams.state import decode_state, encode_state
+from sparseety.streams.compat import ChangelogTable, Record, Refetcher, fill_holes
+from sparseety.streams.runtime import create_app as create_faust_app
+from sparseety.streams.runtime import raw_topic, send_awaited
+from sparseety.streams.state import TableStore
 
 log = logging.getLogger("sparseety.worker")
 
 STATE_TABLE = "state"
-
-
-class TableStore:
-    """The assembler's StateStore over one partition of a Faust table (raw bytes keys/values).
-
-    Decoded values are cached; ``flush`` serialises the dirty ones and sends them to the
-    table's changelog partition, epoch and head keys last (see ``streams/state.py``).
-    """
-
-    def __init__(self, table: Any, partition: int) -> None:
-        self.table = table
-        self.partition = partition
-        self.cache: dict[str, Any] = {}
-        self.dirty: set[str] = set()
-        self.deleted: set[str] = set()
-        self.flushes = 0
-
-    @property
-    def _raw(self) -> Any:
-        return self.table.data  # the memory Store: .data (dict) and ._key_partition
-
-    def get(self, key: str) -> Any | None:
-        value = self.cache.get(key)
-        if value is None:
-            raw = self._raw.data.get(key.encode())
-            if raw is None:
-                return None
-            value = self.cache[key] = decode_state(raw)
-        return value
-
-    def put(self, key: str, value: Any) -> None:
-        self.cache[key] = value
-        self.dirty.add(key)
-        self.deleted.discard(key)
-
-    def touch(self, key: str) -> None:
-        self.dirty.add(key)
-
-    def touch_many(self, keys: list[str]) -> None:
-        self.dirty.update(keys)
-
-    def delete(self, key: str) -> None:
-        self.cache.pop(key, None)
-        self.dirty.discard(key)
-        self.deleted.add(key)
-
-    def keys(self, prefix: str) -> Iterator[str]:
-        # Faust's memory store knows each key's changelog partition; only ours are ours.
-        owner = self._raw._key_partition
-        raw_prefix = prefix.encode()
-        found = {
-            k.decode()
-            for k in list(self._raw.data)
-            if k.startswith(raw_prefix) and owner.get(k) == self.partition
-        }
-        found.update(k for k in self.cache if k.startswith(prefix))
-        return iter(sorted(found - self.deleted))
-
-    async def flush(self) -> int:
-        """Write dirty keys (epoch and head keys last) and deletions; return values written.
-
-        Waits until the changelog acknowledged them, then writes a marker record on its own.
-        Some brokers (Tansu here) report the high watermark at record-batch granularity; Faust's
-        recovery reads up to the watermark, so it would miss the rest of the last batch. With a
-        lone marker last, everything before it is recovered.
-        """
-        store = self._raw
-        pending = []
-        for key in sorted(self.dirty, key=lambda k: k[0] in "en"):
-            raw_key = key.encode()
-            value = encode_state(self.cache[key])
-            store.data[raw_key] = value
-            store._key_partition[raw_key] = self.partition
-            pending.append(self.table.send_changelog(self.partition, raw_key, value))
-        for key in self.deleted:
-            raw_key = key.encode()
-            store.data.pop(raw_key, None)
-            store._key_partition.pop(raw_key, None)
-            pending.append(self.table.send_changelog(self.partition, raw_key, None))
-        written = len(pending)
-        self.dirty.clear()
-        self.deleted.clear()
-        if pending:
-            await asyncio.gather(*pending)
-            self.flushes += 1
-            marker = f"m|{self.partition}".encode()
-            await self.table.send_changelog(self.partition, marker, str(self.flushes).encode())
-        return written
 
 
 class AssemblerWorker:
@@ -144,7 +58,7 @@ class AssemblerWorker:
         self.next_offset: dict[int, int] = {}  # per partition: the offset the next batch must start at
         self.refetcher = Refetcher(cfg, cfg.topics.engine_events, cfg.worker.app_id)
         # The agent and the housekeeping timer both write state: one at a time, so each
-        # partition's changelog ends with a lone marker (see TableStore.flush).
+        # partition's changelog ends with a lone marker (see compat.ChangelogTable.write).
         self.lock = asyncio.Lock()
 
     def reset(self) -> None:
@@ -177,7 +91,7 @@ class AssemblerWorker:
     def _for(self, partition: int) -> tuple[TableStore, Assembler]:
         pair = self.partitions.get(partition)
         if pair is None:
-            store = TableStore(self.table, partition)
+            store = TableStore(ChangelogTable(self.table, partition))
             pair = self.partitions[partition] = (store, Assembler(self.cfg.worker, store))
         return pair
 
@@ -204,7 +118,8 @@ class AssemblerWorker:
                     ev.validate_engine_event(decoded, raw=msg.value)
                 except DecodeError as exc:
                     exc.at(msg.topic, msg.partition, msg.offset)
-                    outputs.append(dead_letter(exc, msg.key, "assembler"))
+                    record = ev.dead_letter_record(exc, msg.key, "assembler")
+                    outputs.append(Output(DLQ, ev.dead_letter_key(exc, msg.key), ev.DEAD_LETTER, record))
                     metrics.DEAD_LETTERS.labels("assembler", type(exc).__name__).inc()
                     continue
                 outputs.extend(asm.apply(decoded))
@@ -227,28 +142,9 @@ class AssemblerWorker:
 
     async def _fill_holes(self, partition: int, batch: list[Record]) -> list[Record]:
         """Drop re-deliveries of what was processed and re-read what the consumer skipped."""
-        expected = self.next_offset.get(partition)
-        if expected is None:
-            expected = await self.refetcher.committed(partition)
-        out: list[Record] = []
-        for msg in batch:
-            if expected is not None and msg.offset < expected:
-                continue  # already processed in this session (or committed)
-            if expected is not None and msg.offset > expected:
-                missing = await self.refetcher.fetch(partition, expected, msg.offset)
-                if missing:
-                    log.warning(
-                        "stream consumer skipped offsets %d..%d of partition %d; re-read %d records",
-                        expected,
-                        msg.offset - 1,
-                        partition,
-                        len(missing),
-                    )
-                    metrics.REFETCHED.inc(len(missing))
-                    out.extend(missing)
-            out.append(msg)
-            expected = msg.offset + 1
-        return out
+        return await fill_holes(
+            self.refetcher, partition, self.next_offset.get(partition), batch, metrics.REFETCHED.inc
+        )
 
     async def tick(self, assigned: set[int]) -> None:
         """Processing-time housekeeping for every assigned partition, busy or not."""
@@ -266,7 +162,7 @@ class AssemblerWorker:
 
     async def send(self, outputs: list[Output]) -> None:
         """Send and wait for Kafka's acknowledgement (before the state that caused them is written)."""
-        pending = []
+        by_topic: dict[str, list[tuple[bytes | None, bytes]]] = defaultdict(list)
         for out in outputs:
             try:
                 value = self.encoders[out.topic].encode(out.record)
@@ -274,51 +170,30 @@ class AssemblerWorker:
                 log.error("cannot encode %s %s: %s", out.record_name, out.key, exc)
                 metrics.DEAD_LETTERS.labels("assembler-output", "EncodeError").inc()
                 continue
-            # force: publish now instead of attaching to the current event (which would only be
-            # published at commit, after this batch, and so could not be awaited here).
-            fut = await self.topics[out.topic].send(key=out.key.encode(), value=value, force=True)
-            pending.append(fut)
+            by_topic[out.topic].append((out.key.encode(), value))
             metrics.OUTPUTS.labels(out.topic).inc()
-        if pending:
-            await asyncio.gather(*pending)
+        await asyncio.gather(*(send_awaited(self.topics[t], items) for t, items in by_topic.items()))
 
     def _export(self, asm: Assembler) -> None:
         metrics.export(id(asm), asm.stats)
 
 
-def dead_letter(exc: DecodeError, key: bytes | None, component: str) -> Output:
-    """A DeadLetter output for a payload that could not be used."""
-    record = ev.dead_letter_record(exc, key, component)
-    dlq_key = key.decode(errors="replace") if key else f"{exc.topic}/{exc.partition}/{exc.offset}"
-    return Output(DLQ, dlq_key, ev.DEAD_LETTER, record)
-
-
 def create_app(cfg: Config) -> faust.App:
     """The assembler's Faust app for ``cfg`` (topics must exist: see ``sparseety.kafka.ensure_topics``)."""
     w = cfg.worker
-    app = faust.App(
+    app = create_faust_app(
+        cfg,
         w.app_id,
-        **faust_broker_settings(cfg),
-        store="memory://",
-        topic_partitions=cfg.topics.partitions,
-        topic_replication_factor=cfg.topics.replication_factor,
+        session_timeout_s=w.session_timeout_s,
         table_standby_replicas=w.standby_replicas,
-        broker_session_timeout=w.session_timeout_s,
-        broker_heartbeat_interval=min(3.0, w.session_timeout_s / 3),
         broker_commit_interval=w.commit_interval_s,
-        consumer_auto_offset_reset="earliest",
-        web_enabled=False,
-        datadir=str(cfg.data_path / "faust" / w.app_id),
     )
 
-    def raw_topic(name: str) -> Any:
-        return app.topic(name, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-
-    source = raw_topic(cfg.topics.engine_events)
+    source = raw_topic(app, cfg.topics.engine_events)
     topics = {
-        TIMELINES: raw_topic(cfg.topics.timelines),
-        USAGE: raw_topic(cfg.topics.usage),
-        DLQ: raw_topic(cfg.topics.dlq),
+        TIMELINES: raw_topic(app, cfg.topics.timelines),
+        USAGE: raw_topic(app, cfg.topics.usage),
+        DLQ: raw_topic(app, cfg.topics.dlq),
     }
     # bytes key/value types make Faust use the raw serializer for the changelog and recovery.
     table = app.Table(STATE_TABLE, partitions=cfg.topics.partitions, key_type=bytes, value_type=bytes)

@@ -17,10 +17,9 @@ def worker(c: CliContext, loglevel: str) -> None:
 
     Start several with the same configuration to share the partitions (one consumer group).
     """
-    from faust import Worker
-
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.streams.app import create_app
+    from sparseety.streams.runtime import run
 
     cfg = c.cfg
     wait_for_kafka(cfg)
@@ -29,9 +28,8 @@ def worker(c: CliContext, loglevel: str) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(cfg.worker.metrics_port)
-    (cfg.data_path / "faust").mkdir(parents=True, exist_ok=True)
     app = create_app(cfg)
-    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    run(app, cfg=cfg, role="worker", loglevel=loglevel)
 
 
 COMMANDS = [worker]

@@ -1,4 +1,4 @@
-"""The assembler's fold as a replay processor (entry point ``sparseety.processors: engine-events``).
+"""The assembler's fold as a replay processor (``sparseety replay`` of engine-events).
 
 ``sparseety replay --topic <engine-events> --from ... --to ...`` reads the range and hands each
 decoded event to :class:`FoldProcessor`, which runs the same :class:`Assembler` the Faust worker
@@ -19,7 +19,6 @@ from typing import Any
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import InvalidEventError
-from sparseety.streams.app import dead_letter
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.state import MemoryStore
 
@@ -41,8 +40,7 @@ class FoldProcessor:
             ev.validate_engine_event(record)
         except InvalidEventError as exc:
             exc.at(topic, partition, offset)
-            out = dead_letter(exc, record["engine_name"].encode(), "replay")
-            yield out.record_name, out.record
+            yield ev.DEAD_LETTER, ev.dead_letter_record(exc, record["engine_name"].encode(), "replay")
             return
         eid = record["engine_id"]
         if eid not in self.complete_epochs:
@@ -71,5 +69,5 @@ class FoldProcessor:
 
 
 def fold_processor(cfg: Config) -> FoldProcessor:
-    """Entry-point factory."""
+    """The replay processor of the engine-events topic (see ``sinks/processors.py``)."""
     return FoldProcessor(cfg)

@@ -249,15 +249,60 @@ class MemoryStore:
     def keys(self, prefix: str) -> Iterator[str]:
         return (k for k in list(self.data) if k.startswith(prefix))
 
-    def take_dirty(self) -> tuple[list[tuple[str, Any]], list[str]]:
-        """Dirty (key, value) pairs with epoch and head keys last, and deleted keys; resets both."""
-        items = sorted(self.dirty, key=lambda k: k[0] in "en")
-        out = [(k, self.data[k]) for k in items]
-        deleted = list(self.deleted)
-        self.dirty.clear()
-        self.deleted.clear()
-        return out, deleted
-
     def size_bytes(self, prefix: str = "") -> int:
         """Serialised size of the values under ``prefix`` (for state-size benchmarks)."""
         return sum(len(encode_state(v)) for k, v in self.data.items() if k.startswith(prefix))
+
+
+class Changelog(Protocol):
+    """Where a :class:`TableStore` persists one partition's state (raw keys and values)."""
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def keys(self, prefix: bytes) -> list[bytes]: ...
+
+    async def write(self, items: list[tuple[bytes, bytes]], deleted: list[bytes]) -> None:
+        """Persist ``items`` in this order, then ``deleted``; return once durable."""
+        ...
+
+
+class TableStore(MemoryStore):
+    """The plain store over a changelog: values are decoded on first read and cached; ``flush``
+    writes the dirty ones (epoch and head keys last) and the deletions.
+
+    The worker's changelog is a Faust table (:class:`sparseety.streams.compat.ChangelogTable`).
+    """
+
+    def __init__(self, changelog: Changelog) -> None:
+        super().__init__()
+        self.changelog = changelog
+
+    def get(self, key: str) -> Any | None:
+        value = self.data.get(key)
+        if value is None:
+            raw = self.changelog.get(key.encode())
+            if raw is None:
+                return None
+            value = self.data[key] = decode_state(raw)
+        return value
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+        self.dirty.discard(key)
+        self.deleted.add(key)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        found = {k.decode() for k in self.changelog.keys(prefix.encode())}
+        found.update(k for k in self.data if k.startswith(prefix))
+        return iter(sorted(found - self.deleted))
+
+    async def flush(self) -> int:
+        """Write dirty keys (epoch and head keys last) and deletions; return how many."""
+        items = [
+            (k.encode(), encode_state(self.data[k])) for k in sorted(self.dirty, key=lambda k: k[0] in "en")
+        ]
+        deleted = [k.encode() for k in self.deleted]
+        self.dirty.clear()
+        self.deleted.clear()
+        await self.changelog.write(items, deleted)
+        return len(items) + len(deleted)

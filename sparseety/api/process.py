@@ -15,12 +15,14 @@ import asyncio
 import contextlib
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 from sparseety.api.auth import TokenTable, check_exposure, remove_admin_token, write_admin_token
 from sparseety.api.backend import Backend
 from sparseety.api.server import ApiServer
 from sparseety.config import Config
+from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
 
 log = logging.getLogger("sparseety.api")
 
@@ -73,13 +75,11 @@ def run_store(
         StoreLockedError: another process owns the embedded store.
         KafkaUnavailableError: Kafka did not answer.
     """
-    from faust import Worker
-
     from sparseety.kafka import ensure_topics, wait_for_kafka
-    from sparseety.lifecycle import exit_after
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.sinks.consumer import create_app
+    from sparseety.streams.runtime import run
 
     check_exposure(cfg.api.host, cfg.api.tokens)
     wait_for_kafka(cfg)
@@ -98,26 +98,21 @@ def run_store(
             remove_admin_token(cfg.data_path, admin)
         store.close()
 
-    code = 1
     try:
         sink = ClickHouseSink.from_config(cfg, store=store)  # migrates; leaves the store open
         app = create_app(cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s)
         tokens, admin = _tokens(cfg)
         backend = Backend(cfg, store, tokens=tokens, sink_worker=app.sparseety_sink)
         server = _api_server(cfg, backend, loglevel, access_log)
-        Worker(app, _api_service(server), loglevel=loglevel, quiet=True).execute_from_commandline()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         log.exception("the store process failed")
-        raise
-    finally:
-        exit_after(cleanup, code)  # a stalled chDB shutdown must not keep a stopped process alive
+        exit_after(cleanup, 1)  # a stalled chDB shutdown must not keep a stopped process alive
+    run(app, _api_service(server), cfg=cfg, role="store", loglevel=loglevel, cleanup=cleanup)
 
 
-async def _serve_until_signalled(server: ApiServer) -> None:
+async def _serve_until_signalled(server: ApiServer, ready: Path) -> None:
     await server.start()
+    mark_ready(ready)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -128,6 +123,7 @@ async def _serve_until_signalled(server: ApiServer) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+        clear_ready(ready)
         await server.stop()
 
 
@@ -149,7 +145,7 @@ def run_api(cfg: Config, *, loglevel: str = "info", access_log: bool = False) ->
         backend = Backend(cfg, store, tokens=tokens)
         try:
             server = _api_server(cfg, backend, loglevel, access_log)
-            asyncio.run(_serve_until_signalled(server))
+            asyncio.run(_serve_until_signalled(server, ready_file(cfg.data_path, "api")))
         finally:
             backend.close()
             remove_admin_token(cfg.data_path, admin)

@@ -1,11 +1,12 @@
 """The embedded stack on one machine: broker, assembler worker(s), store process (sink + API).
 
 ``Stack.up()`` starts what is not running, in dependency order, and waits until each part is
-healthy; ``down()`` stops them in reverse order (the store last, so it flushes what the workers
-sent); ``status()`` says what runs. Every part is a separate process with a pid file under
-``<data dir>/run`` and a log under ``<data dir>/logs``; children get the configuration through
-``SPARSEETY_*`` variables, so ``up``, ``status`` and ``down`` from different shells agree as long
-as they use the same configuration (data dir).
+healthy (each writes ``<data dir>/run/<role>-<pid>.ready`` once ready); ``down()`` stops them in
+reverse order (the store last, so it flushes what the workers sent); ``status()`` says what runs.
+Every part is a separate process with a pid file under ``<data dir>/run`` and a log under
+``<data dir>/logs``; children get the configuration through ``SPARSEETY_*`` variables, so ``up``,
+``status`` and ``down`` from different shells agree as long as they use the same configuration
+(data dir).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.lifecycle import pid_alive, terminate
+from sparseety.lifecycle import pid_alive, ready_file, terminate
 
 Progress = Callable[[str], None]
 
@@ -102,13 +103,9 @@ class Stack:
         self._pid_file(name).write_text(str(proc.pid))
         return proc.pid
 
-    def _worker_ready(self, name: str, since: int) -> bool:
-        try:
-            with open(self._log(name), "rb") as f:
-                f.seek(since)
-                return b"[^Worker]: Ready" in f.read()
-        except OSError:
-            return False
+    def _ready(self, role: str, pid: int) -> bool:
+        """Whether process ``pid`` announced readiness (``sparseety.lifecycle.ready_file``)."""
+        return ready_file(self.cfg.data_path, role, pid).exists()
 
     def _store_ready(self) -> bool:
         import httpx
@@ -147,17 +144,16 @@ class Stack:
                     port=self.cfg.api.port,
                 )
             progress("store: starting the sink and the HTTP API (owns the ClickHouse store)")
-            self._spawn("store", ["store"])
-            self._wait("store", self._store_ready, timeout_s)
+            pid = self._spawn("store", ["store"])
+            self._wait("store", lambda: self._ready("store", pid) and self._store_ready(), timeout_s)
         for name in [f"worker-{i}" for i in range(self.workers)]:
             if self._pid(name) is not None:
                 continue
             progress(f"{name}: starting the assembler")
-            since = self._log(name).stat().st_size if self._log(name).exists() else 0
             port = self.cfg.worker.metrics_port
             extra = {"SPARSEETY_WORKER_METRICS_PORT": str(port + int(name.split("-")[1]))} if port else {}
-            self._spawn(name, ["worker"], extra)
-            self._wait(name, lambda n=name, s=since: self._worker_ready(n, s), timeout_s)  # type: ignore[misc]
+            pid = self._spawn(name, ["worker"], extra)
+            self._wait(name, lambda p=pid: self._ready("worker", p), timeout_s)  # type: ignore[misc]
         return self.status()
 
     def down(self, progress: Progress = lambda _: None, timeout_s: float = 30.0) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from sparseety.errors import PluginLoadError, ReplayError, StoreError, StoreLock
 from sparseety.sinks import processors
 from sparseety.sinks.clickhouse.client import OWNER_FILE, Store, parse_dsn, read_owner
 from sparseety.sinks.replay import Bound, parse_bound
+from sparseety.streams.replay import FoldProcessor
 
 NOW = 1_700_000_000 * 10**9
 
@@ -126,40 +126,26 @@ def test_bad_replay_bounds() -> None:
         parse_bound("yesterday-ish", now_ns=NOW)
 
 
-def test_processors_for_topics(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_processors_for_topics() -> None:
     cfg = load_config()
     for topic in (cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq):
         assert processors.processor_for_topic(cfg, topic) is processors.identity
     assert list(processors.identity("n", {"a": 1}, "t", 0, 0)) == [("n", {"a": 1})]
-    monkeypatch.setattr(processors, "entry_points", lambda group: [])
-    with pytest.raises(ReplayError, match="needs the assembler's fold"):
-        processors.processor_for_topic(cfg, cfg.topics.engine_events)
     with pytest.raises(ReplayError, match="not a SparSEEty topic"):
         processors.processor_for_topic(cfg, "elsewhere")
 
 
-def test_the_engine_events_seam_loads_a_registered_fold(monkeypatch: pytest.MonkeyPatch) -> None:
-    eps = [
-        EntryPoint(
-            processors.ENGINE_EVENTS, "tests.unit.test_sink_client:_fold_factory", "sparseety.processors"
-        )
-    ]
-    monkeypatch.setattr(processors, "entry_points", lambda group: [e for e in eps if e.group == group])
+def test_engine_events_replay_through_the_assemblers_fold() -> None:
     cfg = load_config()
-    fold = processors.processor_for_topic(cfg, cfg.topics.engine_events)
-    assert list(fold("io.sparseety.v1.EngineEvent", {"seq": 3}, "t", 0, 9)) == [
-        ("folded", {"seq": 3, "offset": 9})
-    ]
-    eps[0] = EntryPoint("engine-events", "tests.unit.test_sink_client:NOT_CALLABLE", "sparseety.processors")
-    with pytest.raises(PluginLoadError, match=r"failed to load|not a callable"):
-        processors.processor_for_topic(cfg, cfg.topics.engine_events)
+    assert isinstance(processors.processor_for_topic(cfg, cfg.topics.engine_events), FoldProcessor)
+    assert processors.load_processor("identity", cfg) is processors.identity
+    with pytest.raises(PluginLoadError, match="no processor named"):
+        processors.load_processor("nope", cfg)
 
 
-NOT_CALLABLE = 3
-
-
-def _fold_factory(cfg: object) -> processors.Processor:
-    def fold(name: str, record: dict, topic: str, partition: int, offset: int):  # type: ignore[no-untyped-def,type-arg]
-        yield "folded", {**record, "offset": offset}
-
-    return fold
+@pytest.mark.parametrize("module", ["sparseety.streams.replay", "sparseety.sinks.replay"])
+def test_replay_imports_no_faust(module: str) -> None:
+    """Replay runs the fold in memory: importing it must not pull in Faust (or its runtime)."""
+    probe = f"import {module}, sys; assert 'faust' not in sys.modules, sorted(sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

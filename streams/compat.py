@@ -1,0 +1,310 @@
+"""Every workaround for a Faust, aiokafka or Tansu behaviour, fenced in one module.
+
+Nothing else in SparSEEty reaches into Faust's private parts or compensates for a client or
+broker quirk; each piece below names the behaviour it works around. When an upstream fixes one,
+its piece is deleted here and its caller keeps working through the same function.
+
+1. **Client settings** (:func:`faust_broker_settings`, :func:`aiokafka_settings`): Faust and
+   aiokafka do not speak librdkafka's option names, which users set once in ``kafka.client``.
+2. **Skipped records** (:class:`Refetcher`, :func:`fill_holes`): faust-streaming 0.15.3 can drop
+   records that are being delivered while it suspends the flow for a rebalance or recovery: it
+   advances its read offset anyway, then discards the re-fetched copies as already read (seen
+   here right after a restart). Engine events carry gap-free seqs, so the assembler would notice
+   and flag the requests; this makes sure it does not have to: the worker tracks the next offset
+   it expects per partition and, when a batch starts later (or has a hole), reads the missing
+   offsets itself with a plain aiokafka consumer. On a non-compacted, non-transactional topic
+   (engine-events) offsets have no legitimate holes.
+3. **The table's changelog** (:class:`ChangelogTable`): the worker keeps raw bytes in Faust's
+   memory store and writes its changelog itself, which needs the store's private ``data`` dict
+   and ``_key_partition`` map (Faust has no public per-partition key listing). Tansu reports the
+   high watermark at record-batch granularity and Faust's recovery reads up to the watermark, so
+   it would miss the rest of the last batch: every flush ends with a lone marker record.
+4. **Holding a message unacked** (:func:`hold_unacked`, :class:`FaustPartitions`): Faust's
+   ``take_events`` acks a batch's events when the body returns, whatever happened; an extra
+   reference (``incref``) leaves a message unacked, so its offset is not committed.
+5. **Time bounds** (:func:`offsets_for_time`, :func:`outside_time_range`): Tansu answers
+   ``offsets_for_times`` at record-batch granularity (the batch holding the time, so records
+   before it come too) and its high watermark is batch-granular as well, so a replay filters by
+   record timestamp and ends a partition where it stays quiet past the watermark.
+
+Faust and aiokafka are imported inside the functions: replay imports this module and must not
+pull in Faust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sparseety.config import Config
+from sparseety.errors import ConfigError
+
+log = logging.getLogger("sparseety.worker")
+
+
+# --- 1. client settings ---------------------------------------------------------------------
+
+
+def faust_broker_settings(cfg: Config) -> dict[str, Any]:
+    """Faust/aiokafka settings equivalent to the librdkafka pass-through options.
+
+    Faust does not speak librdkafka's option names, so the security options users set once in
+    ``kafka.client`` (``security.protocol``, ``sasl.*``, ``ssl.ca.location``) are translated here.
+
+    Raises:
+        ConfigError: a security protocol Faust cannot use.
+    """
+    import ssl
+
+    import faust
+
+    opts = cfg.kafka.client
+    protocol = opts.get("security.protocol", "PLAINTEXT").upper()
+    settings: dict[str, Any] = {"broker": ",".join(f"kafka://{h}" for h in cfg.kafka.bootstrap.split(","))}
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=opts.get("ssl.ca.location"))
+        if opts.get("ssl.certificate.location"):
+            context.load_cert_chain(opts["ssl.certificate.location"], opts.get("ssl.key.location"))
+    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        settings["broker_credentials"] = faust.SASLCredentials(
+            username=opts.get("sasl.username"),
+            password=opts.get("sasl.password"),
+            mechanism=opts.get("sasl.mechanism", "PLAIN"),
+            ssl_context=context,
+        )
+    elif protocol == "SSL":
+        settings["broker_credentials"] = faust.SSLCredentials(context)
+    elif protocol != "PLAINTEXT":
+        raise ConfigError(f"security.protocol {protocol} is not supported by the Faust workers")
+    return settings
+
+
+def aiokafka_settings(cfg: Config) -> dict[str, Any]:
+    """Keyword arguments for aiokafka clients equivalent to the librdkafka pass-through options."""
+    settings: dict[str, Any] = {"bootstrap_servers": cfg.kafka.bootstrap}
+    creds = faust_broker_settings(cfg).get("broker_credentials")
+    if creds is not None:
+        settings["security_protocol"] = creds.protocol.value
+        if hasattr(creds, "mechanism"):
+            settings["sasl_mechanism"] = creds.mechanism.value
+            settings["sasl_plain_username"] = creds.username
+            settings["sasl_plain_password"] = creds.password
+        context = getattr(creds, "ssl_context", None) or getattr(creds, "context", None)
+        if context is not None:
+            settings["ssl_context"] = context
+    return settings
+
+
+# --- 2. records the stream consumer skipped -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A consumed record, whichever client read it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+
+
+class Refetcher:
+    """Reads offset ranges and committed offsets of one topic, outside the consumer group."""
+
+    def __init__(self, cfg: Config, topic: str, group_id: str) -> None:
+        self.cfg = cfg
+        self.topic = topic
+        self.group_id = group_id
+        self._consumer: Any = None
+
+    async def _client(self) -> Any:
+        if self._consumer is None:
+            from aiokafka import AIOKafkaConsumer
+
+            # group_id only for OffsetFetch; the consumer never subscribes, so it never joins.
+            self._consumer = AIOKafkaConsumer(
+                **aiokafka_settings(self.cfg), group_id=self.group_id, enable_auto_commit=False
+            )
+            await self._consumer.start()
+        return self._consumer
+
+    async def committed(self, partition: int) -> int | None:
+        """The group's committed offset for ``partition`` (None when nothing was committed)."""
+        from aiokafka import TopicPartition
+
+        client = await self._client()
+        offset = await client.committed(TopicPartition(self.topic, partition))
+        return int(offset) if offset is not None else None
+
+    async def fetch(self, partition: int, start: int, end: int, timeout_s: float = 10.0) -> list[Record]:
+        """Records with offsets in [start, end) (fewer if the log has holes there)."""
+        from aiokafka import TopicPartition
+
+        client = await self._client()
+        tp = TopicPartition(self.topic, partition)
+        client.assign([tp])
+        client.seek(tp, start)
+        out: list[Record] = []
+        waited = 0.0
+        while waited < timeout_s:
+            batch = await client.getmany(tp, timeout_ms=500)
+            msgs = batch.get(tp, [])
+            if not msgs:
+                waited += 0.5
+                if await client.position(tp) >= end:
+                    break
+                continue
+            for m in msgs:
+                if start <= m.offset < end:
+                    out.append(Record(m.topic, m.partition, m.offset, m.key, m.value))
+            if msgs[-1].offset >= end - 1:
+                break
+        return out
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+
+async def fill_holes(
+    refetcher: Refetcher,
+    partition: int,
+    expected: int | None,
+    batch: list[Record],
+    on_refetch: Callable[[int], None],
+) -> list[Record]:
+    """``batch`` without re-deliveries of what was processed, plus what the consumer skipped.
+
+    ``expected`` is the offset the batch must start at (None: unknown, then the group's
+    committed offset); ``on_refetch`` is told how many records were re-read.
+    """
+    if expected is None:
+        expected = await refetcher.committed(partition)
+    out: list[Record] = []
+    for msg in batch:
+        if expected is not None and msg.offset < expected:
+            continue  # already processed in this session (or committed)
+        if expected is not None and msg.offset > expected:
+            missing = await refetcher.fetch(partition, expected, msg.offset)
+            if missing:
+                log.warning(
+                    "stream consumer skipped offsets %d..%d of partition %d; re-read %d records",
+                    expected,
+                    msg.offset - 1,
+                    partition,
+                    len(missing),
+                )
+                on_refetch(len(missing))
+                out.extend(missing)
+        out.append(msg)
+        expected = msg.offset + 1
+    return out
+
+
+# --- 3. the table's changelog ---------------------------------------------------------------
+
+
+class ChangelogTable:
+    """One partition of a Faust table of raw bytes, read and written through its memory store.
+
+    Faust's memory store is ``table.data``: ``.data`` (key -> value) and ``._key_partition``
+    (key -> changelog partition), both private.
+    """
+
+    def __init__(self, table: Any, partition: int) -> None:
+        self.table = table
+        self.partition = partition
+        self.flushes = 0
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.table.data.data.get(key)  # type: ignore[no-any-return]
+
+    def keys(self, prefix: bytes) -> list[bytes]:
+        """This partition's keys starting with ``prefix`` (the store holds every partition's)."""
+        store = self.table.data
+        owner = store._key_partition
+        return [k for k in list(store.data) if k.startswith(prefix) and owner.get(k) == self.partition]
+
+    async def write(self, items: list[tuple[bytes, bytes]], deleted: list[bytes]) -> None:
+        """Store and send ``items`` in order, then the deletions; wait for the changelog's acks,
+        then write the marker on its own (so a batch-granular watermark still covers them)."""
+        store = self.table.data
+        pending: list[Awaitable[Any]] = []
+        for key, value in items:
+            store.data[key] = value
+            store._key_partition[key] = self.partition
+            pending.append(self.table.send_changelog(self.partition, key, value))
+        for key in deleted:
+            store.data.pop(key, None)
+            store._key_partition.pop(key, None)
+            pending.append(self.table.send_changelog(self.partition, key, None))
+        if not pending:
+            return
+        await asyncio.gather(*pending)
+        self.flushes += 1
+        marker = f"m|{self.partition}".encode()
+        await self.table.send_changelog(self.partition, marker, str(self.flushes).encode())
+
+
+# --- 4. holding a message unacked -----------------------------------------------------------
+
+
+class Holdable(Protocol):
+    def incref(self, n: int = 1) -> None: ...
+
+
+def hold_unacked(message: Holdable) -> None:
+    """Keep ``message`` unacked past the end of the take loop's body (see item 4 above): the
+    loop's own ack then only drops this extra reference; :meth:`FaustPartitions.ack` releases it."""
+    message.incref()
+
+
+class FaustPartitions:
+    """Pause, resume and ack over a Faust app's consumer (the sink's ``Partitions``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def _tps(self, tps: set[tuple[str, int]]) -> list[Any]:
+        from faust.types import TP as FaustTP
+
+        return [FaustTP(t, p) for t, p in tps]
+
+    def pause(self, tps: set[tuple[str, int]]) -> None:
+        self.app.consumer.pause_partitions(self._tps(tps))
+
+    def resume(self, tps: set[tuple[str, int]]) -> None:
+        self.app.consumer.resume_partitions(self._tps(tps))
+
+    def ack(self, message: Any) -> None:
+        message.ack(self.app.consumer)
+
+
+# --- 5. time bounds on a batch-granular broker ---------------------------------------------
+
+
+async def offsets_for_time(consumer: Any, tps: list[Any], ns: int, high: dict[Any, int]) -> dict[Any, int]:
+    """Per partition, the offset ``offsets_for_times`` gives for ``ns`` (the high watermark when
+    no record is that new). On Tansu it is the start of the record batch holding the time."""
+    found = await consumer.offsets_for_times({tp: ns // 1_000_000 for tp in tps})
+    return {tp: (found[tp].offset if found.get(tp) else high[tp]) for tp in tps}
+
+
+def outside_time_range(plan: Any, offset: int, ts_ns: int) -> bool:
+    """Whether a record is outside ``[plan.min_ns, plan.max_ns)``, judged by its own timestamp.
+
+    A record at or past the end time ends the partition once it lies beyond the offset the end
+    time resolved to (``plan.hint``): before that, batch granularity may still bring older ones.
+    Records older than the start come from the batch ``offsets_for_times`` pointed at.
+    """
+    if plan.max_ns is not None and ts_ns >= plan.max_ns:
+        if offset >= plan.hint:
+            plan.done = True
+        return True
+    return plan.min_ns is not None and ts_ns < plan.min_ns

@@ -1,0 +1,109 @@
+"""The Faust runtime shared by the assembler worker (``streams/app.py``) and the sink
+(``sinks/consumer.py``): the app factory, raw topics, awaited sends and the run-and-exit wrapper.
+
+Workarounds for Faust's and the brokers' quirks are not here but in ``streams/compat.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import faust
+
+from sparseety.config import Config
+from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
+from sparseety.streams.compat import faust_broker_settings
+
+log = logging.getLogger("sparseety")
+
+
+def create_app(cfg: Config, app_id: str, *, session_timeout_s: float, **settings: Any) -> faust.App:
+    """A Faust app (consumer group ``app_id``) on the configured Kafka, with in-memory tables,
+    no web server, and the configured topic layout (topics must exist: see
+    ``sparseety.kafka.ensure_topics``; Faust would otherwise create them with the broker's default
+    partition count). ``settings`` adds or overrides Faust settings."""
+    datadir = cfg.data_path / "faust" / app_id
+    datadir.mkdir(parents=True, exist_ok=True)
+    return faust.App(
+        app_id,
+        **{
+            **faust_broker_settings(cfg),
+            "store": "memory://",
+            "topic_partitions": cfg.topics.partitions,
+            "topic_replication_factor": cfg.topics.replication_factor,
+            "broker_session_timeout": session_timeout_s,
+            "broker_heartbeat_interval": min(3.0, session_timeout_s / 3),
+            "consumer_auto_offset_reset": "earliest",
+            "web_enabled": False,
+            "datadir": str(datadir),
+            **settings,
+        },
+    )
+
+
+def raw_topic(app: faust.App, *names: str) -> Any:
+    """A topic (or several read as one) of raw bytes keys and values: the codecs are ours."""
+    return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+
+async def send_awaited(topic: Any, items: list[tuple[bytes | None, bytes]]) -> None:
+    """Send ``(key, value)`` records and return once Kafka acknowledged all of them.
+
+    ``force``: publish now instead of attaching to the current event (which would only be
+    published at commit, after the batch, and so could not be awaited here).
+    """
+    pending = [await topic.send(key=key, value=value, force=True) for key, value in items]
+    if pending:
+        await asyncio.gather(*pending)
+
+
+class _ReadyWorker(faust.Worker):
+    """A Faust worker that writes a readiness file once started (and after each recovery)."""
+
+    ready_path: Path
+
+    async def on_startup_finished(self) -> None:
+        await super().on_startup_finished()
+        mark_ready(self.ready_path)
+
+
+def run(
+    app: faust.App,
+    *services: Any,
+    cfg: Config,
+    role: str,
+    loglevel: str = "info",
+    cleanup: Callable[[], object] | None = None,
+) -> NoReturn:
+    """Run ``app`` (and ``services`` beside it) until SIGTERM/SIGINT, then exit the process.
+
+    While it runs, ``<data_dir>/run/<role>-<pid>.ready`` announces readiness
+    (:func:`sparseety.lifecycle.ready_file`). ``cleanup`` runs on the way out, bounded in time
+    (:func:`sparseety.lifecycle.exit_after`: a stalled chDB shutdown must not keep a stopped
+    process alive).
+    """
+    ready = ready_file(cfg.data_path, role)
+    clear_ready(ready)
+
+    def finish() -> None:
+        clear_ready(ready)
+        if cleanup is not None:
+            cleanup()
+
+    code = 1
+    try:
+        worker = _ReadyWorker(app, *services, loglevel=loglevel, quiet=True)
+        worker.ready_path = ready
+        worker.execute_from_commandline()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        log.exception("the %s failed", role)
+        raise
+    finally:
+        exit_after(finish, code)
