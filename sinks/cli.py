@@ -62,7 +62,6 @@ def _echo(rows: Any, fmt: str) -> None:
 @click.option(
     "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
 )
-@click.option("--crash-after-writes", type=int, default=None, hidden=True)
 @pass_ctx
 def sink_cmd(
     c: CliContext,
@@ -70,7 +69,6 @@ def sink_cmd(
     session_timeout: float,
     commit_interval: float,
     loglevel: str,
-    crash_after_writes: int | None,
 ) -> None:
     """Write the timelines, usage and dlq topics to the store (a Faust worker).
 
@@ -98,7 +96,6 @@ def sink_cmd(
             sink,
             session_timeout_s=session_timeout,
             commit_interval_s=commit_interval,
-            crash_after_writes=crash_after_writes,
         )
         Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
         code = 0
