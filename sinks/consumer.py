@@ -186,7 +186,7 @@ class SinkWorker:
         try:
             result = await asyncio.to_thread(self.sink.flush)
         except SinkWriteError as exc:
-            result = exc.fields["result"]
+            result = exc.result
             log.error("sink: %s", exc)
         self.totals.merge(result)
         if result.total_rows:

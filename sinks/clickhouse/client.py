@@ -93,8 +93,8 @@ def locked_error(path: Path, cause: BaseException | None = None) -> StoreLockedE
         f"`sparseety up`) owns it and serves queries; stop it to open the path directly, or point "
         f"clickhouse.dsn at a ClickHouse server (http://...)." + (f" ({cause})" if cause else ""),
         path=str(path),
-        owner_pid=pid,
-        owner_command=owner.get("command") if owner else None,
+        owner_pid=pid if isinstance(pid, int) else None,
+        owner_command=str(owner["command"]) if owner and "command" in owner else None,
     )
 
 

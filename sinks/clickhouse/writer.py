@@ -165,16 +165,15 @@ class ClickHouseSink(Sink):
         result = self._write_chunks(self._seal())
         self.totals.merge(result)
         if result.failed:
-            err = SinkWriteError(
+            raise SinkWriteError(
                 f"sink could not write {len(result.failed)} batch(es) after {self.max_retries} retries: "
                 + ", ".join(
                     f"{b.topic}[{b.partition}]@{b.first_offset}..{b.last_offset}" for b in result.failed
                 )
                 + "; they stay buffered and will be retried",
                 failed=[b.as_tuple() for b in result.failed],
+                result=result,
             )
-            err.fields["result"] = result
-            raise err
         return result
 
     def _write_chunks(self, chunks: list[_Chunk]) -> FlushResult:

@@ -55,7 +55,7 @@ def test_a_path_held_by_another_process_is_a_clear_error(
             Store.open(load_config(clickhouse={"dsn": f"chdb://{path}"}))
         msg = str(info.value)
         assert f"process {holder.pid} (holder-for-test)" in msg and "sparseety store" in msg
-        assert info.value.fields["owner_pid"] == holder.pid
+        assert info.value.owner_pid == holder.pid
         assert "Cannot lock file" not in capfd.readouterr().err, "chDB was asked, and wrote its own error"
     finally:
         holder.kill()
