@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import tenacity
+
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError, StoreError
 from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
@@ -217,30 +219,36 @@ class ClickHouseSink(Sink):
                 cols.append(merged)
         n = len(cols[0])
         token = f"{self._token_prefix}-{next(self._inserts)}"
-        attempt = 0
-        while True:
-            try:
-                self.store.insert(
-                    self.target(table),
-                    cols,
-                    table.columns,
-                    settings={"insert_deduplication_token": token},
-                )
-                break
-            except StoreError as exc:
-                if attempt >= retries:
-                    raise _InsertFailed(str(exc)) from exc
-                delay = min(MAX_BACKOFF_S, self.retry_backoff_s * 2**attempt)
-                attempt += 1
-                log.warning(
-                    "sink: insert into %s failed (attempt %d of %d), retrying in %.1f s: %s",
-                    table.name,
-                    attempt,
-                    retries + 1,
-                    delay,
-                    exc,
-                )
-                self._sleep(delay)
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning(
+                "sink: insert into %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                table.name,
+                state.attempt_number,
+                retries + 1,
+                state.upcoming_sleep,
+                state.outcome.exception() if state.outcome else None,
+            )
+
+        # every attempt reuses the token: a retry of an insert the server did store is dropped
+        insert = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(retries + 1),
+            wait=tenacity.wait_exponential(multiplier=self.retry_backoff_s, max=MAX_BACKOFF_S),
+            retry=tenacity.retry_if_exception_type(StoreError),
+            sleep=self._sleep,
+            before_sleep=warn,
+            reraise=True,
+        )
+        try:
+            insert(
+                self.store.insert,
+                self.target(table),
+                cols,
+                table.columns,
+                settings={"insert_deduplication_token": token},
+            )
+        except StoreError as exc:
+            raise _InsertFailed(str(exc)) from exc
         for c in chunks:
             c.written.add(table.name)
         result.rows[table.name] = result.rows.get(table.name, 0) + n
