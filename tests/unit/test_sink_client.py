@@ -14,7 +14,8 @@ import pytest
 from sparseety.config import load_config
 from sparseety.errors import PluginLoadError, ReplayError, StoreError, StoreLockedError
 from sparseety.sinks import processors
-from sparseety.sinks.clickhouse.client import OWNER_FILE, Store, parse_dsn, read_owner
+from sparseety.sinks.clickhouse.client import Store, parse_dsn
+from sparseety.sinks.clickhouse.embedded import OWNER_FILE, read_owner
 from sparseety.sinks.replay import Bound, parse_bound
 
 NOW = 1_700_000_000 * 10**9
