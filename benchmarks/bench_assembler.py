@@ -156,10 +156,10 @@ def long_request_state() -> tuple[int, int]:
 def worker_throughput(events: list[dict[str, Any]], request_steps: int) -> float:
     import tempfile
 
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.config import load_config
     from sparseety.kafka import ensure_topics
-    from tests.helpers import ComponentProcess, produce_events, read_topic
+    from tests.helpers import ComponentProcess, free_port, produce_events, read_topic
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-asm-"))
     cfg = load_config(data_dir=str(tmp), broker={"port": free_port()})

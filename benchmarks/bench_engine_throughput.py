@@ -121,10 +121,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.config import load_config, to_env
     from sparseety.kafka import ensure_topics
-    from sparseety.producers.vllm.tiny_models import build_tiny_model
+    from sparseety.stack.tiny_models import build_tiny_model
+    from tests.helpers import free_port
 
     model = build_tiny_model("llama", MODEL_CACHE / "llama")
     with tempfile.TemporaryDirectory(prefix="sparseety-bench-") as tmp:

@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparseety import events as ev
-from sparseety.broker import free_port
 from sparseety.config import load_config
 from sparseety.kafka import make_encoder, make_producer
 from sparseety.stack.supervisor import Stack
+from tests.helpers import free_port
 from tests.sim import SimEngine, workload
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparseety.broker import EmbeddedBroker, free_port
+from sparseety.broker import EmbeddedBroker
 from sparseety.config import load_config
 from sparseety.kafka import ensure_topics
 from sparseety.sinks.clickhouse.client import Store
@@ -29,7 +29,7 @@ from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.sinks.processors import processor_for_topic
 from sparseety.sinks.replay import Bound, Replay
-from tests.helpers import produce_events
+from tests.helpers import free_port, produce_events
 from tests.recorded import load_scenario, scenarios
 
 

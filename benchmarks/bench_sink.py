@@ -156,10 +156,11 @@ def bench_decode_write(path: str, payloads: list[bytes], cfg: Config, batch: int
 
 
 def bench_replay(path: str, payloads: list[bytes], runs: int) -> list[tuple[float, int, int]]:
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.kafka import ensure_topics, make_producer
     from sparseety.sinks.processors import identity
     from sparseety.sinks.replay import Bound, Replay
+    from tests.helpers import free_port
 
     data = tempfile.mkdtemp(prefix="bench-broker-")
     broker = EmbeddedBroker(load_config(data_dir=data, broker={"port": free_port()}))
@@ -224,9 +225,10 @@ def bench_live(payloads: list[bytes], runs: int) -> list[tuple[float, int, int]]
 
     from confluent_kafka import Consumer
 
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.config import to_env
     from sparseety.kafka import ensure_topics, make_producer
+    from tests.helpers import free_port
 
     data = Path(tempfile.mkdtemp(prefix="bench-live-"))
     broker = EmbeddedBroker(load_config(data_dir=str(data / "broker"), broker={"port": free_port()}))
@@ -321,8 +323,9 @@ def bench_faust_ceiling(payloads: list[bytes]) -> float:
     of any Faust worker consuming one message per record on this machine)."""
     import multiprocessing
 
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.kafka import ensure_topics, make_producer
+    from tests.helpers import free_port
 
     broker = EmbeddedBroker(load_config(data_dir=tempfile.mkdtemp(), broker={"port": free_port()}))
     broker.start(create_topics=False)

@@ -13,7 +13,7 @@ Usage::
     .venv/bin/python scripts/record_fixtures.py                  # every scenario
     .venv/bin/python scripts/record_fixtures.py spec_ngram moe_routing
 
-Nothing is downloaded: the tiny models are built locally (``producers/vllm/tiny_models.py``).
+Nothing is downloaded: the tiny models are built locally (``sparseety/stack/tiny_models.py``).
 """
 
 from __future__ import annotations
@@ -268,9 +268,10 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="*", choices=[*SCENARIOS, []], help="default: all")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
     from sparseety.config import load_config
-    from sparseety.producers.vllm.tiny_models import build_tiny_model
+    from sparseety.stack.tiny_models import build_tiny_model
+    from tests.helpers import free_port
 
     for kind in {SCENARIOS[s]["model"] for s in args.scenarios or SCENARIOS}:
         build_tiny_model(kind, MODEL_CACHE / kind)

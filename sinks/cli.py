@@ -64,7 +64,6 @@ def echo_rows(rows: Any, fmt: str) -> None:
 @click.option(
     "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
 )
-@click.option("--crash-after-writes", type=int, default=None, hidden=True)
 @pass_ctx
 def sink_cmd(
     c: CliContext,
@@ -72,7 +71,6 @@ def sink_cmd(
     session_timeout: float,
     commit_interval: float,
     loglevel: str,
-    crash_after_writes: int | None,
 ) -> None:
     """Write the timelines, usage and dlq topics to the store (a Faust worker).
 
@@ -98,7 +96,6 @@ def sink_cmd(
             sink,
             session_timeout_s=session_timeout,
             commit_interval_s=commit_interval,
-            crash_after_writes=crash_after_writes,
         )
     except BaseException:
         logging.getLogger("sparseety.sink").exception("the sink failed")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -89,8 +88,6 @@ class SinkWorker:
         send_dead_letters: Coroutine that sends ``[(key, DeadLetter record)]`` to the dlq topic
             and returns once Kafka acknowledged them.
         partitions: Pause/resume/ack controls.
-        crash_after_writes: Test hook: SIGKILL this process right after that many writes, before
-            the batch is acknowledged (the window between write and offset commit).
         max_rows: Write as soon as this many rows are buffered, also within a batch.
     """
 
@@ -102,7 +99,6 @@ class SinkWorker:
         send_dead_letters: Callable[[list[tuple[bytes | None, dict[str, Any]]]], Awaitable[None]],
         partitions: Partitions,
         *,
-        crash_after_writes: int | None = None,
         max_rows: int = 50_000,
     ) -> None:
         self.sink = sink
@@ -111,7 +107,6 @@ class SinkWorker:
         self.dlq_topic = dlq_topic
         self.send_dead_letters = send_dead_letters
         self.partitions = partitions
-        self.crash_after_writes = crash_after_writes
         self.lock = asyncio.Lock()
         self.held: dict[TP, list[Any]] = defaultdict(list)
         self.writes = 0
@@ -187,7 +182,7 @@ class SinkWorker:
         try:
             result = await asyncio.to_thread(self.sink.flush)
         except SinkWriteError as exc:
-            result = exc.fields["result"]
+            result = exc.result
             log.error("sink: %s", exc)
         self.totals.merge(result)
         if result.total_rows:
@@ -196,9 +191,6 @@ class SinkWorker:
                 "sink: wrote %s",
                 ", ".join(f"{t}={n}" for t, n in result.rows.items()),
             )
-            if self.crash_after_writes is not None and self.writes >= self.crash_after_writes:
-                log.warning("sink: crash-after-writes hook: SIGKILL after the write, before the ack")
-                os.kill(os.getpid(), signal.SIGKILL)
         self._release()
 
     def _hold(self, messages: list[Message]) -> None:
@@ -231,7 +223,6 @@ def create_app(
     session_timeout_s: float = 30.0,
     commit_interval_s: float = 2.8,
     take_max: int = 10_000,
-    crash_after_writes: int | None = None,
 ) -> Any:
     """The sink's Faust app (its own consumer group, ``cfg.sink.group_id``).
 
@@ -268,7 +259,6 @@ def create_app(
         cfg.topics.dlq,
         send_dead_letters,
         FaustPartitions(app),
-        crash_after_writes=crash_after_writes,
         max_rows=cfg.sink.batch_max_rows,
     )
     app.sparseety_sink = worker  # type: ignore[attr-defined]

@@ -75,14 +75,10 @@ class FanOutSink(Sink):
                 result.merge(s.flush())
             except SinkWriteError as exc:
                 errors.append(exc)
-                partial = exc.fields.get("result")
-                if isinstance(partial, FlushResult):
-                    result.merge(partial)
+                result.merge(exc.result)
         if errors:
             failed = sorted({b.as_tuple() for b in result.failed})
-            err = SinkWriteError("; ".join(str(e) for e in errors), failed=failed)
-            err.fields["result"] = result
-            raise err
+            raise SinkWriteError("; ".join(str(e) for e in errors), failed=failed, result=result)
         return result
 
     def discard(self, topic: str, partition: int) -> int:

@@ -52,13 +52,6 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class BrokerStatus:
     """What ``sparseety broker status`` reports."""

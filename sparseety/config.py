@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from sparseety.errors import ConfigError
@@ -365,35 +366,18 @@ def masked_dict(cfg: Config) -> dict[str, Any]:
     return data
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        items = ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items())
-        return "{ " + items + " }" if items else "{}"
-    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
-
-
 def to_toml(cfg: Config) -> str:
     """The effective configuration as a TOML file (secrets masked): what ``--config`` reads.
 
     Unset optional values (``None``) are left out: TOML has no null, and leaving them out means
     the same default.
     """
-    data = masked_dict(cfg)
-    top = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
-    lines = [*top, ""] if top else []
-    for section, fields in data.items():
-        if not isinstance(fields, dict):
-            continue
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items() if v is not None]
-        lines.append("")
-    return "\n".join(lines)
+    data = {
+        k: {f: x for f, x in v.items() if x is not None} if isinstance(v, dict) else v
+        for k, v in masked_dict(cfg).items()
+        if v is not None
+    }
+    return tomli_w.dumps(data)
 
 
 def to_env(cfg: Config) -> dict[str, str]:

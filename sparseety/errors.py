@@ -124,9 +124,23 @@ class StoreLockedError(StoreError):
     """The embedded chDB data path is open in another process (chDB allows one per path).
 
     Attributes:
-        fields['path']: The data path; fields['owner_pid'] / fields['owner_command']: the
-        recorded owner, when known.
+        path: The data path.
+        owner_pid, owner_command: The recorded owner, when known.
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str,
+        owner_pid: int | None = None,
+        owner_command: str | None = None,
+        **fields: Any,
+    ) -> None:
+        super().__init__(message, **fields)
+        self.path = path
+        self.owner_pid = owner_pid
+        self.owner_command = owner_command
 
 
 class MigrationError(StoreError):
@@ -139,11 +153,15 @@ class SinkWriteError(StoreError):
     Attributes:
         failed: ``(topic, partition, first_offset, last_offset)`` of every batch not written,
             so the caller can stop exactly those partitions.
+        result: The sink's ``FlushResult`` of this flush: what was written despite the failure.
     """
 
-    def __init__(self, message: str, *, failed: list[tuple[str, int, int, int]], **fields: object) -> None:
+    def __init__(
+        self, message: str, *, failed: list[tuple[str, int, int, int]], result: Any, **fields: object
+    ) -> None:
         super().__init__(message, failed=failed, **fields)
         self.failed = failed
+        self.result = result
 
 
 class QueryError(SparseetyError):

@@ -182,11 +182,6 @@ class SchemaStore:
         w = _wire(schema)
         return SchemaStore(self.current, {**self.by_fingerprint, w.fingerprint: w})
 
-    def with_reader(self, schema: Mapping[str, Any]) -> SchemaStore:
-        """A copy whose current (reader) version of that record is ``schema`` (standalone JSON)."""
-        w = _wire(schema)
-        return SchemaStore({**self.current, w.name: w}, {**self.by_fingerprint, w.fingerprint: w})
-
 
 def canonical_form(parsed: Mapping[str, Any]) -> str:
     """Avro Parsing Canonical Form of a parsed, standalone schema."""

@@ -24,7 +24,6 @@ import fastavro
 from sparseety.errors import (
     BadMagicError,
     CorruptPayloadError,
-    DecodeError,
     EncodeError,
     TruncatedPayloadError,
     UnknownSchemaError,
@@ -181,11 +180,3 @@ class Decoder:
         if not isinstance(datum, dict):
             raise CorruptPayloadError(f"{writer.name} did not decode to a record", raw=data)
         return writer.name, datum
-
-
-def decode_or_error(decoder: Decoder, data: bytes) -> tuple[str, dict[str, Any]] | DecodeError:
-    """Decode, returning the typed error instead of raising (for yield-good-or-error loops)."""
-    try:
-        return decoder.decode(data)
-    except DecodeError as exc:
-        return exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,13 @@ from sparseety.config import Config, load_config, to_env
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 
 VENV_BIN = Path(sys.executable).parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def produce_events(cfg: Config, events: Iterable[dict[str, Any]], topic: str | None = None) -> int:
@@ -90,10 +98,14 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.5, what: str = 
 
 
 class ComponentProcess:
-    """A ``sparseety`` subcommand in its own process, configured through SPARSEETY_* variables."""
+    """A ``sparseety`` subcommand in its own process, configured through SPARSEETY_* variables.
 
-    def __init__(self, cfg: Config, args: list[str], log: Path) -> None:
+    ``command`` replaces the ``sparseety`` executable (e.g. a test module wrapping its CLI).
+    """
+
+    def __init__(self, cfg: Config, args: list[str], log: Path, command: list[str] | None = None) -> None:
         self.cfg, self.args, self.log = cfg, args, log
+        self.command = command or [str(VENV_BIN / "sparseety")]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ComponentProcess:
@@ -102,7 +114,7 @@ class ComponentProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(VENV_BIN / "sparseety"), *self.args],
+                [*self.command, *self.args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -150,7 +162,7 @@ def throwaway_store(cfg: Config) -> Iterator[Any]:
 def running_broker(data_dir: Path) -> Iterator[Any]:
     """A Tansu broker of its own on a free port (no topics), stopped afterwards: for tests that
     stop or restart the broker, which the session's shared one must never be."""
-    from sparseety.broker import EmbeddedBroker, free_port
+    from sparseety.broker import EmbeddedBroker
 
     broker = EmbeddedBroker(load_config(data_dir=str(data_dir), broker={"port": free_port()}))
     broker.start(create_topics=False)

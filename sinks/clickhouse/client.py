@@ -1,12 +1,12 @@
 """One store client for both targets, through clickhouse-connect.
 
-* ``chdb:///abs/path``: the real ClickHouse engine embedded in this process (chDB). chDB allows
-  one process per data path and one path per process, and its sessions are not thread-safe, so a
-  :class:`Store` runs every call on one thread that it owns, and stores of one process opened on
-  the same path share that thread and engine. A path held by another process becomes a
-  :class:`~sparseety.errors.StoreLockedError` that names the owner (recorded in
-  ``<path>/sparseety-owner.json`` when a SparSEEty process opens it).
+* ``chdb:///abs/path``: the real ClickHouse engine embedded in this process (chDB). Its
+  one-process-per-path rule (shared engine per path, owner record, lock check) lives in
+  :mod:`~sparseety.sinks.clickhouse.embedded`, which only a chDB DSN imports.
 * ``http(s)://host:port``: a ClickHouse server or cluster. Same DDL, same SQL.
+
+chDB sessions are not thread-safe, so every call on an :class:`Engine` runs on one thread that it
+owns (a server's engine works the same way).
 
 Tables are always named with their database (``db.table``), so one client serves every database.
 The :class:`Store` is what a process that owns the embedded path shares between the sink and the
@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import json
-import os
 import re
-import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,11 +26,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from sparseety.config import Config
-from sparseety.errors import StoreError, StoreLockedError
-from sparseety.lifecycle import pid_alive
+from sparseety.errors import StoreError
 
 T = TypeVar("T")
-OWNER_FILE = "sparseety-owner.json"
 _CODE = re.compile(r"Code: (\d+)")
 
 
@@ -70,57 +63,11 @@ def error_code(exc: BaseException) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_owner(path: Path) -> dict[str, Any] | None:
-    """The owner record of a chDB path, if a SparSEEty process left one."""
-    try:
-        data = json.loads((path / OWNER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def locked_error(path: Path, cause: BaseException | None = None) -> StoreLockedError:
-    """The error for a chDB path another process holds, naming that process when known."""
-    owner = read_owner(path)
-    pid = owner.get("pid") if owner else None
-    if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
-        who = f"process {pid} ({owner.get('command', '?') if owner else '?'})"
-    else:
-        who = "another process"
-    return StoreLockedError(
-        f"the embedded ClickHouse store at {path} is open in {who}. chDB lets one process own a "
-        f"data path: in the embedded stack the store process (`sparseety store`, started by "
-        f"`sparseety up`) owns it and serves queries; stop it to open the path directly, or point "
-        f"clickhouse.dsn at a ClickHouse server (http://...)." + (f" ({cause})" if cause else ""),
-        path=str(path),
-        owner_pid=pid,
-        owner_command=owner.get("command") if owner else None,
-    )
-
-
-def _check_unlocked(path: Path) -> None:
-    """Raise StoreLockedError if another process holds the chDB path.
-
-    ClickHouse takes an exclusive ``flock`` on ``<path>/status`` for as long as it runs; asking
-    for the same lock first spares the user chDB's own error text on stderr.
-    """
-    status = path / "status"
-    if not status.exists():
-        return
-    with open(status, "rb") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise locked_error(path) from None
-        fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-class _Engine:
+class Engine:
     """A clickhouse-connect client and the single thread every call on it runs on."""
 
     def __init__(self, target: Target, connect: Callable[[], Any], owner: str) -> None:
         self.target = target
-        self.refs = 0
         self.owner = owner
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseety-store")
         self._thread: threading.Thread | None = None
@@ -142,50 +89,24 @@ class _Engine:
             return fn(self.client, *args)
         return self.executor.submit(fn, self.client, *args).result()
 
+    def release(self) -> None:
+        """One :class:`Store` on this engine closed (a server's engine has one store)."""
+        self.close()
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.executor.submit(self.client.close).result()
         self.executor.shutdown(wait=True)
 
 
-_engines: dict[str, _Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def _open_engine(target: Target, cfg: Config, owner: str) -> _Engine:
-    import clickhouse_connect
-
+def _open_engine(target: Target, cfg: Config, owner: str) -> Engine:
+    """The engine behind ``target``: a chDB path goes through the one-owner rule (its own
+    module, imported only then), a server gets a plain client of its own."""
     if target.kind == "chdb":
-        assert target.path is not None
-        key = str(target.path)
-        with _engines_lock:
-            engine = _engines.get(key)
-            if engine is None:
-                other = next(iter(_engines), None)
-                if other is not None:
-                    raise StoreError(
-                        f"this process already has the embedded store at {other} open; chDB allows one "
-                        f"data path per process (asked for {key})",
-                        path=key,
-                        open_path=other,
-                    )
-                path = target.path
-                path.mkdir(parents=True, exist_ok=True)
+        from sparseety.sinks.clickhouse.embedded import open_embedded
 
-                def connect() -> Any:
-                    _check_unlocked(path)
-                    try:
-                        return clickhouse_connect.get_client(dsn=f"chdb://{key}")
-                    except Exception as exc:
-                        if "Error initializing EmbeddedServer" in str(exc):
-                            raise locked_error(path, exc) from exc
-                        raise StoreError(f"cannot open the embedded store at {key}: {exc}", path=key) from exc
-
-                engine = _Engine(target, connect, owner)
-                _write_owner(path, owner)
-                _engines[key] = engine
-            engine.refs += 1
-            return engine
+        return open_embedded(target, owner)
+    import clickhouse_connect
 
     password = cfg.clickhouse.password.get_secret_value() if cfg.clickhouse.password else ""
 
@@ -199,33 +120,11 @@ def _open_engine(target: Target, cfg: Config, owner: str) -> _Engine:
                 f"cannot reach ClickHouse at {_redact(target.dsn)}: {exc}", dsn=_redact(target.dsn)
             ) from exc
 
-    engine = _Engine(target, connect_http, owner)
-    engine.refs = 1
-    return engine
+    return Engine(target, connect_http, owner)
 
 
 def _redact(dsn: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", dsn)
-
-
-def _write_owner(path: Path, owner: str) -> None:
-    record = {"pid": os.getpid(), "command": owner or " ".join(sys.argv[:3]), "opened_ns": time.time_ns()}
-    with contextlib.suppress(OSError):
-        (path / OWNER_FILE).write_text(json.dumps(record))
-
-
-def _release_engine(engine: _Engine) -> None:
-    with _engines_lock:
-        engine.refs -= 1
-        if engine.refs > 0:
-            return
-        if engine.target.kind == "chdb" and engine.target.path is not None:
-            _engines.pop(str(engine.target.path), None)
-            owner = read_owner(engine.target.path)
-            if owner and owner.get("pid") == os.getpid():
-                with contextlib.suppress(OSError):
-                    (engine.target.path / OWNER_FILE).unlink()
-    engine.close()
 
 
 class Store:
@@ -240,8 +139,8 @@ class Store:
         target: Where the store is.
     """
 
-    def __init__(self, engine: _Engine, database: str, cluster: str) -> None:
-        self._engine: _Engine | None = engine
+    def __init__(self, engine: Engine, database: str, cluster: str) -> None:
+        self._engine: Engine | None = engine
         self.database = database
         self.cluster = cluster
         self.target = engine.target
@@ -264,7 +163,7 @@ class Store:
         return cls(engine, database or cfg.clickhouse.database, cfg.clickhouse.cluster)
 
     @property
-    def engine(self) -> _Engine:
+    def engine(self) -> Engine:
         if self._engine is None:
             raise StoreError("the store is closed")
         return self._engine
@@ -343,7 +242,7 @@ class Store:
         """Release the client (the last store of an embedded path closes the engine)."""
         engine, self._engine = self._engine, None
         if engine is not None:
-            _release_engine(engine)
+            engine.release()
 
     def __enter__(self) -> Store:
         return self

@@ -176,10 +176,3 @@ class RowBuffer:
         for append, f in self._dlq_fields:
             append(rec[f])
         return 1
-
-    def extend(self, other: RowBuffer) -> None:
-        """Append every row of ``other``."""
-        for table, cols in other.columns.items():
-            mine = self.columns[table]
-            for col, values in cols.items():
-                mine[col].extend(values)

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import tenacity
+
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError, StoreError
 from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
@@ -57,12 +59,11 @@ class ClickHouseSink(Sink):
 
     Args:
         store: Where to write (tables in ``store.database``, migrated).
-        batch_max_rows: Flush when this many rows are buffered (see :meth:`should_flush`).
-        batch_interval_s: Flush when the oldest buffered row is this old.
+        batch_max_rows: How many buffered rows call for a flush (read by callers that batch).
         max_retries: Extra attempts per insert before it counts as failing.
         retry_backoff_s: First backoff; doubles per attempt, capped at 10 s.
         own_store: Close ``store`` in :meth:`close`.
-        sleep, clock: Injected for tests.
+        sleep: Injected for tests.
     """
 
     records = RECORDS
@@ -72,24 +73,19 @@ class ClickHouseSink(Sink):
         store: Store,
         *,
         batch_max_rows: int = 50_000,
-        batch_interval_s: float = 1.0,
         max_retries: int = 8,
         retry_backoff_s: float = 0.5,
         own_store: bool = False,
         sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.batch_max_rows = batch_max_rows
-        self.batch_interval_s = batch_interval_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self._own_store = own_store
         self._sleep = sleep
-        self._clock = clock
         self._buffer = ChunkBuffer(lambda topic, partition, offset: _Chunk(topic, partition, offset, offset))
         self._pending_rows = 0
-        self._oldest: float | None = None
         self._token_prefix = uuid.uuid4().hex[:12]
         self._inserts = itertools.count()
         self.totals = FlushResult()
@@ -118,7 +114,6 @@ class ClickHouseSink(Sink):
         return cls(
             store,
             batch_max_rows=cfg.sink.batch_max_rows,
-            batch_interval_s=cfg.sink.batch_interval_s,
             max_retries=cfg.sink.max_retries,
             retry_backoff_s=cfg.sink.retry_backoff_s,
             own_store=own,
@@ -139,20 +134,12 @@ class ClickHouseSink(Sink):
             raise
         self._pending_rows += added
         chunk.last = offset
-        if self._oldest is None:
-            self._oldest = self._clock()
 
     def pending_rows(self) -> int:
         return self._pending_rows
 
     def pending_batches(self) -> list[Batch]:
         return self._buffer.batches()
-
-    def should_flush(self) -> bool:
-        """Enough rows buffered, or the oldest buffered row waited ``batch_interval_s``."""
-        if self._pending_rows >= self.batch_max_rows:
-            return True
-        return self._oldest is not None and self._clock() - self._oldest >= self.batch_interval_s
 
     def discard(self, topic: str, partition: int) -> int:
         before = self._pending_rows
@@ -180,16 +167,15 @@ class ClickHouseSink(Sink):
         result = self._write_chunks(self._seal())
         self.totals.merge(result)
         if result.failed:
-            err = SinkWriteError(
+            raise SinkWriteError(
                 f"sink could not write {len(result.failed)} batch(es) after {self.max_retries} retries: "
                 + ", ".join(
                     f"{b.topic}[{b.partition}]@{b.first_offset}..{b.last_offset}" for b in result.failed
                 )
                 + "; they stay buffered and will be retried",
                 failed=[b.as_tuple() for b in result.failed],
+                result=result,
             )
-            err.fields["result"] = result
-            raise err
         return result
 
     def _write_chunks(self, chunks: list[_Chunk]) -> FlushResult:
@@ -219,7 +205,6 @@ class ClickHouseSink(Sink):
         result.failed.extend(c.batch for c in failed)
         self._buffer.remove(done)
         self._recount()
-        self._oldest = self._clock() if self._buffer.chunks else None
         return result
 
     def _write(self, table: Table, chunks: list[_Chunk], result: FlushResult, retries: int) -> None:
@@ -234,30 +219,36 @@ class ClickHouseSink(Sink):
                 cols.append(merged)
         n = len(cols[0])
         token = f"{self._token_prefix}-{next(self._inserts)}"
-        attempt = 0
-        while True:
-            try:
-                self.store.insert(
-                    self.target(table),
-                    cols,
-                    table.columns,
-                    settings={"insert_deduplication_token": token},
-                )
-                break
-            except StoreError as exc:
-                if attempt >= retries:
-                    raise _InsertFailed(str(exc)) from exc
-                delay = min(MAX_BACKOFF_S, self.retry_backoff_s * 2**attempt)
-                attempt += 1
-                log.warning(
-                    "sink: insert into %s failed (attempt %d of %d), retrying in %.1f s: %s",
-                    table.name,
-                    attempt,
-                    retries + 1,
-                    delay,
-                    exc,
-                )
-                self._sleep(delay)
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning(
+                "sink: insert into %s failed (attempt %d of %d), retrying in %.1f s: %s",
+                table.name,
+                state.attempt_number,
+                retries + 1,
+                state.upcoming_sleep,
+                state.outcome.exception() if state.outcome else None,
+            )
+
+        # every attempt reuses the token: a retry of an insert the server did store is dropped
+        insert = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(retries + 1),
+            wait=tenacity.wait_exponential(multiplier=self.retry_backoff_s, max=MAX_BACKOFF_S),
+            retry=tenacity.retry_if_exception_type(StoreError),
+            sleep=self._sleep,
+            before_sleep=warn,
+            reraise=True,
+        )
+        try:
+            insert(
+                self.store.insert,
+                self.target(table),
+                cols,
+                table.columns,
+                settings={"insert_deduplication_token": token},
+            )
+        except StoreError as exc:
+            raise _InsertFailed(str(exc)) from exc
         for c in chunks:
             c.written.add(table.name)
         result.rows[table.name] = result.rows.get(table.name, 0) + n

@@ -222,14 +222,13 @@ class OtelSink(Sink):
         if not flushed or self.exporter.failures > failures:
             result.failed = [c.batch for c in chunks]
             self.totals.merge(result)
-            err = SinkWriteError(
+            raise SinkWriteError(
                 f"OTLP export failed for {sum(len(c.spans) for c in chunks)} spans "
                 f"({self.exporter.failures - failures} failed exports); they stay buffered and will be "
                 "exported again with the same ids",
                 failed=[b.as_tuple() for b in result.failed],
+                result=result,
             )
-            err.fields["result"] = result
-            raise err
         self._buffer.remove(chunks)
         n = sum(len(c.spans) for c in chunks)
         self._pending -= n

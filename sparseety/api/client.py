@@ -237,9 +237,8 @@ for _spec in QUERIES:
 
 
 def _owner_text(exc: StoreLockedError) -> str:
-    pid, command = exc.fields.get("owner_pid"), exc.fields.get("owner_command")
-    who = f"process {pid} ({command})" if pid else "another process"
-    return f"the embedded store at {exc.fields.get('path', '?')} is open in {who}"
+    who = f"process {exc.owner_pid} ({exc.owner_command})" if exc.owner_pid else "another process"
+    return f"the embedded store at {exc.path} is open in {who}"
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ class Api:
 def _model(cfg: Config, model: Path | None, say: Say) -> tuple[Path, str]:
     if model is not None:
         return model, model.name
-    from sparseety.producers.vllm.tiny_models import build_tiny_model
+    from sparseety.stack.tiny_models import build_tiny_model
 
     path = cfg.data_path / "models" / "mixtral-sw"
     say(f"model: building the tiny MoE model with a sliding window under {path} (once)")

@@ -13,7 +13,6 @@ import contextlib
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 
 from sparseety.config import Config, to_env
 from sparseety.kafka import ensure_topics
+from tests.helpers import free_port
 
 MODEL_CACHE = Path(os.environ.get("TINY_MODEL_CACHE", "~/.cache/sparseety-tiny-models")).expanduser()
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -35,15 +35,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 def tiny_model(kind: str) -> Path:
     """A tiny random-weight checkpoint of ``kind`` (llama, mixtral, mistral-sw), built once."""
-    from sparseety.producers.vllm.tiny_models import build_tiny_model
+    from sparseety.stack.tiny_models import build_tiny_model
 
     return build_tiny_model(kind, MODEL_CACHE / kind)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparseety.broker import free_port
 from sparseety.config import load_config
 from sparseety.stack.demo import TOKEN_CLASSES, run_demo
 from sparseety.stack.supervisor import Stack
+from tests.helpers import free_port
 
 
 def test_demo(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import Config
-from tests.e2e.conftest import EnginePool, OfflineEngine, engine_config, free_port, start_offline, tiny_model
+from tests.e2e.conftest import EnginePool, OfflineEngine, engine_config, start_offline, tiny_model
 from tests.e2e.engine_events import ZmqKvSubscriber, engine_events, engine_rid, finished_ids, kv_view
+from tests.helpers import free_port
 from tests.recorded import reconstruct, seq_gaps
 
 SYSTEM = [

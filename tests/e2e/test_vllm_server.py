@@ -21,12 +21,12 @@ import httpx
 import pytest
 
 from sparseety import events as ev
-from sparseety.broker import EmbeddedBroker, free_port
+from sparseety.broker import EmbeddedBroker
 from sparseety.config import Config
 from sparseety.kafka import ensure_topics
 from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, tiny_model
 from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
-from tests.helpers import running_broker
+from tests.helpers import free_port, running_broker
 from tests.recorded import reconstruct, seq_gaps
 
 SYSTEMS = [

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from sparseety.broker import EmbeddedBroker, free_port
+from sparseety.broker import EmbeddedBroker
 from sparseety.config import Config, load_config
 from sparseety.errors import PortInUseError
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 from tests import factories as f
+from tests.helpers import free_port
 
 
 def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

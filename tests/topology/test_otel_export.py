@@ -21,11 +21,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparseety.broker import free_port
 from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.otel import spans as sp
-from tests.helpers import ComponentProcess, produce_raw, wait_for
+from tests.helpers import ComponentProcess, free_port, produce_raw, wait_for
 from tests.recorded import load_scenario, raw_events
 from tests.topology.test_worker import worker_cfg
 

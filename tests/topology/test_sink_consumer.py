@@ -4,6 +4,7 @@ killed between its write and its offset commit counts nothing twice after a rest
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -80,9 +81,13 @@ def sink_process(kafka_cfg: Config, unique: str, tmp_path: Path) -> Iterator[Cal
     procs: list[ComponentProcess] = []
     cfg = sink_config(kafka_cfg, unique)
 
-    def start(*extra: str) -> ComponentProcess:
+    def start(*extra: str, crash_after_writes: int | None = None) -> ComponentProcess:
         args = ["sink", "--session-timeout", "6", "--commit-interval", "0.5", "--loglevel", "info", *extra]
-        p = ComponentProcess(cfg, args, tmp_path / f"sink-{len(procs)}.log").start()
+        # the crash hook lives in tests: the sink CLI run through tests.crashing_sink
+        command = None
+        if crash_after_writes is not None:
+            command = [sys.executable, "-m", "tests.crashing_sink", str(crash_after_writes)]
+        p = ComponentProcess(cfg, args, tmp_path / f"sink-{len(procs)}.log", command).start()
         procs.append(p)
         return p
 
@@ -175,7 +180,7 @@ def test_sigkill_between_write_and_commit_counts_nothing_twice(
     for i in range(60):
         expected[f"t{i % 3}"] += 100 + i
 
-    first = sink_process("--crash-after-writes", "1")
+    first = sink_process(crash_after_writes=1)
     wait_for(lambda: not first.alive(), 90, 0.5, "the sink to kill itself after its first write")
     assert first.proc is not None and first.proc.returncode == -9, first.tail()
     assert "crash-after-writes hook" in first.tail()

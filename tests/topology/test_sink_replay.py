@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from sparseety.broker import free_port
 from sparseety.cli import main
 from sparseety.config import Config, to_env
 from sparseety.kafka import make_encoder, make_producer
@@ -24,6 +23,7 @@ from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.sinks.processors import identity
 from sparseety.sinks.replay import Bound, Replay, ReplayReport
 from tests import factories as f
+from tests.helpers import free_port
 
 S = 10**9
 T0 = 1_700_000_000 * S

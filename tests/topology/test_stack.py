@@ -9,8 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from sparseety.broker import free_port
-from tests.helpers import VENV_BIN
+from tests.helpers import VENV_BIN, free_port
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -19,6 +19,7 @@ from sparseety.errors import InvalidEventError, SchemaError
 from sparseety.schema_store import (
     WIRE_RECORDS,
     SchemaStore,
+    _wire,
     crc64_avro,
     index_by_name,
     inline,
@@ -135,13 +136,19 @@ def _previous_engine_event() -> dict[str, Any]:
     return inline(older["io.sparseety.v1.EngineEvent"], older)  # type: ignore[no-any-return]
 
 
+def with_reader(store: SchemaStore, schema: dict[str, Any]) -> SchemaStore:
+    """A copy of ``store`` whose current (reader) version of that record is ``schema``."""
+    w = _wire(schema)
+    return SchemaStore({**store.current, w.name: w}, {**store.by_fingerprint, w.fingerprint: w})
+
+
 def test_previous_reader_reads_record_with_added_field_single_object() -> None:
     old = _previous_engine_event()
     datum = f.wrap(3, ev.REQUEST_FINISHED, f.request_finished(first_token_ts_ns=123, chunk_arrival_ns=[1, 2]))
     data = Encoder(STORE, "EngineEvent").encode(datum)
     # An old consumer: its reader schema is the previous version; it has the writer's schema
     # (schemas/history ships every version a fleet may write).
-    old_reader = STORE.with_reader(old)
+    old_reader = with_reader(STORE, old)
     _, back = Decoder(old_reader).decode(data)
     body = ev.payload(back)
     assert "first_token_ts_ns" not in body and body["num_output_tokens"] == 3
@@ -149,7 +156,7 @@ def test_previous_reader_reads_record_with_added_field_single_object() -> None:
 
 def test_new_reader_fills_defaults_for_old_writer() -> None:
     old = _previous_engine_event()
-    old_store = STORE.with_reader(old)
+    old_store = with_reader(STORE, old)
     datum = f.wrap(
         3,
         ev.REQUEST_FINISHED,
@@ -164,7 +171,7 @@ def test_previous_reader_reads_record_with_added_field_registry() -> None:
     registry = SchemaRegistryClient.new_client({"url": "mock://evolution"})
     datum = f.wrap(3, ev.REQUEST_FINISHED, f.request_finished(first_token_ts_ns=5))
     data = Encoder(STORE, "EngineEvent", registry=registry, topic="evo").encode(datum)
-    old_reader = STORE.with_reader(_previous_engine_event())
+    old_reader = with_reader(STORE, _previous_engine_event())
     _, back = Decoder(old_reader, registry=registry).decode(data)
     assert "first_token_ts_ns" not in ev.payload(back)
 

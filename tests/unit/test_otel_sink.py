@@ -217,7 +217,7 @@ def test_a_failed_export_keeps_the_records_and_the_retry_reuses_their_ids(mode: 
             sink.add(ev.REQUEST_ACCOUNTING, f.accounting(f"{f.EID}/r{i}"), topic=TOPIC, partition=0, offset=i)
         with pytest.raises(SinkWriteError) as info:
             sink.flush()
-        assert info.value.fields["failed"] == [(TOPIC, 0, 0, 2)]
+        assert info.value.failed == [(TOPIC, 0, 0, 2)]
         assert sink.pending_rows() == 3 and sink.pending_batches() == [Batch(TOPIC, 0, 0, 2)]
         exporter.broken = False
         result = sink.flush()
@@ -337,8 +337,8 @@ def test_fan_out_writes_every_sink_and_retries_only_what_failed() -> None:
         assert fan.pending_rows() == 4 and fan.pending_batches() == [Batch(TOPIC, 0, 0, 1)]
         with pytest.raises(SinkWriteError) as info:
             fan.flush()
-        assert info.value.fields["failed"] == [(TOPIC, 0, 0, 1)]
-        assert info.value.fields["result"].rows == {"spans": 2}
+        assert info.value.failed == [(TOPIC, 0, 0, 1)]
+        assert info.value.result.rows == {"spans": 2}
         assert len(memory.get_finished_spans()) == 2 and good.pending_rows() == 0
         assert fan.pending_batches() == [Batch(TOPIC, 0, 0, 1)]
         flaky.broken = False

@@ -13,7 +13,8 @@ import pytest
 from sparseety.config import load_config
 from sparseety.errors import PluginLoadError, ReplayError, StoreError, StoreLockedError
 from sparseety.sinks import processors
-from sparseety.sinks.clickhouse.client import OWNER_FILE, Store, parse_dsn, read_owner
+from sparseety.sinks.clickhouse.client import Store, parse_dsn
+from sparseety.sinks.clickhouse.embedded import OWNER_FILE, read_owner
 from sparseety.sinks.replay import Bound, parse_bound
 from sparseety.streams.replay import FoldProcessor
 
@@ -55,7 +56,7 @@ def test_a_path_held_by_another_process_is_a_clear_error(
             Store.open(load_config(clickhouse={"dsn": f"chdb://{path}"}))
         msg = str(info.value)
         assert f"process {holder.pid} (holder-for-test)" in msg and "sparseety store" in msg
-        assert info.value.fields["owner_pid"] == holder.pid
+        assert info.value.owner_pid == holder.pid
         assert "Cannot lock file" not in capfd.readouterr().err, "chDB was asked, and wrote its own error"
     finally:
         holder.kill()

@@ -83,9 +83,7 @@ class MemorySink(Sink):
         result = FlushResult(rows={"rows": len(ok)} if ok else {})
         if self.buffer:
             failed = [b.as_tuple() for b in self.pending_batches()]
-            err = SinkWriteError("broken", failed=failed)
-            err.fields["result"] = result
-            raise err
+            raise SinkWriteError("broken", failed=failed, result=result)
         return result
 
     def discard(self, topic: str, partition: int) -> int:

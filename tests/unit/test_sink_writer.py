@@ -205,16 +205,11 @@ def test_a_partition_that_keeps_failing_stops_alone_and_keeps_its_data(store: St
     assert ids == {"0p0", "1p0", "2p0", "0p1", "1p1", "2p1", "3p1"}
 
 
-def test_flush_triggers_by_size_and_time_and_discard(store: Store) -> None:
-    now = [100.0]
-    sink = ClickHouseSink(store, batch_max_rows=5, batch_interval_s=1.0, clock=lambda: now[0])
-    assert not sink.should_flush()
+def test_pending_rows_and_discard(store: Store) -> None:
+    sink = ClickHouseSink(store)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="a"), topic="u", partition=0, offset=0)
-    assert not sink.should_flush()
-    now[0] += 1.0
-    assert sink.should_flush()
     sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r1"), topic="t", partition=1, offset=0)  # 7 rows
-    assert sink.pending_rows() == 8 and sink.should_flush()
+    assert sink.pending_rows() == 8
     assert sink.discard("t", 1) == 7 and sink.pending_rows() == 1
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="b"), topic="u", partition=0, offset=5)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="c"), topic="u", partition=0, offset=5)

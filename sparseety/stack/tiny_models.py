@@ -8,7 +8,7 @@ is what the SparSEEty tests need; the generated text is noise.
 
 Usage::
 
-    python -m sparseety.producers.vllm.tiny_models llama /tmp/tiny-llama
+    python -m sparseety.stack.tiny_models llama /tmp/tiny-llama
 """
 
 from __future__ import annotations
