@@ -364,13 +364,13 @@ def ingest(
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
         engines[trace.engine_id] = None
         key = trace.engine_name.encode()
-        for n, req, line in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
+        for n, req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
             state = (trace.seq, trace.started, trace.last_ts)
             try:
                 encoded = [encoder.encode(event) for event in trace.request(req)]
             except Exception as exc:  # a value the parser let through but the contract refuses
                 trace.seq, trace.started, trace.last_ts = state  # keep the epoch's seqs gap-free
-                report.bad_line(BadTraceLineError(n, f"cannot encode: {type(exc).__name__}: {exc}"), line)
+                report.bad_line(BadTraceLineError(n, f"cannot encode: {type(exc).__name__}: {exc}"), raw)
                 continue
             for value in encoded:
                 publisher.send(key, value)
