@@ -28,6 +28,13 @@ from tests.helpers import read_topic, wait_for
 #: The upstream answers by the request's model: these bodies go back byte for byte.
 BAD_USAGE = b'{"id": "cmpl-abc", "choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": "abc"}}'
 
+BAD_STREAM = (
+    b'data: {"id": "cmpl-s", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}'
+    b"\n\n"
+    b'data: {"id": "cmpl-s", "choices": [], "usage": {"prompt_tokens": -4, "completion_tokens": 1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
 
 class Upstream(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
@@ -47,6 +54,13 @@ class Upstream(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if body["model"] == "abc":
             self._send(BAD_USAGE)
+            return
+        if body["model"] == "abc-stream":
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(BAD_STREAM)))
+            self.end_headers()
+            self.wfile.write(BAD_STREAM)
             return
         if body["model"] == "slow":
             time.sleep(3)
@@ -148,6 +162,8 @@ def test_unaccountable_answers_pass_through_and_are_dead_lettered(kafka_cfg: Con
     with upstream() as up, proxy(kafka_cfg, up) as url:
         r = _chat(url, "abc")
         assert r.status_code == 200 and r.content == BAD_USAGE
+        r = _chat(url, "abc-stream", stream=True, stream_options={"include_usage": True})
+        assert r.status_code == 200 and r.content == BAD_STREAM
         assert _chat(url, "ok").status_code == 200
         _tenants(kafka_cfg, 1)
 
@@ -155,9 +171,11 @@ def test_unaccountable_answers_pass_through_and_are_dead_lettered(kafka_cfg: Con
             out = [v for *_, v in read_topic(kafka_cfg, kafka_cfg.topics.dlq)]
             return out or None
 
-        (letter,) = wait_for(dead, timeout=30, what="the dead letter")
-    assert letter["component"] == "proxy" and "usage.prompt_tokens" in letter["reason"]
-    assert json.loads(letter["value"])["usage"] == {"prompt_tokens": "abc"}
+        letters = wait_for(lambda: (d := dead()) and len(d) >= 2 and d, timeout=30, what="2 dead letters")
+    assert len(letters) == 2
+    assert all(x["component"] == "proxy" and "usage.prompt_tokens" in x["reason"] for x in letters)
+    usages = sorted(json.dumps(json.loads(x["value"])["usage"]) for x in letters)
+    assert usages == ['{"prompt_tokens": "abc"}', '{"prompt_tokens": -4, "completion_tokens": 1}']
 
 
 def test_upstream_down_or_slow_is_a_json_502_or_504(kafka_cfg: Config) -> None:
