@@ -174,7 +174,7 @@ def _read_lines(fh: BinaryIO, limit: int) -> Iterator[tuple[bytes, int, str]]:
         line = fh.readline(limit + 1)
         if not line:
             return
-        if len(line) <= limit or line.endswith(b"\n"):
+        if len(line) <= limit or line.endswith(b"\n"):  # limit + 1 with its newline: parse_line judges
             yield line, len(line), ""
             continue
         head = line

@@ -169,7 +169,7 @@ def parse_line(
     """
     if not text.strip():
         return None
-    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    raw = (text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text).rstrip(b"\r\n")
     if len(raw) > max_line_bytes:
         raise BadTraceLineError(line, f"line is {len(raw)} bytes, over the {max_line_bytes}-byte limit")
     opened = raw.count(b"[") + raw.count(b"{")

@@ -86,6 +86,13 @@ def test_long_lines_are_bad_lines(size: int) -> None:
         parse_line(raw, 1, max_line_bytes=1024)
 
 
+def test_the_line_limit_counts_the_content_not_the_newline() -> None:
+    raw = json.dumps(line(1)).encode()
+    assert parse_line(raw + b"\r\n", 1, max_line_bytes=len(raw)) is not None
+    with pytest.raises(BadTraceLineError, match="over the"):
+        parse_line(raw, 1, max_line_bytes=len(raw) - 1)
+
+
 def test_an_ingest_of_hostile_lines_dead_letters_each_and_publishes_the_rest(
     cfg: Config, tmp_path: Path
 ) -> None:
