@@ -46,7 +46,7 @@ def _load_keys(path: str | None) -> dict[str, str]:
     "--tenant-header",
     default="X-Sparseety-Tenant",
     show_default=True,
-    help="Trusted header naming the tenant (wins over the API key map).",
+    help="Header naming the tenant; believed only with proxy.trust_tenant_header (a gateway sets it).",
 )
 @click.option(
     "--engine-name", default="", help="Name of this proxy in the event stream (default <host>-proxy-<port>)."

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sparseety.errors import SparseetyError
+from sparseety.private_dir import private_mkdir
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Journal:
         self.segment_bytes = segment_bytes
         self.corrupt = 0
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            private_mkdir(self.path)  # inside an engine's process: its umask is not ours to set
             self._lock: BinaryIO | None = open(self.path / ".lock", "wb")  # noqa: SIM115
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:

@@ -17,6 +17,7 @@ from sparseety import __version__
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.config import to_toml
 from sparseety.errors import SparseetyError
+from sparseety.private_dir import private_umask
 
 #: Modules that define ``COMMANDS`` (a list of click commands) to mount on ``sparseety``.
 #: They must import only click and the core package at module level.
@@ -47,6 +48,7 @@ class _Group(click.Group):
 @click.pass_context
 def main(ctx: click.Context, config_path: str | None, data_dir: str | None) -> None:
     """SparSEEty: token-level accounting for LLM serving fleets."""
+    private_umask()  # the data dir, chDB's store and every child process's files stay private
     overrides: dict[str, Any] = {}
     if data_dir:
         overrides["data_dir"] = data_dir

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from sparseety.config import Config, load_config
+from sparseety.private_dir import tighten
 
 
 class CliContext:
@@ -27,6 +28,8 @@ class CliContext:
         """The configuration: file + ``SPARSEETY_*`` environment + command-line overrides."""
         if self._cfg is None:
             self._cfg = load_config(self.config_path, env=os.environ, **self.overrides)
+            # what an earlier version (or chDB under a wider umask) left readable
+            tighten(self._cfg.data_path)
         return self._cfg
 
 

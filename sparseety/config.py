@@ -149,6 +149,15 @@ class ProducerConfig(_Section):
     routing_capture: bool = False
 
 
+class ProxyConfig(_Section):
+    """The OpenAI-compatible proxy producer."""
+
+    # The tenant header / vllm_xargs.tenant name the tenant only when every request comes through
+    # a gateway that sets them; otherwise any client could bill any tenant.
+    trust_tenant_header: bool = False
+    read_timeout_s: float = Field(600.0, gt=0)  # upstream read timeout (a long generation)
+
+
 class WorkerConfig(_Section):
     """Faust assembler worker."""
 
@@ -231,6 +240,7 @@ class Config(_Section):
     clickhouse: ClickHouseConfig = ClickHouseConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     producer: ProducerConfig = ProducerConfig()
+    proxy: ProxyConfig = ProxyConfig()
     worker: WorkerConfig = WorkerConfig()
     sink: SinkConfig = SinkConfig()
     api: ApiConfig = ApiConfig()

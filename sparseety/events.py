@@ -11,6 +11,7 @@ import functools
 import time
 from typing import Any
 
+from sparseety.deadletter_limits import cap_raw
 from sparseety.errors import DecodeError, InvalidEventError, SchemaError
 from sparseety.schema_store import full_name, read_schema_files, schema_dir
 
@@ -91,7 +92,9 @@ def dead_letter(
     key: bytes | None,
     value: bytes | None,
 ) -> dict[str, Any]:
-    """A DeadLetter record (``partition``/``offset`` -1 where the input had none)."""
+    """A DeadLetter record (``partition``/``offset`` -1 where the input had none; the bytes capped
+    by :func:`sparseety.deadletter_limits.cap_raw`)."""
+    value, reason = cap_raw(value, reason)
     return {
         "error_type": error_type,
         "reason": reason,

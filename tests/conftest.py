@@ -18,7 +18,7 @@ TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
-        if tier in ("unit", "topology", "e2e"):
+        if tier in ("unit", "topology", "chaos", "e2e"):
             item.add_marker(getattr(pytest.mark, tier))
 
 

@@ -21,6 +21,20 @@ from sparseety.cli_context import CliContext, pass_ctx
 @click.option("--tenant", "default_tenant", default="", help="Tenant of JSONL lines that name none.")
 @click.option("--model", "default_model", default="", help="Model of JSONL lines that name none.")
 @click.option("--strict", is_flag=True, help="Publish nothing if any line is bad (default: skip + report).")
+@click.option(
+    "--max-line-bytes",
+    type=click.IntRange(min=2),
+    default=1024 * 1024,
+    show_default=True,
+    help="A longer JSONL line is a bad line.",
+)
+@click.option(
+    "--max-depth",
+    type=click.IntRange(min=3),
+    default=64,
+    show_default=True,
+    help="JSON nested deeper in a line is a bad line.",
+)
 @pass_ctx
 def ingest_cmd(
     c: CliContext,
@@ -30,6 +44,8 @@ def ingest_cmd(
     default_tenant: str,
     default_model: str,
     strict: bool,
+    max_line_bytes: int,
+    max_depth: int,
 ) -> None:
     """Publish a trace file (recording or JSONL log) to the engine-events topic.
 
@@ -38,7 +54,7 @@ def ingest_cmd(
     like a live engine's (or replay the engine-events topic into the store).
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
-    from sparseety.producers.logs.ingest import ingest
+    from sparseety.producers.logs.ingest import Limits, ingest
 
     cfg = c.cfg
     wait_for_kafka(cfg)
@@ -59,6 +75,7 @@ def ingest_cmd(
             default_model=default_model,
             strict=strict,
             progress=progress,
+            limits=Limits(max_line_bytes, max_depth),
         )
     click.echo(
         f"{report.format}: {report.records_read} records read, {report.requests} requests, "

@@ -21,15 +21,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sparseety import events as ev
 from sparseety.config import Config
+from sparseety.deadletter_limits import MAX_DEAD_LETTER_BYTES
 from sparseety.errors import DecodeError
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import Format, detect_format, iter_recording
-from sparseety.producers.logs.jsonl import TraceEpoch, TraceRequest, parse_line
+from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
 
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]
@@ -157,25 +158,75 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one JSONL line may hold (the defaults are documented in :mod:`..jsonl`)."""
+
+    max_line_bytes: int = MAX_LINE_BYTES
+    max_depth: int = MAX_DEPTH
+
+
+def _read_lines(fh: BinaryIO, limit: int) -> Iterator[tuple[bytes, int, str]]:
+    """(line, its length, reason) per line, holding at most ``limit`` + 1 bytes of one line in
+    memory: a longer line comes back as its first bytes with the reason (length, SHA-256), so a
+    line of any size (even a file without a newline) is one bad line, not an exhausted process."""
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):  # limit + 1 with its newline: parse_line judges
+            yield line, len(line), ""
+            continue
+        head = line
+        digest = hashlib.sha256(line)
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = fh.readline(1 << 20)
+            if not line:
+                break
+            digest.update(line)
+            size += len(line)
+        yield (
+            head[:MAX_DEAD_LETTER_BYTES],
+            size,
+            f"line is {size} bytes, over the {limit}-byte limit "
+            f"[value truncated to {min(len(head), MAX_DEAD_LETTER_BYTES)} bytes; "
+            f"sha256 {digest.hexdigest()}]",
+        )
+
+
 def _jsonl_requests(
     path: Path,
     report: IngestReport,
     default_tenant: str,
     default_model: str,
     progress: Progress | None,
-) -> Iterator[TraceRequest]:
-    """Valid requests of a JSONL file; bad lines go to ``report`` (or raise, via the caller)."""
+    limits: Limits = Limits(),
+) -> Iterator[tuple[int, TraceRequest, bytes]]:
+    """Valid requests of a JSONL file with their line numbers and lines; bad lines go to ``report`` (or raise,
+    via the caller)."""
     seen: set[str] = set()
     with path.open("rb") as fh:
-        for n, line in enumerate(fh, start=1):
-            report.bytes_read += len(line)
+        for n, (line, size, too_long) in enumerate(_read_lines(fh, limits.max_line_bytes), start=1):
+            report.bytes_read += size
             if progress and n % _PROGRESS_EVERY == 0:
                 progress(report.bytes_read, report.total_bytes)
+            if too_long:
+                report.records_read += 1
+                report.bad_line(BadTraceLineError(n, too_long), line)
+                continue
             if not line.strip():
                 continue
             report.records_read += 1
             try:
-                req = parse_line(line, n, default_tenant=default_tenant, default_model=default_model)
+                req = parse_line(
+                    line,
+                    n,
+                    default_tenant=default_tenant,
+                    default_model=default_model,
+                    max_line_bytes=limits.max_line_bytes,
+                    max_depth=limits.max_depth,
+                )
                 if req is None:
                     continue
                 if req.request_id in seen:
@@ -184,7 +235,7 @@ def _jsonl_requests(
             except BadTraceLineError as exc:
                 report.bad_line(exc, line)
                 continue
-            yield req
+            yield n, req, line
 
 
 def _recording_events(
@@ -221,11 +272,13 @@ def _recording_events(
             yield n, record, value
 
 
-def _check(cfg: Config, path: Path, fmt: Format, default_tenant: str, default_model: str) -> IngestReport:
+def _check(
+    cfg: Config, path: Path, fmt: Format, default_tenant: str, default_model: str, limits: Limits
+) -> IngestReport:
     """Read the whole file without publishing (strict mode's first pass)."""
     report = IngestReport(str(path), fmt, path.stat().st_size)
     if fmt == "jsonl":
-        for _ in _jsonl_requests(path, report, default_tenant, default_model, None):
+        for _ in _jsonl_requests(path, report, default_tenant, default_model, None, limits):
             pass
     else:
         for _ in _recording_events(path, report, cfg, None):
@@ -244,6 +297,7 @@ def ingest(
     strict: bool = False,
     progress: Progress | None = None,
     producer: Any = None,
+    limits: Limits = Limits(),
 ) -> IngestReport:
     """Publish a trace file to ``cfg.topics.engine_events``.
 
@@ -257,6 +311,7 @@ def ingest(
         strict: Publish nothing when any line is bad.
         progress: Called with (bytes read, file size) as the file is read.
         producer: A confluent-kafka Producer to use (tests); default one from ``cfg``.
+        limits: Size and nesting limits of a JSONL line.
 
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
@@ -277,7 +332,7 @@ def ingest(
         raise TraceError(f"unknown trace format {fmt!r}: choose auto, recording or jsonl")
     started = time.monotonic()
     if strict:
-        checked = _check(cfg, p, resolved, default_tenant, default_model)
+        checked = _check(cfg, p, resolved, default_tenant, default_model, limits)
         if checked.bad:
             line, reason = checked.errors[0]
             raise BadTraceLineError(
@@ -309,9 +364,16 @@ def ingest(
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
         engines[trace.engine_id] = None
         key = trace.engine_name.encode()
-        for req in _jsonl_requests(p, report, default_tenant, default_model, progress):
-            for event in trace.request(req):
-                publisher.send(key, encoder.encode(event))
+        for n, req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
+            state = (trace.seq, trace.started, trace.last_ts)
+            try:
+                encoded = [encoder.encode(event) for event in trace.request(req)]
+            except Exception as exc:  # a value the parser let through but the contract refuses
+                trace.seq, trace.started, trace.last_ts = state  # keep the epoch's seqs gap-free
+                report.bad_line(BadTraceLineError(n, f"cannot encode: {type(exc).__name__}: {exc}"), raw)
+                continue
+            for value in encoded:
+                publisher.send(key, value)
             report.requests += 1
         for event in trace.stop():
             publisher.send(key, encoder.encode(event))

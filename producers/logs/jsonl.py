@@ -21,6 +21,10 @@ Fields:
   ``finished_ts_ns``: integer nanoseconds. ``arrival`` is required; ``finished`` defaults to it.
 * ``finish_reason`` (or ``choices[0].finish_reason``): default ``stop``. ``max_tokens``: optional.
 
+Limits (a line beyond them is a bad line, never an abort): a line holds at most
+:data:`MAX_LINE_BYTES` bytes (1 MiB) and JSON nested at most :data:`MAX_DEPTH` levels (64);
+counts fit the events' Avro ``int`` (at most 2**31 - 1) and times their ``long``.
+
 Each request becomes a RequestStarted + RequestFinished pair on an engine epoch with
 ``engine_kind = trace``; the assembler derives the request's timeline from the totals (cached
 prompt, computed prompt, computed output), as it does for the OpenAI proxy. Both events carry the
@@ -43,6 +47,14 @@ from sparseety import events as ev
 from sparseety.producers.logs.errors import BadTraceLineError
 
 ENGINE_KIND = "trace"
+#: Default size limit of one line, in bytes (``ingest --max-line-bytes``).
+MAX_LINE_BYTES = 1024 * 1024
+#: Default nesting limit of one line's JSON (``ingest --max-depth``); a valid line nests 3 deep.
+MAX_DEPTH = 64
+#: Largest count an event carries (Avro ``int``).
+MAX_COUNT = 2**31 - 1
+#: Largest time in ns an event carries (Avro ``long``).
+MAX_NS = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,20 @@ def _count(usage: dict[str, Any], key: str, line: int, *, required: bool) -> int
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadTraceLineError(line, f"usage.{key} must be a non-negative integer, got {_kind(value)}")
     if value < 0:
-        raise BadTraceLineError(line, f"usage.{key} must be a non-negative integer, got {value}")
+        raise BadTraceLineError(line, f"usage.{key} must be a non-negative integer, got {_short(value)}")
+    if value > MAX_COUNT:
+        raise BadTraceLineError(line, f"usage.{key} {_short(value)} exceeds {MAX_COUNT}")
+    return value
+
+
+def _short(value: int) -> str:
+    text = str(value) if value.bit_length() < 200 else f"a {value.bit_length()}-bit integer"
+    return text
+
+
+def _ns(value: int, name: str, line: int) -> int:
+    if value > MAX_NS:
+        raise BadTraceLineError(line, f"{name} is out of range (after the year 2262)")
     return value
 
 
@@ -83,7 +108,7 @@ def _time(obj: dict[str, Any], names: tuple[str, ...], ns_name: str, line: int) 
         value = obj[ns_name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise BadTraceLineError(line, f"{ns_name} must be a non-negative integer (ns)")
-        return value
+        return _ns(value, ns_name, line)
     for name in names:
         if name not in obj or obj[name] is None:
             continue
@@ -91,7 +116,9 @@ def _time(obj: dict[str, Any], names: tuple[str, ...], ns_name: str, line: int) 
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value) or value < 0:
                 raise BadTraceLineError(line, f"{name} must be a non-negative number of seconds")
-            return round(value * 1e9)
+            if value > MAX_NS // 1_000_000_000:
+                raise BadTraceLineError(line, f"{name} is out of range (after the year 2262)")
+            return _ns(round(value * 1e9), name, line)
         if isinstance(value, str):
             try:
                 t = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
@@ -99,7 +126,7 @@ def _time(obj: dict[str, Any], names: tuple[str, ...], ns_name: str, line: int) 
                 raise BadTraceLineError(line, f"{name} is not an ISO-8601 time") from None
             if t.tzinfo is None:
                 t = t.replace(tzinfo=UTC)
-            return round(t.timestamp() * 1e6) * 1000
+            return _ns(round(t.timestamp() * 1e6) * 1000, name, line)
         raise BadTraceLineError(line, f"{name} must be ISO-8601 text or seconds, got {_kind(value)}")
     return None
 
@@ -113,21 +140,52 @@ def _text(obj: dict[str, Any], key: str, default: str, line: int) -> str:
     return value
 
 
+def _depth(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests deeper than ``limit`` (iterative: deep input must not recurse)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def parse_line(
-    text: str | bytes, line: int, *, default_tenant: str = "", default_model: str = ""
+    text: str | bytes,
+    line: int,
+    *,
+    default_tenant: str = "",
+    default_model: str = "",
+    max_line_bytes: int = MAX_LINE_BYTES,
+    max_depth: int = MAX_DEPTH,
 ) -> TraceRequest | None:
     """One log line -> a request (None for a blank line).
 
     Raises:
-        BadTraceLineError: not JSON, not an object, or a field missing or invalid.
+        BadTraceLineError: too long, too deep, not JSON, not an object, or a field missing or
+            invalid.
     """
     if not text.strip():
         return None
+    raw = (text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text).rstrip(b"\r\n")
+    if len(raw) > max_line_bytes:
+        raise BadTraceLineError(line, f"line is {len(raw)} bytes, over the {max_line_bytes}-byte limit")
+    opened = raw.count(b"[") + raw.count(b"{")
     try:
         obj = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-        raise BadTraceLineError(line, f"not valid JSON ({why})") from None
+    except json.JSONDecodeError as exc:
+        raise BadTraceLineError(line, f"not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise BadTraceLineError(line, "not valid JSON (not UTF-8)") from None
+    except RecursionError:  # the C decoder recurses per level
+        raise BadTraceLineError(line, f"JSON nested deeper than {max_depth} levels") from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise BadTraceLineError(line, f"not valid JSON ({str(exc)[:200]})") from None
+    # counting brackets is cheap; only a line that could be too deep is walked
+    if opened > max_depth and _depth(obj, max_depth):
+        raise BadTraceLineError(line, f"JSON nested deeper than {max_depth} levels")
     if not isinstance(obj, dict):
         raise BadTraceLineError(line, f"expected a JSON object, got {_kind(obj)}")
     rid = obj.get("id", obj.get("request_id"))
@@ -160,6 +218,8 @@ def parse_line(
     if reason is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
         reason = choices[0].get("finish_reason")
     max_tokens = obj.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and not 0 <= max_tokens <= MAX_COUNT:
+        raise BadTraceLineError(line, f"max_tokens must be between 0 and {MAX_COUNT}")
     return TraceRequest(
         request_id=str(rid),
         tenant=_text(obj, "tenant", default_tenant, line),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety import events as ev
+from sparseety.errors import SparseetyError
 
 ACCOUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -87,7 +88,7 @@ class Exchange:
             return True
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # not ours to judge: the client gets it as sent
             return True
         if not isinstance(chunk, dict):
             return True
@@ -106,12 +107,18 @@ class Exchange:
         return not (self.injected_usage and not choices and chunk.get("usage"))
 
     def payloads(self, request_id: str, finish_reason: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """RequestStarted and RequestFinished for this exchange."""
+        """RequestStarted and RequestFinished for this exchange.
+
+        Raises:
+            UnaccountableResponseError: the upstream's usage is not a set of token counts.
+        """
         usage = self.usage if isinstance(self.usage, dict) else {}
-        prompt = int(usage.get("prompt_tokens") or 0)
-        output = int(usage.get("completion_tokens") or 0)
+        prompt = _count(usage, "prompt_tokens")
+        output = _count(usage, "completion_tokens")
         details = usage.get("prompt_tokens_details") or {}
-        cached = min(int((details or {}).get("cached_tokens") or 0), prompt)
+        if not isinstance(details, dict):
+            raise UnaccountableResponseError("usage.prompt_tokens_details is not an object", field="usage")
+        cached = min(_count(details, "cached_tokens"), prompt)
         reason = finish_reason or self.finish_reason or ("error" if self.status >= 400 else "stop")
         max_tokens = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
         return [
@@ -152,6 +159,25 @@ class Exchange:
         ]
 
 
+class UnaccountableResponseError(SparseetyError):
+    """The upstream answered, but its usage cannot be turned into token counts."""
+
+
+#: Largest count an event carries (Avro ``int``).
+MAX_COUNT = 2**31 - 1
+
+
+def _count(usage: dict[str, Any], key: str) -> int:
+    value = usage.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise UnaccountableResponseError(
+            f"usage.{key} is {str(value)[:40]!r}, not a token count", field=f"usage.{key}"
+        )
+    return value
+
+
 def _role_only(choices: list[Any]) -> bool:
     """The opening chat chunk: a role and no content yet."""
     for c in choices:
@@ -166,16 +192,31 @@ def _role_only(choices: list[Any]) -> bool:
     return True
 
 
-def tenant_of(headers: dict[str, str], body: dict[str, Any], api_keys: dict[str, str], header: str) -> str:
-    """Tenant: the trusted header, else the API key's tenant, else ``vllm_xargs.tenant``."""
-    value = headers.get(header.lower())
-    if value:
-        return value
+def tenant_of(
+    headers: dict[str, str],
+    body: dict[str, Any],
+    api_keys: dict[str, str],
+    header: str,
+    *,
+    trust_header: bool = False,
+) -> str | None:
+    """Who a request is billed to, or None when it must be refused.
+
+    With ``trust_header`` (every request comes through a gateway that sets them) the tenant
+    header, else ``vllm_xargs.tenant``, names the tenant. Otherwise, when API keys are configured,
+    the key's tenant is the tenant and a request without a known key is refused; without keys
+    every request is forwarded, billed to no tenant (``''``). A client never chooses its tenant
+    unless the operator said the tenant comes from a trusted gateway.
+    """
+    if trust_header:
+        value = headers.get(header.lower())
+        if value:
+            return value
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and isinstance(xargs.get("tenant"), str) and xargs["tenant"]:
+            return str(xargs["tenant"])
+    if not api_keys:
+        return ""
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-    if key and key in api_keys:
-        return api_keys[key]
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and xargs.get("tenant"):
-        return str(xargs["tenant"])
-    return ""
+    return api_keys.get(key) if key else None

@@ -10,6 +10,13 @@ accounted endpoints: the proxy asks for ``identity`` encoding so it can read the
 streaming request without ``stream_options.include_usage`` gets it added, with the resulting
 usage-only chunk withheld from the client (every other chunk passes byte for byte).
 
+Tenancy (:func:`~sparseety.producers.proxy.accounting.tenant_of`): with API keys configured the
+key's tenant is the tenant and a request without a known key is refused (401); the tenant header
+and ``vllm_xargs.tenant`` count only with ``proxy.trust_tenant_header`` (a gateway sets them).
+An upstream answer whose usage cannot be accounted still reaches the client unchanged; its
+accounting goes to the dlq topic. Errors of the proxy itself (401, 502 upstream unreachable, 504
+upstream timed out after ``proxy.read_timeout_s``) are OpenAI-style JSON errors.
+
 The proxy's own Prometheus metrics are at ``/sparseety/metrics`` (``/metrics`` goes upstream).
 """
 
@@ -24,10 +31,11 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparseety import __version__
 from sparseety import events as ev
@@ -36,12 +44,28 @@ from sparseety.producers.emitter import Emitter, new_epoch
 from sparseety.producers.proxy.accounting import (
     ACCOUNTED_PATHS,
     Exchange,
+    UnaccountableResponseError,
     event_data,
     split_events,
     tenant_of,
 )
 
 log = logging.getLogger("sparseety.producer.proxy")
+COMPONENT = "proxy"
+
+
+def error_response(status: int, message: str, type_: str, code: str) -> JSONResponse:
+    """An OpenAI-style error body, so OpenAI clients report the proxy's own errors properly."""
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+
+
+def _upstream_error(exc: httpx.HTTPError) -> JSONResponse:
+    if isinstance(exc, httpx.TimeoutException):
+        return error_response(504, f"upstream timed out: {exc!r}", "upstream_error", "upstream_timeout")
+    return error_response(502, f"upstream unreachable: {exc!r}", "upstream_error", "upstream_unreachable")
+
+
+_UNAUTHORIZED = ("missing or unknown API key", "invalid_request_error", "invalid_api_key")
 
 #: Hop-by-hop headers (RFC 9110 §7.6.1) and those httpx/uvicorn recompute.
 _HOP = {
@@ -77,8 +101,11 @@ class ProxyProducer:
         cfg: Configuration (kafka, topics, producer sections).
         upstream: Base URL of the OpenAI-compatible server (``http://host:port``).
         api_keys: API key -> tenant.
-        tenant_header: Trusted header naming the tenant (set by a gateway).
+        tenant_header: Header naming the tenant (set by a gateway).
         engine_name: Stable name of this proxy (the Kafka key).
+        trust_tenant_header: Believe the tenant header and ``vllm_xargs.tenant`` (default
+            ``cfg.proxy.trust_tenant_header``).
+        read_timeout_s: Upstream read timeout (default ``cfg.proxy.read_timeout_s``).
     """
 
     def __init__(
@@ -89,8 +116,15 @@ class ProxyProducer:
         api_keys: Mapping[str, str] | None = None,
         tenant_header: str = "X-Sparseety-Tenant",
         engine_name: str,
+        trust_tenant_header: bool | None = None,
+        read_timeout_s: float | None = None,
     ) -> None:
         self.cfg = cfg
+        self.trust_tenant_header = (
+            cfg.proxy.trust_tenant_header if trust_tenant_header is None else trust_tenant_header
+        )
+        self.read_timeout_s = cfg.proxy.read_timeout_s if read_timeout_s is None else read_timeout_s
+        self._dlq: Any = None
         self.upstream = upstream.rstrip("/")
         self.api_keys = dict(api_keys or {})
         self.tenant_header = tenant_header.lower()
@@ -101,7 +135,9 @@ class ProxyProducer:
         self._recent: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0))
+        self.client = httpx.AsyncClient(
+            base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0, read=self.read_timeout_s)
+        )
         self.emitter = Emitter(self.cfg, engine_name=self.engine_name, epoch=new_epoch())
         served = await self._served_model()
         self.emitter.emit_record(
@@ -128,6 +164,8 @@ class ProxyProducer:
             self.emitter.close()
         if self.client is not None:
             await self.client.aclose()
+        if self._dlq is not None:
+            self._dlq.flush(10)
 
     async def _served_model(self) -> str:
         assert self.client is not None
@@ -148,10 +186,48 @@ class ProxyProducer:
         return rid
 
     def record(self, exchange: Exchange, finish_reason: str | None = None) -> None:
+        """Emit the exchange's events, or dead-letter its accounting when it has none."""
         assert self.emitter is not None
         rid = self._request_id(exchange.response_id)
-        for payload_type, payload in exchange.payloads(rid, finish_reason):
+        try:
+            payloads = exchange.payloads(rid, finish_reason)
+        except UnaccountableResponseError as exc:
+            self.dead_letter(exc, exchange, rid)
+            return
+        for payload_type, payload in payloads:
             self.emitter.emit_record(payload_type, payload)
+
+    def dead_letter(self, exc: UnaccountableResponseError, exchange: Exchange, rid: str) -> None:
+        """The accounting facts of ``exchange`` (never the prompt or the answer) to the dlq topic."""
+        from sparseety.kafka import make_encoder, make_producer
+
+        log.warning("sparseety proxy: request %s not accounted: %s", rid, exc)
+        facts = {
+            "request_id": rid,
+            "status": exchange.status,
+            "tenant": exchange.tenant,
+            "usage": exchange.usage,
+        }
+        try:
+            if self._dlq is None:
+                self._dlq = make_producer(self.cfg)
+                self._dlq_encoder = make_encoder(self.cfg, "DeadLetter", self.cfg.topics.dlq)
+            record = ev.dead_letter(
+                type(exc).__name__,
+                str(exc),
+                COMPONENT,
+                topic=self.upstream,
+                partition=-1,
+                offset=-1,
+                key=self.engine_name.encode(),
+                value=json.dumps(facts, default=str).encode(),
+            )
+            self._dlq.produce(
+                self.cfg.topics.dlq, key=self.engine_name.encode(), value=self._dlq_encoder.encode(record)
+            )
+            self._dlq.poll(0)
+        except Exception:  # the client's answer matters more than its dead letter
+            log.exception("sparseety proxy: cannot dead-letter request %s", rid)
 
     # --- forwarding ------------------------------------------------------------------------
 
@@ -159,36 +235,43 @@ class ProxyProducer:
         assert self.client is not None
         path = request.url.path
         body = await request.body()
+        headers = {k.lower(): v for k, v in request.headers.items()}
         accounted = request.method == "POST" and path in ACCOUNTED_PATHS
-        if not accounted:
-            return await self._plain(request, body)
-        try:
-            parsed = json.loads(body) if body else {}
-        except ValueError:
-            parsed = None
+        parsed: Any = None
+        if accounted:
+            try:
+                parsed = json.loads(body) if body else {}
+            except (ValueError, RecursionError):
+                parsed = None
+        tenant = tenant_of(
+            headers,
+            parsed if isinstance(parsed, dict) else {},
+            self.api_keys,
+            self.tenant_header,
+            trust_header=self.trust_tenant_header,
+        )
+        if tenant is None:
+            return error_response(401, *_UNAUTHORIZED)
         if not isinstance(parsed, dict):
             return await self._plain(request, body)
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        exchange = Exchange(
-            arrival_ts_ns=time.time_ns(),
-            body=parsed,
-            tenant=tenant_of(headers, parsed, self.api_keys, self.tenant_header),
-        )
+        exchange = Exchange(arrival_ts_ns=time.time_ns(), body=parsed, tenant=tenant)
         if exchange.prepare_stream_usage():
             body = json.dumps(exchange.body).encode()
         try:
             resp = await self._send(request, body, identity=True)
         except httpx.HTTPError as exc:
-            exchange.status = 502
-            self.record(exchange, "error")
-            return Response(f"upstream unreachable: {exc}", status_code=502)
+            return self._failed(exchange, exc)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not is_sse:
-            data = await resp.aread()
-            await resp.aclose()
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as exc:
+                return self._failed(exchange, exc)
+            finally:
+                await resp.aclose()
             try:
                 exchange.on_json(resp.status_code, json.loads(data))
-            except ValueError:
+            except (ValueError, RecursionError):
                 exchange.status = resp.status_code
             self.record(exchange)
             return Response(data, status_code=resp.status_code, headers=_response_headers(resp.headers))
@@ -196,6 +279,13 @@ class ProxyProducer:
         return StreamingResponse(
             self._relay(resp, exchange), status_code=resp.status_code, headers=_response_headers(resp.headers)
         )
+
+    def _failed(self, exchange: Exchange, exc: httpx.HTTPError) -> Response:
+        """The upstream never answered: the request is accounted as an error, the client told why."""
+        out = _upstream_error(exc)
+        exchange.status = out.status_code
+        self.record(exchange, "error")
+        return out
 
     async def _relay(self, resp: httpx.Response, exchange: Exchange) -> AsyncIterator[bytes]:
         buffer = bytearray()
@@ -230,7 +320,7 @@ class ProxyProducer:
         try:
             resp = await self._send(request, body, identity=False)
         except httpx.HTTPError as exc:
-            return Response(f"upstream unreachable: {exc}", status_code=502)
+            return _upstream_error(exc)
 
         async def relay() -> AsyncIterator[bytes]:
             try:

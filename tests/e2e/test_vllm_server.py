@@ -186,7 +186,10 @@ def proxy(server: ServerEngine, broker: Config, e2e_dir: Path) -> Iterator[tuple
     from sparseety.producers.proxy.app import ProxyProducer, create_app
 
     cfg = engine_config(broker, e2e_dir / "proxy", "proxy")
-    producer = ProxyProducer(cfg, server.url, api_keys={"key-a": "tenant-a"}, engine_name="e2e-proxy")
+    # a trusted gateway: the tenant header counts (the streaming test sends one without a key)
+    producer = ProxyProducer(
+        cfg, server.url, api_keys={"key-a": "tenant-a"}, engine_name="e2e-proxy", trust_tenant_header=True
+    )
     port = free_port()
     srv = uvicorn.Server(
         uvicorn.Config(create_app(producer), host="127.0.0.1", port=port, log_level="warning")
@@ -247,7 +250,8 @@ def test_proxy_non_streaming(server: ServerEngine, proxy: tuple[str, Config]) ->
     assert got["finished"]["finish_reason"] == "length"
     assert got["started"]["tenant"] == "tenant-a"
     assert got["finished"]["first_token_ts_ns"] == 0 and got["finished"]["chunk_arrival_ns"] == []
-    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"  # other routes pass through
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-a"}).json()
+    assert models["data"][0]["id"] == "tiny"  # other routes pass through
 
 
 def test_proxy_streaming_passes_chunks_through(server: ServerEngine, proxy: tuple[str, Config]) -> None:
@@ -285,6 +289,7 @@ def test_proxy_streaming_passes_chunks_through(server: ServerEngine, proxy: tupl
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
+            headers={"Authorization": "Bearer key-a"},
             timeout=60,
         ).text
     )

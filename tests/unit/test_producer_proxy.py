@@ -79,11 +79,19 @@ def test_non_streamed_and_failed_requests() -> None:
 def test_tenant_precedence() -> None:
     keys = {"k1": "from-key"}
     body = {"vllm_xargs": {"tenant": "from-body"}}
-    assert tenant_of({"x-tenant": "h", "authorization": "Bearer k1"}, body, keys, "X-Tenant") == "h"
-    assert tenant_of({"authorization": "Bearer k1"}, body, keys, "X-Tenant") == "from-key"
+    h = {"x-tenant": "h", "authorization": "Bearer k1"}
+    # a trusted gateway names the tenant: its header, else vllm_xargs
+    assert tenant_of(h, body, keys, "X-Tenant", trust_header=True) == "h"
+    assert tenant_of({}, body, keys, "X-Tenant", trust_header=True) == "from-body"
+    # otherwise the key's tenant is the tenant, whatever the client says
+    assert tenant_of(h, body, keys, "X-Tenant") == "from-key"
     assert tenant_of({"x-api-key": "k1"}, {}, keys, "X-Tenant") == "from-key"
-    assert tenant_of({"authorization": "Bearer other"}, body, keys, "X-Tenant") == "from-body"
-    assert tenant_of({}, {}, keys, "X-Tenant") == ""
+    # with keys configured, no known key: refused
+    assert tenant_of({"authorization": "Bearer other"}, body, keys, "X-Tenant") is None
+    assert tenant_of({"x-tenant": "h"}, body, keys, "X-Tenant") is None
+    assert tenant_of({}, {}, keys, "X-Tenant") is None
+    # no keys and no gateway: forwarded, billed to nobody
+    assert tenant_of({"x-tenant": "h"}, body, {}, "X-Tenant") == ""
 
 
 def test_proxy_command_is_mounted() -> None:
