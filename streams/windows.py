@@ -50,10 +50,18 @@ def _record(
     return rec
 
 
-def add(epoch: EpochState, acc: dict[str, Any], window_ns: int) -> list[dict[str, Any]]:
-    """Add a closed request to its window; returns a correction record if that window had closed."""
+def add(
+    epoch: EpochState, acc: dict[str, Any], window_ns: int, *, retract: bool = False
+) -> list[dict[str, Any]]:
+    """Add a closed request to its window; returns a correction record if that window had closed.
+
+    With ``retract``, take out what an earlier version of the request's record added (a request
+    closed by the idle timeout that later got its finish is counted once, by its last version).
+    """
     start = window_start(acc["finished_ts_ns"], window_ns)
     contribution = counters_of(acc)
+    if retract:
+        contribution = [-x for x in contribution]
     if start < epoch.closed_through:
         return [
             _record(
@@ -64,7 +72,7 @@ def add(epoch: EpochState, acc: dict[str, Any], window_ns: int) -> list[dict[str
                 acc["tenant"],
                 contribution,
                 "correction",
-                acc["request_uid"],
+                acc["request_uid"] + ("/retract" if retract else ""),
             )
         ]
     key = f"{start}|{acc['model']}|{acc['tenant']}"

@@ -34,10 +34,26 @@ def accounts(out: list[Output]) -> dict[str, dict[str, Any]]:
 
 
 def segs(acc: dict[str, Any]) -> list[tuple[int, int, str, str, bool]]:
-    return [
-        (s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"])
-        for s in acc["timeline"]["segments"]
-    ]
+    """The timeline's axis 1 (how positions were obtained), neighbours with equal values merged."""
+    out: list[tuple[int, int, str, str, bool]] = []
+    for s in acc["timeline"]["segments"]:
+        row = (s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"])
+        if out and out[-1][1] == row[0] and out[-1][2:] == row[2:]:
+            out[-1] = (out[-1][0], row[1], *row[2:])
+        else:
+            out.append(row)
+    return out
+
+
+def fates(acc: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """The timeline's axis 2 (KV fate), neighbours with equal values merged."""
+    out: list[tuple[int, int, str]] = []
+    for s in acc["timeline"]["segments"]:
+        if out and out[-1][2] == s["kv_fate"]:
+            out[-1] = (out[-1][0], s["end"], s["kv_fate"])
+        else:
+            out.append((s["start"], s["end"], s["kv_fate"]))
+    return out
 
 
 # --- crafted scenarios -----------------------------------------------------------------------
@@ -104,6 +120,7 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
             "status": "cached",
             "draft_accepted": False,
             "source_request_uid": f"{f.EID}/r1",
+            "kv_fate": "kept",
         }
     ]
     uses = {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r2["block_uses"]}
@@ -136,8 +153,13 @@ def test_block_evicted_then_computed_again_is_recomputed() -> None:
         f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=6, output=1)),
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
-    assert (acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 2)
-    assert segs(acc)[:2] == [(0, 4, "prompt", "recomputed", False), (4, 6, "prompt", "computed", False)]
+    assert (acc["recomputed_eviction_tokens"], acc["uncached_computed_tokens"]) == (4, 2)
+    assert (acc["recomputed_tokens"], acc["recomputed_preemption_tokens"], acc["waste_tokens"]) == (4, 0, 0)
+    assert acc["evicted_blocks_recomputed"] == 1
+    assert segs(acc)[:2] == [
+        (0, 4, "prompt", "recomputed_after_eviction", False),
+        (4, 6, "prompt", "computed", False),
+    ]
     assert acc["block_uses"][0]["role"] == "recomputed" and acc["block_uses"][0]["lifetime_seq"] == 4
     assert acc["consistent"]
 
@@ -179,12 +201,21 @@ def test_preemption_recomputes_and_rereads_cache() -> None:
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     assert acc["preemptions"] == 1 and acc["consistent"]
-    assert (acc["cache_read_tokens"], acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 5, 10)
+    assert (
+        acc["cache_read_tokens"],
+        acc["recomputed_preemption_tokens"],
+        acc["uncached_computed_tokens"],
+    ) == (
+        4,
+        5,
+        10,
+    )
+    assert (acc["recomputed_eviction_tokens"], acc["waste_tokens"]) == (0, 5)
     assert acc["scheduled_tokens"] == 15
     assert segs(acc) == [
         (0, 4, "prompt", "computed", False),
-        (4, 8, "prompt", "recomputed", False),
-        (8, 9, "output", "recomputed", False),
+        (4, 8, "prompt", "recomputed_after_preemption", False),
+        (8, 9, "output", "recomputed_after_preemption", False),
         (9, 11, "output", "computed", False),
     ]
 
@@ -203,13 +234,11 @@ def test_sliding_window_evicts_whole_blocks_and_skips_the_rest() -> None:
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     # 23 KV positions computed; the last query attends 8 of them: 15 outside the window.
     # Before the last step 22 were computed: (22 - 8 + 1) // 4 = 3 blocks = 12 positions freed.
-    assert (acc["evicted_tokens"], acc["skipped_tokens"]) == (12, 3)
+    assert (acc["window_released_tokens"], acc["skipped_tokens"], acc["evicted_tokens"]) == (12, 3, 0)
     assert acc["timeline"]["attention_window"] == 8
-    assert segs(acc)[:3] == [
-        (0, 12, "prompt", "evicted", False),
-        (12, 15, "prompt", "skipped", False),
-        (15, 20, "prompt", "computed", False),
-    ]
+    # The KV fate is a second axis: how the positions were obtained (computed) stays.
+    assert segs(acc)[:1] == [(0, 20, "prompt", "computed", False)]
+    assert fates(acc) == [(0, 12, "window_released"), (12, 15, "skipped"), (15, 24, "kept")]
     assert acc["attention_pairs_skipped"] > 0 and acc["consistent"]
 
 
