@@ -4,8 +4,8 @@ Prompts are token ids drawn from a seeded generator (exact lengths, no tokenizer
 the English text of the other workloads). Every engine runs the same four phases on a KV cache of
 24 blocks of 32 tokens:
 
-1. prefix sharing: four requests (two tenants) share a 96-token document and differ in their tail;
-2. pressure: six distinct 120-token prompts at once, which fill the cache and evict phase 1;
+1. prefix sharing: four requests (two tenants) share a 128-token document and differ in their tail;
+2. pressure: ten distinct 200-token prompts (60 blocks through the cache) evict phase 1;
 3. return: phase 1's prompts again: blocks still cached are hits, evicted ones are recomputed;
 4. preemption: six long decodes that together need far more blocks than the cache holds.
 
@@ -71,11 +71,11 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 def phases(seed: int = 11) -> list[list[dict[str, Any]]]:
     """The four phases as ``{"prompt": token ids, "tenant", **SamplingParams}`` dicts."""
     rng = random.Random(seed)
-    doc = _tokens(rng, 96)
+    doc = _tokens(rng, 128)
     shared = [
-        {"prompt": doc + _tokens(rng, 8 + i), "tenant": f"tenant-{i % 2}", "max_tokens": 16} for i in range(4)
+        {"prompt": doc + _tokens(rng, 40 + i), "tenant": f"tenant-{i % 2}", "max_tokens": 16} for i in range(4)
     ]
-    pressure = [{"prompt": _tokens(rng, 120), "tenant": "tenant-2", "max_tokens": 4} for _ in range(6)]
+    pressure = [{"prompt": _tokens(rng, 200), "tenant": "tenant-2", "max_tokens": 4} for _ in range(10)]
     pattern = _tokens(rng, 6)
     long_decodes = [
         {
