@@ -79,7 +79,9 @@ def engine_run(kind: str, broker: Config, workdir: Path) -> Run:
         spec_path = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.json"
         out_path = spec_path.with_suffix(".out.json")
         spec_path.write_text(
-            json.dumps({"model": str(MODEL_CACHE / spec["model"]), "engine": spec["engine"], "phases": phases()})
+            json.dumps(
+                {"model": str(MODEL_CACHE / spec["model"]), "engine": spec["engine"], "phases": phases()}
+            )
         )
         run_driver(DRIVER, cfg, [str(spec_path), str(out_path)], workdir)
         result = json.loads(out_path.read_text())
@@ -157,16 +159,19 @@ def test_preemption_recompute_is_separate_from_eviction_recompute(
     run = engine_run(kind, broker, workdir)
     for r in run.requests:
         acc = run.accounts[r["engine_request_id"]]
-        assert acc["recomputed_tokens"] == acc["recomputed_preemption_tokens"] + acc["recomputed_eviction_tokens"]
+        assert (
+            acc["recomputed_tokens"]
+            == acc["recomputed_preemption_tokens"] + acc["recomputed_eviction_tokens"]
+        )
         assert acc["waste_tokens"] == (
             acc["recomputed_preemption_tokens"] + acc["draft_rejected_tokens"] + acc["draft_cut_tokens"]
         )
         if r["truth"]["preemptions"] == 0:
             assert acc["recomputed_preemption_tokens"] == 0
     # Requests that were never preempted recompute only evicted blocks; both senses occur.
-    assert any(r["truth"]["preemptions"] == 0 and r["truth"]["recomputed_eviction_tokens"] for r in run.requests) or (
-        kind != "llama"
-    )
+    assert any(
+        r["truth"]["preemptions"] == 0 and r["truth"]["recomputed_eviction_tokens"] for r in run.requests
+    ) or (kind != "llama")
 
 
 def _unattended(group: dict[str, Any], kv_end: int) -> int:

@@ -56,7 +56,7 @@ ENGINES: dict[str, dict[str, Any]] = {
             "enable_prefix_caching": True,
             "block_size": BLOCK,
             "max_model_len": 256,
-            "num_gpu_blocks_override": CACHE_BLOCKS * 4,  # four groups share the pool
+            "num_gpu_blocks_override": CACHE_BLOCKS * 2 + 16,  # four groups share the pool
             "max_num_seqs": 6,
             "enforce_eager": True,
         },
@@ -73,7 +73,8 @@ def phases(seed: int = 11) -> list[list[dict[str, Any]]]:
     rng = random.Random(seed)
     doc = _tokens(rng, 128)
     shared = [
-        {"prompt": doc + _tokens(rng, 40 + i), "tenant": f"tenant-{i % 2}", "max_tokens": 16} for i in range(4)
+        {"prompt": doc + _tokens(rng, 40 + i), "tenant": f"tenant-{i % 2}", "max_tokens": 16}
+        for i in range(4)
     ]
     pressure = [{"prompt": _tokens(rng, 200), "tenant": "tenant-2", "max_tokens": 4} for _ in range(10)]
     pattern = _tokens(rng, 6)
