@@ -423,6 +423,10 @@ class Assembler:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
                 req.cache_read += computed_before
+                if computed_before > req.kv_end:
+                    # Read beyond what it had obtained (another request computed it meanwhile).
+                    sg.assign(req.segments, req.kv_end, computed_before, sg.CACHED)
+                    req.kv_end = computed_before
             new = n_new[i]
             n_accepted = accepted[i] if accepted else 0
             n_proposed = proposed[i] if proposed else 0
