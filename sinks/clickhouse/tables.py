@@ -61,6 +61,13 @@ REQUESTS = Table(
         "consistent",
         "expert_num_layers",
         "expert_num_experts",
+        # Added by migration 003 (issue 11: the two-axis position model).
+        "recomputed_preemption_tokens",
+        "recomputed_eviction_tokens",
+        "draft_cut_tokens",
+        "window_released_tokens",
+        "evicted_blocks_recomputed",
+        "waste_tokens",
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -84,6 +91,7 @@ TOKEN_SEGMENTS = Table(
         "status",
         "draft_accepted",
         "source_request_uid",
+        "kv_fate",
     ),
     ("request_uid", "idx"),
 )

@@ -5,13 +5,13 @@ Prices (USD per 1M tokens; GPU per hour):
   m2: input 20 (30 from T0+10min), cached_input 5, output 60, no GPU price
   m3: no price at all
 
-Requests (P prompt, C cache reads, O output, S scheduled = computed positions, R recomputed,
-A/J drafts accepted/rejected); blocks are 1000 tokens; lifetimes are (engine, block, seq):
+Requests (P prompt, C cache reads, O output, S scheduled = computed positions, R recomputed
+after preemption, E recomputed after eviction, A/J drafts accepted/rejected); blocks are 1000 tokens; lifetimes are (engine, block, seq):
   r1 A m1 e1: P4000 C0    O500 S4499             computes b1,b2,b3,b4 (lifetime 10..13)
   r2 B m1 e1: P3000 C2000 O200 S1229 A50 J30     reads b1@10, b2@11; computes b5
   r3 A m1 e1: P2000 C1000 O100 S1599 R500        reads b1@10; computes b6 (preempted once)
   r4 B m1 e2: P1000 C0    O10  S1009             computes b1 on engine e2 (fleet duplicate)
-  r5 C m1 e1: P1000 C0    O10  S1009 R1000       recomputes b2 after eviction (new lifetime 50)
+  r5 C m1 e1: P1000 C0    O10  S1009 E1000       recomputes b2 after eviction (new lifetime 50)
   r6 A m2 e3: P1000 C0    O100 S1099             before the m2 price change; experts
   r7 A m2 e3: P1000 C0    O100 S1099             after it; reads c1 with unknown lifetime
   r8 D m3 e4: P100  C0    O10  S109              no price
@@ -57,6 +57,7 @@ def req(
     O: int,  # noqa: E741 - the cost model's names
     S_: int,
     R: int = 0,
+    E: int = 0,
     A: int = 0,
     J: int = 0,
     gpu_s: float = 0.0,
@@ -74,8 +75,12 @@ def req(
         prompt_tokens=P,
         output_tokens=O,
         cache_read_tokens=C,
-        uncached_computed_tokens=S_ - R - A - J,
-        recomputed_tokens=R,
+        uncached_computed_tokens=S_ - R - E - A - J,
+        recomputed_tokens=R + E,
+        recomputed_preemption_tokens=R,
+        recomputed_eviction_tokens=E,
+        evicted_blocks_recomputed=E // 1000,
+        waste_tokens=R + J,
         draft_accepted_tokens=A,
         draft_rejected_tokens=J,
         scheduled_tokens=S_,
@@ -163,7 +168,7 @@ def dataset() -> list[dict[str, Any]]:
             C=0,
             O=10,
             S_=1009,
-            R=1000,
+            E=1000,
             gpu_s=0.5,
             blocks=[block("b2", 50, "recomputed")],
         ),
@@ -376,16 +381,40 @@ def test_savings(q: Queries) -> None:
 def test_waste(q: Queries) -> None:
     rows = by_key(q.waste(by=["tenant"]), "tenant")
     assert (
-        rows["A"]["recomputed_tokens"],
+        rows["A"]["recomputed_preemption_tokens"],
         rows["A"]["draft_rejected_tokens"],
         rows["A"]["waste_tokens"],
     ) == (500, 0, 500)
-    assert rows["A"]["computed_tokens"] == 4499 + 1599 + 1099 + 1099
+    assert rows["A"]["scheduled_tokens"] == 4499 + 1599 + 1099 + 1099
+    assert rows["A"]["computed_tokens"] == 4499 + 1099 + 1099 + 1099  # first-time only
     assert rows["A"]["waste_share"] == pytest.approx(500 / 8296)
     assert rows["A"]["waste_usd"] == D("0.005")
     assert rows["B"]["waste_tokens"] == 30 and rows["B"]["waste_usd"] == D("0.0003")
-    assert rows["C"]["waste_usd"] == D("0.01")
+    # r5's recompute after eviction is not waste: it is what a larger KV cache would have saved.
+    assert (rows["C"]["waste_tokens"], rows["C"]["waste_usd"]) == (0, 0)
+    assert (rows["C"]["evictable_tokens"], rows["C"]["evictable_usd"]) == (1000, D("0.01"))
+    assert rows["C"]["evicted_blocks_recomputed"] == 1
     assert rows["A"]["preemptions"] == 1
+
+
+def test_prefix_evictions(q: Queries) -> None:
+    rows = by_key(q.prefix_evictions(by=["tenant"]), "tenant")
+    # r1 computed b2 in lifetime 11; it was evicted and r5 computed it again (lifetime 50).
+    assert (rows["A"]["blocks_evicted_later"], rows["A"]["tokens_evicted_later"]) == (1, 1000)
+    assert (rows["C"]["evicted_blocks_recomputed"], rows["C"]["recomputed_eviction_tokens"]) == (1, 1000)
+    assert rows["C"]["evictable_usd"] == D("0.01") and rows["B"]["blocks_evicted_later"] == 0
+
+
+def test_legacy_rows_count_their_recompute_as_preemption(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # A schema-v1 row has recomputed_tokens but no split: read in its old meaning (waste).
+    legacy = f.accounting("e9@1/old", tenant="L", model="m1", recomputed_tokens=7, finished_ts_ns=T0 + MIN)
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        sink = ClickHouseSink(s)
+        sink.add(ev.REQUEST_ACCOUNTING, legacy, topic="timelines", partition=0, offset=0)
+        sink.flush()
+        (row,) = Queries(s).waste(by=["tenant"])
+    assert (row["recomputed_preemption_tokens"], row["evictable_tokens"], row["waste_tokens"]) == (7, 0, 7)
 
 
 def test_spec_efficiency(q: Queries) -> None:
@@ -447,6 +476,9 @@ def test_request_and_token_statistics(q: Queries) -> None:
         "kv_cache_evicted_count": 0,
         "draft_token_count": 80,
         "draft_rejected_count": 30,
+        "recomputed_preemption_count": 0,
+        "recomputed_eviction_count": 0,
+        "draft_cut_count": 0,
     }
     # outside the caller's tenants: indistinguishable from absent
     assert q.request("e1@1/r2", scope=Scope(tenants=("A",))) is None
