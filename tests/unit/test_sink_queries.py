@@ -6,7 +6,8 @@ Prices (USD per 1M tokens; GPU per hour):
   m3: no price at all
 
 Requests (P prompt, C cache reads, O output, S scheduled = computed positions, R recomputed
-after preemption, E recomputed after eviction, A/J drafts accepted/rejected); blocks are 1000 tokens; lifetimes are (engine, block, seq):
+after preemption, E recomputed after eviction, A/J drafts accepted/rejected); blocks are 1000
+tokens; lifetimes are (engine, block, seq):
   r1 A m1 e1: P4000 C0    O500 S4499             computes b1,b2,b3,b4 (lifetime 10..13)
   r2 B m1 e1: P3000 C2000 O200 S1229 A50 J30     reads b1@10, b2@11; computes b5
   r3 A m1 e1: P2000 C1000 O100 S1599 R500        reads b1@10; computes b6 (preempted once)
