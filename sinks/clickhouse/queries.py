@@ -300,6 +300,40 @@ def prefix_evictions_sql(
     return sql, params
 
 
+#: What a tenant-scoped reader sees as the source of a prefix another tenant's request computed.
+ANOTHER_TENANT = "another tenant"
+
+
+def segments_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """A request's timeline segments, in position order.
+
+    ``source_request_uid`` names the request that computed a cached prefix. A tenant-scoped
+    reader sees it only when that request belongs to one of its tenants; otherwise (another
+    tenant's, or a source not stored, which cannot be shown to be its own) it reads
+    :data:`ANOTHER_TENANT`. An unscoped reader (the admin) sees every uid.
+    """
+    params: dict[str, Any] = {"uid": request_uid}
+    source = "s.source_request_uid"
+    join = ""
+    if scope.tenants is not None:
+        params["tenants"] = list(scope.tenants)
+        params["another"] = ANOTHER_TENANT
+        source = (
+            "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
+            "s.source_request_uid, {another:String})"
+        )
+        join = (
+            f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
+            "ON s.source_request_uid = src.request_uid"
+        )
+    sql = (
+        "SELECT s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
+        f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "
+        f"FROM {db}.token_segments_v AS s {join} WHERE s.request_uid = {{uid:String}} ORDER BY s.start"
+    )
+    return sql, params
+
+
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
     """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
     select, keys, _ = _group(by, bucket, "c")
@@ -563,11 +597,7 @@ class Queries:
         )
         out["cost"] = {m: costs[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
         out["cost"]["priced"] = bool(costs["tokens_priced"])
-        out["segments"] = self.store.query(
-            "SELECT start, end, kind, status, draft_accepted, source_request_uid, kv_fate "
-            f"FROM {self.db}.token_segments_v WHERE request_uid = {{uid:String}} ORDER BY start",
-            {"uid": request_uid},
-        )
+        out["segments"] = self.store.query(*segments_sql(self.db, request_uid, scope=scope))
         return out
 
     def tokens_statistics(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, int] | None:

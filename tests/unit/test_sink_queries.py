@@ -31,7 +31,7 @@ from sparseety import events as ev
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope, group_key
+from sparseety.sinks.clickhouse.queries import ANOTHER_TENANT, Queries, QueryError, Scope, group_key
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store
@@ -494,3 +494,36 @@ def test_bad_arguments_are_typed_errors(q: Queries) -> None:
         q.cost(by=["color"])
     with pytest.raises(QueryError, match="duration"):
         q.cost(bucket="soon")
+
+
+def test_another_tenants_source_request_is_hidden(tmp_path_factory: pytest.TempPathFactory) -> None:
+    def rec(uid: str, tenant: str, source: str | None) -> dict[str, Any]:
+        r = f.accounting(uid, tenant=tenant, finished_ts_ns=T0)
+        r["timeline"]["segments"][0]["source_request_uid"] = source
+        return r
+
+    records = [
+        rec("e1@1/a1", "A", None),
+        rec("e1@1/b1", "B", "e1@1/a1"),  # B's prefix was computed by A's request
+        rec("e1@1/a2", "A", "e1@1/a1"),
+        rec("e1@1/b2", "B", "e1@1/gone"),  # a source not stored: not shown to a scoped reader
+    ]
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        sink = ClickHouseSink(s)
+        for i, r in enumerate(records):
+            sink.add(ev.REQUEST_ACCOUNTING, r, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        q = Queries(s)
+
+        def source(uid: str, scope: Scope) -> Any:
+            found = q.request(uid, scope=scope)
+            assert found is not None
+            return found["segments"][0]["source_request_uid"]
+
+        assert source("e1@1/b1", Scope(tenants=("B",))) == ANOTHER_TENANT
+        assert source("e1@1/b2", Scope(tenants=("B",))) == ANOTHER_TENANT
+        assert source("e1@1/a2", Scope(tenants=("A",))) == "e1@1/a1"
+        assert source("e1@1/b1", Scope(tenants=("A", "B"))) == "e1@1/a1"
+        assert source("e1@1/b1", Scope()) == "e1@1/a1"  # the admin sees every uid
+        assert q.request("e1@1/a1", scope=Scope(tenants=("A",)))["segments"][0]["source_request_uid"] is None  # type: ignore[index]
