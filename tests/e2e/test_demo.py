@@ -36,10 +36,11 @@ def test_demo(tmp_path: Path) -> None:
     for k in (
         "cache_read_tokens",
         "uncached_computed_tokens",
-        "recomputed_tokens",
+        "recomputed_preemption_tokens",
+        "recomputed_eviction_tokens",
         "draft_accepted_tokens",
         "skipped_tokens",
-        "evicted_tokens",
+        "window_released_tokens",
     ):
         assert total[k] > 0, (k, total)
     assert total["prompt_tokens"] == sum(r["prompt_tokens"] for r in engine)
