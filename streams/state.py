@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from sparseety.events import TOKEN_COUNTS
+from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
 def epoch_key(engine_id: str) -> str:
@@ -49,6 +49,7 @@ WINDOW_COUNTERS = (
     *TOKEN_COUNTS,
     "gpu_time_ns",
     "est_flops",
+    *POSITION_COUNTS,  # appended (schema v2): windows persisted before are a prefix of this layout
 )
 
 

@@ -429,7 +429,8 @@ def duplicated_blocks_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, di
 def usage_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
     """Windowed usage (topic usage) per group; finals and corrections summed.
 
-    UsageWindow keeps the schema-v1 counters: recomputed_tokens there is both recompute senses.
+    ``recomputed_tokens`` is both recompute senses; windows written before schema v2 read 0 in
+    the split columns (``recomputed_preemption_tokens`` ..., ``waste_tokens``).
     """
     select, keys, _ = _group(by, bucket, "u", time_column="window_start")
     where, params = scope.where("u", time_column="window_start_ns")
@@ -441,6 +442,9 @@ def usage_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -
         "sum(u.recomputed_tokens) AS recomputed_tokens, "
         "sum(u.draft_accepted_tokens) AS draft_accepted_tokens, "
         "sum(u.draft_rejected_tokens) AS draft_rejected_tokens, sum(u.gpu_time_ns) AS gpu_time_ns, "
+        "sum(u.recomputed_preemption_tokens) AS recomputed_preemption_tokens, "
+        "sum(u.recomputed_eviction_tokens) AS recomputed_eviction_tokens, "
+        "sum(u.draft_cut_tokens) AS draft_cut_tokens, sum(u.waste_tokens) AS waste_tokens, "
         "sum(u.corrections) AS corrections"
     )
     sql = f"SELECT {_with_group(select, measures)} FROM {db}.usage_v AS u WHERE {where} {_group_clause(keys)}"

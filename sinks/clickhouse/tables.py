@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparseety.events import TOKEN_COUNTS
+from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ USAGE = Table(
         *TOKEN_COUNTS,
         "gpu_time_ns",
         "est_flops",
+        *POSITION_COUNTS,  # added by migration 003
     ),
     ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
 )

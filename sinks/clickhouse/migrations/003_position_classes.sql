@@ -19,6 +19,32 @@ ALTER TABLE {db}.token_segments{on_cluster}
     ADD COLUMN IF NOT EXISTS kv_fate Enum8('kept' = 1, 'window_released' = 2, 'skipped' = 3) DEFAULT 'kept'
         AFTER source_request_uid;
 
+ALTER TABLE {db}.usage_1m{on_cluster}
+    ADD COLUMN IF NOT EXISTS recomputed_preemption_tokens Int64 DEFAULT 0 AFTER est_flops,
+    ADD COLUMN IF NOT EXISTS recomputed_eviction_tokens Int64 DEFAULT 0 AFTER recomputed_preemption_tokens,
+    ADD COLUMN IF NOT EXISTS draft_cut_tokens Int64 DEFAULT 0 AFTER recomputed_eviction_tokens,
+    ADD COLUMN IF NOT EXISTS window_released_tokens Int64 DEFAULT 0 AFTER draft_cut_tokens,
+    ADD COLUMN IF NOT EXISTS evicted_blocks_recomputed Int64 DEFAULT 0 AFTER window_released_tokens,
+    ADD COLUMN IF NOT EXISTS waste_tokens Int64 DEFAULT 0 AFTER evicted_blocks_recomputed;
+
+CREATE OR REPLACE VIEW {db}.usage_v{on_cluster} AS
+SELECT
+    tenant, model, engine_name, window_start_ns, window_ns,
+    fromUnixTimestamp64Nano(window_start_ns, 'UTC') AS window_start,
+    countIf(kind = 'correction') AS corrections,
+    sum(requests) AS requests, sum(incomplete_requests) AS incomplete_requests,
+    sum(prompt_tokens) AS prompt_tokens, sum(output_tokens) AS output_tokens,
+    sum(cache_read_tokens) AS cache_read_tokens, sum(uncached_computed_tokens) AS uncached_computed_tokens,
+    sum(recomputed_tokens) AS recomputed_tokens, sum(draft_accepted_tokens) AS draft_accepted_tokens,
+    sum(draft_rejected_tokens) AS draft_rejected_tokens, sum(skipped_tokens) AS skipped_tokens,
+    sum(evicted_tokens) AS evicted_tokens, sum(gpu_time_ns) AS gpu_time_ns, sum(est_flops) AS est_flops,
+    sum(recomputed_preemption_tokens) AS recomputed_preemption_tokens,
+    sum(recomputed_eviction_tokens) AS recomputed_eviction_tokens,
+    sum(draft_cut_tokens) AS draft_cut_tokens, sum(window_released_tokens) AS window_released_tokens,
+    sum(evicted_blocks_recomputed) AS evicted_blocks_recomputed, sum(waste_tokens) AS waste_tokens
+FROM {db}.usage_1m FINAL
+GROUP BY tenant, model, engine_name, window_start_ns, window_ns;
+
 CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
 SELECT *, finished_at FROM {db}.requests FINAL;
 
