@@ -50,13 +50,16 @@ def kv_cache_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
             kind = str(getattr(spec_kind(spec), "value", spec_kind(spec)))
         else:
             kind = type(spec).__name__
-        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        # Chunked local attention is not a sliding window: each query attends its own chunk.
+        chunk = getattr(spec, "attention_chunk_size", None)
+        window = None if chunk else getattr(spec, "sliding_window", None)
         out.append(
             {
                 "kind": kind,
                 "sliding_window": int(window) if window else None,
                 "block_size": int(getattr(spec, "block_size", 0) or 0),
                 "num_layers": len(getattr(group, "layer_names", []) or []),
+                "attention_chunk_size": int(chunk) if chunk else None,
             }
         )
     return out

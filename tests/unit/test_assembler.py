@@ -767,3 +767,19 @@ def test_every_class_equals_the_simulators_truth(p: dict[str, Any]) -> None:
         )
         want = (t["cache_read"], t["uncached"], t["preemption"], t["eviction"], t["accepted"], t["rejected"])
         assert got == want, (r.rid, got, want)
+
+
+def test_attention_groups_read_chunks_from_old_and_new_producers() -> None:
+    from types import SimpleNamespace
+
+    from sparseety.producers.vllm.facts import kv_cache_groups
+    from sparseety.streams import attention
+
+    old = {"kv_cache_groups": [{"kind": "chunked_local_attention", "sliding_window": 8, "block_size": 4}]}
+    (g,) = attention.groups_of(old)
+    assert (g.window, g.chunk, g.layers) == (None, 8, 1)
+    spec = SimpleNamespace(attention_chunk_size=8, sliding_window=None, block_size=4)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+    (rec,) = kv_cache_groups(cfg)
+    assert (rec["attention_chunk_size"], rec["sliding_window"], rec["num_layers"]) == (8, None, 2)
+    assert attention.chunked_pairs(6, 4, 8) == 7 + 8 + 1 + 2  # queries 6, 7 | 8, 9
