@@ -508,6 +508,8 @@ class Assembler:
         width = layers * experts
         counts = body["expert_counts"]
         for i, rid in enumerate(body["req_ids"]):
+            # Routing comes on the worker stream, which is not ordered with the core stream: it
+            # may precede the request's RequestStarted, so it may create the request's state.
             r = self._request(epoch, rid)
             if r is None or r.worker_seq >= seq:
                 continue

@@ -129,6 +129,17 @@ class RequestState(_Record):
     def uid(self) -> str:
         return f"{self.engine_id}/{self.request_id}"
 
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Any:
+        """Also loads a state persisted before the two-axis model (fields appended since)."""
+        r = cls(*data[1:])
+        if isinstance(r.eviction_spans, int):  # was recompute_until, a high-water mark
+            r.eviction_spans = [[0, r.eviction_spans]] if r.eviction_spans else []
+        for seg in r.segments:
+            if len(seg) == 6:  # before kv_fate
+                seg.append("kept")
+        return r
+
 
 @dataclass(slots=True)
 class EpochState(_Record):

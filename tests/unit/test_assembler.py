@@ -3,6 +3,7 @@ simulated engine runs (sums, disjointness, engine totals, order and duplicate in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Any
@@ -14,7 +15,7 @@ from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.streams import segments as sg
 from sparseety.streams.assembler import TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.state import MemoryStore, decode_state, encode_state
+from sparseety.streams.state import MemoryStore, RequestState, decode_state, encode_state
 from tests import factories as f
 from tests.sim import SimEngine, workload
 
@@ -783,3 +784,12 @@ def test_attention_groups_read_chunks_from_old_and_new_producers() -> None:
     (rec,) = kv_cache_groups(cfg)
     assert (rec["attention_chunk_size"], rec["sliding_window"], rec["num_layers"]) == (8, None, 2)
     assert attention.chunked_pairs(6, 4, 8) == 7 + 8 + 1 + 2  # queries 6, 7 | 8, 9
+
+
+def test_a_request_state_persisted_before_the_two_axis_model_still_loads() -> None:
+    old = RequestState("e", "e@1", "r1", segments=[[0, 8, "prompt", "computed", False, None]])
+    data = old.to_json()
+    i = [f.name for f in dataclasses.fields(RequestState)].index("eviction_spans") + 1
+    data[i] = 4  # the old recompute_until high-water mark
+    back = decode_state(encode_state(data))
+    assert back.eviction_spans == [[0, 4]] and back.segments[0][sg.FATE] == sg.KEPT

@@ -527,3 +527,31 @@ def test_another_tenants_source_request_is_hidden(tmp_path_factory: pytest.TempP
         assert source("e1@1/b1", Scope(tenants=("A", "B"))) == "e1@1/a1"
         assert source("e1@1/b1", Scope()) == "e1@1/a1"  # the admin sees every uid
         assert q.request("e1@1/a1", scope=Scope(tenants=("A",)))["segments"][0]["source_request_uid"] is None  # type: ignore[index]
+
+
+def test_list_mode_does_not_charge_an_aborted_request_for_prompt_it_never_computed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # 1000-token prompt, aborted after computing 300 of it (700 not_computed), nothing cached.
+    aborted = f.accounting(
+        "e1@1/ab",
+        tenant="A",
+        model="m1",
+        finished_ts_ns=T0 + MIN,
+        finish_reason="abort",
+        prompt_tokens=1000,
+        output_tokens=0,
+        cache_read_tokens=0,
+        engine_cached_tokens=0,
+        uncached_computed_tokens=300,
+        scheduled_tokens=300,
+        skipped_tokens=700,
+    )
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        set_prices(s, PRICES)
+        sink = ClickHouseSink(s)
+        sink.add(ev.REQUEST_ACCOUNTING, aborted, topic="timelines", partition=0, offset=0)
+        sink.flush()
+        (row,) = Queries(s).cost(mode="list", by=["tenant"])
+    assert row["cost_usd"] == D("0.003")  # 300 input tokens x $10 / 1M, not 1000

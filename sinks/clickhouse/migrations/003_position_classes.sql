@@ -56,7 +56,9 @@ INNER JOIN (SELECT request_uid, _version, tenant, model, engine_name, finished_t
 
 -- Per-request cost, as in 002, plus the position classes. Rows written before schema v2 cannot
 -- split recompute: their recomputed_tokens count as preemption recompute (the old meaning of
--- waste), and their evicted_tokens (window release) as window_released_tokens.
+-- waste), and their evicted_tokens (window release) as window_released_tokens. List mode no
+-- longer charges an aborted request for prompt positions it never computed: its list input is
+-- at most what it computed of the prompt for the first time.
 CREATE OR REPLACE VIEW {db}.request_costs_v{on_cluster} AS
 SELECT
     r.request_uid AS request_uid, r.tenant AS tenant, r.model AS model,
@@ -79,7 +81,10 @@ SELECT
     recomputed_preemption_tokens + toInt64(r.draft_rejected_tokens) + draft_cut_tokens AS waste_tokens,
     toInt64(least(if(r.engine_cached_tokens >= 0, r.engine_cached_tokens, r.cache_read_tokens), r.prompt_tokens))
         AS list_cached_tokens,
-    toInt64(r.prompt_tokens) - list_cached_tokens AS list_input_tokens,
+    toInt64(if(r.finish_reason = 'abort',
+               least(toInt64(r.prompt_tokens) - list_cached_tokens,
+                     toInt64(r.uncached_computed_tokens) + r.recomputed_eviction_tokens),
+               toInt64(r.prompt_tokens) - list_cached_tokens)) AS list_input_tokens,
     toInt64(if(r.scheduled_tokens > 0, greatest(r.scheduled_tokens - r.output_tokens, 0), list_input_tokens))
         AS actual_input_tokens,
     toInt64(ifNull(pin.price_micro, 0)) AS input_price_micro,
