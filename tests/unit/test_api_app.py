@@ -140,6 +140,10 @@ def test_timeline_counts_and_segments(client: TestClient) -> None:
     assert scoped["segments"][0]["source_request_uid"] == "another tenant"
     detail = get(client, f"/api/v1/requests/{uid('e1', 'r3')}", headers=GI)
     assert uid("e1", "r1") not in str(detail)
+    page = client.get("/dashboard", params={"request_id": uid("e1", "r3")}, headers=GI)
+    assert page.status_code == 200 and "another tenant" in page.text and uid("e1", "r1") not in page.text
+    admin_page = client.get("/dashboard", params={"request_id": uid("e1", "r3")}, headers=ADMIN)
+    assert uid("e1", "r1") in admin_page.text
     acme = get(client, f"/api/v1/requests/{uid('e1', 'r2')}/timeline", headers=ACME)
     assert acme["segments"][0]["source_request_uid"] == uid("e1", "r1")  # its own tenant's request
     r1 = get(client, "/api/v1/requests/" + uid("e1", "r1").replace("/", "%2F") + "/timeline")
