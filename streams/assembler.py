@@ -423,6 +423,10 @@ class Assembler:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
                 req.cache_read += computed_before
+                if computed_before > req.kv_end:
+                    # Read beyond what it had obtained (another request computed it meanwhile).
+                    sg.assign(req.segments, req.kv_end, computed_before, sg.CACHED)
+                    req.kv_end = computed_before
             new = n_new[i]
             n_accepted = accepted[i] if accepted else 0
             n_proposed = proposed[i] if proposed else 0
@@ -504,6 +508,8 @@ class Assembler:
         width = layers * experts
         counts = body["expert_counts"]
         for i, rid in enumerate(body["req_ids"]):
+            # Routing comes on the worker stream, which is not ordered with the core stream: it
+            # may precede the request's RequestStarted, so it may create the request's state.
             r = self._request(epoch, rid)
             if r is None or r.worker_seq >= seq:
                 continue

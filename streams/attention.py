@@ -77,7 +77,7 @@ def groups_of(config: dict[str, Any] | None) -> tuple[Group, ...]:
         kind = g.get("kind", FULL)
         chunk = g.get("attention_chunk_size") or None
         window = g.get("sliding_window") or None
-        if kind == CHUNKED:
+        if kind == CHUNKED or "chunk" in kind.lower():
             # Older producers put the chunk size in sliding_window: a chunk, not a window.
             chunk = chunk or window
             window = None

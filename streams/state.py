@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from sparseety.events import TOKEN_COUNTS
+from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
 def epoch_key(engine_id: str) -> str:
@@ -49,6 +49,7 @@ WINDOW_COUNTERS = (
     *TOKEN_COUNTS,
     "gpu_time_ns",
     "est_flops",
+    *POSITION_COUNTS,  # appended (schema v2): windows persisted before are a prefix of this layout
 )
 
 
@@ -127,6 +128,17 @@ class RequestState(_Record):
     @property
     def uid(self) -> str:
         return f"{self.engine_id}/{self.request_id}"
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Any:
+        """Also loads a state persisted before the two-axis model (fields appended since)."""
+        r = cls(*data[1:])
+        if isinstance(r.eviction_spans, int):  # was recompute_until, a high-water mark
+            r.eviction_spans = [[0, r.eviction_spans]] if r.eviction_spans else []
+        for seg in r.segments:
+            if len(seg) == 6:  # before kv_fate
+                seg.append("kept")
+        return r
 
 
 @dataclass(slots=True)

@@ -341,6 +341,12 @@ def usage_window(**over: Any) -> dict[str, Any]:
         "evicted_tokens": 0,
         "gpu_time_ns": 1000,
         "est_flops": 1.5e6,
+        "recomputed_preemption_tokens": 0,
+        "recomputed_eviction_tokens": 0,
+        "draft_cut_tokens": 0,
+        "window_released_tokens": 0,
+        "evicted_blocks_recomputed": 0,
+        "waste_tokens": 0,
     }
     rec.update(over)
     return rec

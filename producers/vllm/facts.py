@@ -54,9 +54,9 @@ def kv_cache_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
             kind = str(getattr(spec_kind(spec), "value", spec_kind(spec)))
         else:
             kind = type(spec).__name__
-        # A chunk is not a window (each query attends only its own chunk): separate fields.
-        window = getattr(spec, "sliding_window", None)
+        # Chunked local attention is not a sliding window: each query attends its own chunk.
         chunk = getattr(spec, "attention_chunk_size", None)
+        window = None if chunk else getattr(spec, "sliding_window", None)
         out.append(
             {
                 "kind": kind,

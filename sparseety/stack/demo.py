@@ -24,7 +24,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sparseety import events as ev
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
 from sparseety.stack.supervisor import Stack
@@ -33,7 +32,34 @@ Say = Callable[[str], None]
 
 #: Demo prices (USD per million tokens, per GPU-hour): list prices of a mid-size model.
 DEMO_PRICES = {"input": "3.00", "cached_input": "0.30", "output": "15.00", "gpu_hour": "2.50"}
-TOKEN_CLASSES = ("prompt_tokens", "output_tokens", *ev.TOKEN_COUNTS)
+#: The per-request columns the report sums per tenant, their short names, and what each means
+#: (docs/streams.md has the classes and the identity they satisfy).
+CLASS_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens", "prompt", "prompt positions"),
+    ("output_tokens", "output", "output positions"),
+    (
+        "cache_read_tokens",
+        "cache_read",
+        "positions read from the prefix cache; a re-read after a preemption counts again",
+    ),
+    ("uncached_computed_tokens", "computed", "first-time computation (not drafts, not recomputes)"),
+    ("recomputed_preemption_tokens", "re_preempt", "re-prefill after a preemption: waste"),
+    (
+        "recomputed_eviction_tokens",
+        "re_evict",
+        "blocks the prefix cache had evicted, computed again: a bigger KV cache avoids it",
+    ),
+    ("draft_accepted_tokens", "drafts_ok", "speculative drafts verified and kept as output"),
+    ("draft_rejected_tokens", "drafts_rej", "speculative drafts verified and rejected: waste"),
+    ("draft_cut_tokens", "drafts_cut", "accepted drafts thrown away because the request stopped: waste"),
+    ("window_released_tokens", "win_released", "KV freed by a sliding window or chunk while the request ran"),
+    (
+        "skipped_tokens",
+        "skipped",
+        "positions attention never looked at by the end (outside the window, or never computed)",
+    ),
+)
+TOKEN_CLASSES = tuple(col for col, _, _ in CLASS_COLUMNS)
 
 
 class DemoError(SparseetyError):
@@ -234,18 +260,16 @@ def build_report(
         f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
         f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
     )
-    lines += ["", "Tokens per tenant (disjoint classes; prompt includes cache reads):", ""]
-    short = {
-        "prompt_tokens": "prompt",
-        "output_tokens": "output",
-        "cache_read_tokens": "cache_read",
-        "uncached_computed_tokens": "computed",
-        "recomputed_tokens": "recomputed",
-        "draft_accepted_tokens": "drafts_ok",
-        "draft_rejected_tokens": "drafts_rej",
-        "skipped_tokens": "skipped",
-        "evicted_tokens": "evicted",
-    }
+    lines += [
+        "",
+        "Tokens per tenant. Compute: computed + re_preempt + re_evict + drafts_ok + drafts_rej + drafts_cut",
+        "= every token the engine computed. Positions: prompt + output, each obtained once by cache_read,",
+        "computed or a recompute (not additive with compute: re-reads and re-prefill repeat positions).",
+        "",
+    ]
+    lines += [f"  {name:<12} {meaning}" for _, name, meaning in CLASS_COLUMNS]
+    lines.append("")
+    short = {col: name for col, name, _ in CLASS_COLUMNS}
     rows = [
         {"tenant": t["tenant"], "requests": t["requests"], **{short[k]: t[k] for k in TOKEN_CLASSES}}
         for t in sorted(tenants.values(), key=lambda x: x["tenant"])
@@ -262,7 +286,11 @@ def build_report(
     lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu"]))
     for title, path, cols in (
         ("Prefix-cache savings", "/api/v1/savings", None),
-        ("Waste (recomputed + rejected drafts)", "/api/v1/waste", None),
+        (
+            "Waste (re-prefill after preemption + rejected and cut drafts; re_evict apart as evictable)",
+            "/api/v1/waste",
+            None,
+        ),
         ("Speculative decoding", "/api/v1/spec", None),
     ):
         try:

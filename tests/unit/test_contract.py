@@ -254,3 +254,11 @@ def test_engine_event_written_with_schema_v1_decodes_and_replays() -> None:
     asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
     accounts = [o.record for e in decoded for o in asm.apply(e) if o.record_name == ev.REQUEST_ACCOUNTING]
     assert accounts and accounts[0]["consistent"] and accounts[0]["uncached_computed_tokens"] == 6
+
+
+def test_usage_window_written_with_schema_v1_decodes_with_defaults() -> None:
+    old = _history("UsageWindow")
+    rec = {k: v for k, v in f.usage_window().items() if k not in ev.POSITION_COUNTS}
+    data = Encoder(STORE.with_reader(old), "UsageWindow").encode(rec)
+    _, back = Decoder(STORE).decode(data)
+    assert back == f.usage_window()
