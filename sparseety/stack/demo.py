@@ -251,7 +251,7 @@ def build_report(
         e["cached"] += r["num_cached_tokens"]
     if len(stored) != len(eng):
         problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
-    problems += check_engine_counters(stored, engine, by_tenant_engine)
+    problems += check_engine_counters(_details(api, stored), engine, by_tenant_engine)
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
     lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
     m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
@@ -324,6 +324,13 @@ CHECK_LINE = (
     "Check: per-tenant totals = sum over requests; prompt, output, cached (per tenant), "
     "drafts and preemptions = what vLLM counted"
 )
+
+
+def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every stored count of each request (the list rows omit engine_cached_tokens, preemptions)."""
+    from urllib.parse import quote
+
+    return [api.get(f"/api/v1/requests/{quote(r['request_uid'], safe='')}") for r in stored]
 
 
 def check_engine_counters(
