@@ -134,7 +134,7 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
             f"engine: turn {n}/{len(all_phases)}: {len(outs)} requests in {time.time() - t0:.1f} s",
             flush=True,
         )
-    metrics = {}
+    metrics: dict[str, float] = {}
     for m in llm.get_metrics():
         if hasattr(m, "value"):
             source = m.labels.get("source")
