@@ -54,6 +54,7 @@ def record(i: int, segments: int, blocks: int) -> dict[str, Any]:
                 "status": status,
                 "draft_accepted": k == segments - 1,
                 "source_request_uid": f"{eid}/r{i - 1}" if status == "cached" else None,
+                "kv_fate": "kept",
             }
         )
         pos += 200
@@ -108,6 +109,12 @@ def record(i: int, segments: int, blocks: int) -> dict[str, Any]:
         "expert_counts": [],
         "block_uses": uses,
         "timeline": {"segments": segs, "attention_window": None},
+        "recomputed_preemption_tokens": 64,
+        "recomputed_eviction_tokens": 0,
+        "draft_cut_tokens": 0,
+        "window_released_tokens": 0,
+        "evicted_blocks_recomputed": 0,
+        "waste_tokens": 76,
     }
 
 

@@ -107,6 +107,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "enforce_eager": True,
         },
     },
+    "sparsity_truth": {
+        "model": "gemma3-hybrid",
+        "doc": (
+            "Issue 11's engine truth: a hybrid model (2 sliding-window layers, 1 full), prefix sharing,"
+            " a tiny KV cache that evicts, preemption; truth.json adds per request what vLLM's"
+            " scheduler, KV-cache manager and block pool did (tests/e2e/ground_truth.py)."
+        ),
+        "engine": {},  # tests/e2e/truth_workloads.py ENGINES["hybrid"]
+        "truth_workload": "hybrid",
+    },
 }
 
 
@@ -170,6 +180,9 @@ def child(name: str, truth_path: Path) -> None:
 
     spec = SCENARIOS[name]
     model = MODEL_CACHE / spec["model"]
+    if spec.get("truth_workload"):
+        _child_with_truth(name, spec, model, truth_path)
+        return
     kv = {"enable_kv_cache_events": True, "publisher": "null"}  # our tee publishes them
     llm = LLM(model=str(model), seed=0, disable_log_stats=False, kv_events_config=kv, **spec["engine"])
     requests = []
@@ -210,6 +223,30 @@ def child(name: str, truth_path: Path) -> None:
     }
     truth_path.write_text(json.dumps(truth))
     llm.llm_engine.engine_core.shutdown()  # EngineStopped + flush
+
+
+def _child_with_truth(name: str, spec: dict[str, Any], model: Path, truth_path: Path) -> None:
+    """The engine-truth workload with the ground-truth recorder attached to the scheduler."""
+    import vllm
+    from vllm import LLM
+
+    from tests.e2e.ground_truth import attach, run_workload
+    from tests.e2e.truth_workloads import ENGINES, phases
+
+    engine = ENGINES[spec["truth_workload"]]["engine"]
+    kv = {"enable_kv_cache_events": True, "publisher": "null"}
+    llm = LLM(model=str(model), seed=0, disable_log_stats=False, kv_events_config=kv, **engine)
+    result = run_workload(llm, attach(llm), phases())
+    truth = {
+        "scenario": name,
+        "doc": spec["doc"],
+        "model": spec["model"],
+        "engine_args": engine,
+        "vllm_version": vllm.__version__,
+        **result,
+    }
+    truth_path.write_text(json.dumps(truth))
+    llm.llm_engine.engine_core.shutdown()
 
 
 # --- parent: broker, children, files ----------------------------------------------------------------

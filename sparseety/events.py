@@ -33,7 +33,8 @@ DEAD_LETTER = full_name("DeadLetter")
 
 CORE_STREAM = "core"
 
-#: RequestAccounting's disjoint token classes (what a request's compute and cache use splits into).
+#: RequestAccounting's schema-v1 token counts, also the UsageWindow counters (kept as they were:
+#: recomputed_tokens is both recompute senses, evicted_tokens is 0 in schema-v2 records).
 TOKEN_COUNTS = (
     "cache_read_tokens",
     "uncached_computed_tokens",
@@ -42,6 +43,16 @@ TOKEN_COUNTS = (
     "draft_rejected_tokens",
     "skipped_tokens",
     "evicted_tokens",
+)
+
+#: RequestAccounting's counts added with the two-axis position model (schema v2, docs/streams.md).
+POSITION_COUNTS = (
+    "recomputed_preemption_tokens",
+    "recomputed_eviction_tokens",
+    "draft_cut_tokens",
+    "window_released_tokens",
+    "evicted_blocks_recomputed",
+    "waste_tokens",
 )
 
 

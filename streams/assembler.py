@@ -12,12 +12,15 @@ in a reorder buffer until the gap fills or is declared lost (then affected reque
 are guarded by the last seq that request absorbed. A state persisted only partly before a crash
 therefore converges when the events are replayed.
 
-Per position statuses (see ``schemas/TokenSegment.avsc``):
-prompt positions come from the admission plan (cached with their source, computed, or
-recomputed when the block had been cached before and evicted), output positions are appended
-as tokens arrive (draft-accepted ones flagged), recomputation after preemption overwrites with
-``recomputed``, and at the end positions outside a sliding window become ``evicted`` (KV freed
-while running, whole blocks) or ``skipped``.
+Per position, two independent axes (docs/streams.md has the table and the identity):
+how it was obtained (``status``) and what became of its KV (``kv_fate``). Prompt positions
+come from the admission plan (cached with their source, computed, or recomputed_after_eviction
+when the block had a cache lifetime on this engine that ended before admission); output
+positions are appended as tokens arrive (draft-accepted ones flagged); re-prefill after a
+preemption overwrites with recomputed_after_preemption; positions an aborted request never
+computed become not_computed. At the end, positions the request's attention groups released
+(sliding windows, chunks; weighted by layers) get kv_fate window_released, those still held but
+never attended again skipped; the status is left as it was.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.streams import attention, windows
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
-from sparseety.streams import windows
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.state import (
     EpochState,
@@ -69,6 +72,7 @@ class Stats:
     requests_closed: int = 0
     incomplete: int = 0
     corrections: int = 0
+    reopened: int = 0  # requests closed by the idle timeout that got events again
 
 
 class Assembler:
@@ -294,7 +298,7 @@ class Assembler:
         prompt = r.prompt_len = body["prompt_len"]
         cached = r.cached_at_admission = body["num_cached_tokens"]
         r.cache_read += cached
-        r.hw = max(r.hw, cached)
+        r.kv_end = max(r.kv_end, cached)
         self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, cached)
         self._put_request(r)
 
@@ -331,9 +335,10 @@ class Assembler:
                     block = pidx.new_block()
                     epoch.block_count += 1
                 recompute = pidx.evicted_before(block, seq, cleared)
-                sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED if recompute else sg.COMPUTED)
+                sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED_EVICTION if recompute else sg.COMPUTED)
                 if recompute:
-                    r.recompute_until = end
+                    _add_span(r.eviction_spans, start, end)
+                    r.evicted_blocks_recomputed += 1
                 r.blocks.append([hexh, "recomputed" if recompute else "computed", -1])
                 pidx.claim(block, r.request_id, seq, cleared)
                 self.store.put(key, block)
@@ -346,7 +351,7 @@ class Assembler:
 
     def _on_step(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
         # The hottest code of the worker (once per request per engine step): locals and inlined
-        # arithmetic on purpose; the rare paths (recompute, drafts) call out.
+        # arithmetic on purpose; the rare paths (recompute, drafts, reopening) call out.
         rids = body["req_ids"]
         n_sched = body["num_scheduled_tokens"]
         before = body["num_computed_before"]
@@ -358,118 +363,160 @@ class Assembler:
         preempted = set(body["preempted_req_ids"])
         if preempted:
             for rid in preempted.difference(rids):
-                r = self._request(epoch, rid)
-                if r is not None and r.seq < seq and not r.closed:
-                    r.seq = seq
-                    r.preemptions += 1
-                    r.preempted = True
-                    self._put_request(r)
+                req = self._request(epoch, rid, create=False)
+                if req is None:
+                    epoch.unknown_requests += 1
+                elif req.seq < seq and not req.closed:
+                    req.seq = seq
+                    req.preemptions += 1
+                    req.preempted = True
+                    self._put_request(req)
         step_ns = body["duration_ns"]
         start_ts = ts - step_ns
-        window = shape.window
+        limited = bool(shape.limited)
         per_token = shape.linear_flops_per_token
         per_pair = shape.flops_per_pair
         store = self.store
-        cached = self._requests
+        known = self._requests
         touched: list[str] = []
         prefix = f"r|{epoch.engine_id}|"
         shares: list[tuple[RequestState, float]] = []
         total = 0.0
         for i, rid in enumerate(rids):
             key = prefix + rid
-            r = cached.get(key)
-            if r is None:
-                r = self._request(epoch, rid)
-                assert r is not None
-                cached[key] = r
-            if r.seq >= seq or r.closed:
+            req = known.get(key)
+            if req is None:
+                req = self._request(epoch, rid, create=False)
+                if req is None:
+                    # Never started here (its RequestStarted was lost, or it was forgotten after
+                    # closing): counted, no state invented for it.
+                    epoch.unknown_requests += 1
+                    continue
+                known[key] = req
+            if req.seq >= seq:
                 continue
-            c = before[i]
+            if req.closed and not self._reopen(epoch, req):
+                continue
+            computed_before = before[i]
             n = n_sched[i]
-            attended = n * c + n * (n + 1) // 2  # causal pairs; windows are the rare case
-            if window is not None:
-                r.pairs_full += attended
-                attended = shape.pairs(c, n)[0]
-            r.pairs += attended
+            attended = n * computed_before + n * (n + 1) // 2  # causal pairs; limits are rare
+            if limited:
+                req.pairs_full += attended
+                attended = shape.pairs(computed_before, n)[0]
+            req.pairs += attended
             f = n * per_token + attended * per_pair
-            r.flops += f
+            req.flops += f
             total += f
-            shares.append((r, f))
-            r.seq = seq
-            r.steps += 1
-            r.last_step = step
-            r.last_ts = ts
-            if not r.first_sched_ts:
-                r.first_sched_ts = start_ts
-            r.last_computed_before = c
-            r.scheduled += n
+            shares.append((req, f))
+            req.seq = seq
+            req.steps += 1
+            req.last_step = step
+            req.last_ts = ts
+            if not req.first_sched_ts:
+                req.first_sched_ts = start_ts
+            req.last_computed_before = computed_before
+            req.scheduled += n
             if preempted and rid in preempted:
-                r.preemptions += 1
-                r.preempted = True
-            if r.preempted:
+                req.preemptions += 1
+                req.preempted = True
+            if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
-                r.preempted = False
-                r.cache_read += c
-            a = accepted[i] if accepted else 0
-            rejected = (proposed[i] - a) if proposed else 0
-            valid_end = c + n - rejected
-            if a or rejected:
-                r.draft_accepted += a
-                r.draft_rejected += rejected
-            hw = r.hw
-            if c < hw:
-                redo_end = valid_end if valid_end < hw else hw
-                r.recomputed += redo_end - c
-                sg.assign(r.segments, c, redo_end, sg.RECOMPUTED)
-                c = hw
-            if valid_end > c:
-                # First computation of [c, valid_end): accepted drafts are their own class;
-                # prompt blocks the engine had evicted before are recomputes.
-                first = valid_end - c - a
-                if r.recompute_until > c:
-                    recompute = min(valid_end, r.recompute_until) - c
-                    r.recomputed += recompute
-                    first -= recompute
-                r.uncached += first
-                r.hw = valid_end
+                req.preempted = False
+                req.cache_read += computed_before
+                if computed_before > req.kv_end:
+                    # Read beyond what it had obtained (another request computed it meanwhile).
+                    sg.assign(req.segments, req.kv_end, computed_before, sg.CACHED)
+                    req.kv_end = computed_before
             new = n_new[i]
+            n_accepted = accepted[i] if accepted else 0
+            n_proposed = proposed[i] if proposed else 0
+            n_cut = 0
+            if n_proposed:
+                n_accepted, n_cut = _split_drafts(n_proposed, n_accepted, new)
+            rejected = n_proposed - n_accepted - n_cut
+            valid_end = computed_before + n - rejected - n_cut
+            if n_proposed:
+                req.draft_accepted += n_accepted
+                req.draft_rejected += rejected
+                req.draft_cut += n_cut
+            kv_end = req.kv_end
+            if computed_before < kv_end:
+                self._recompute_after_preemption(req, computed_before, min(valid_end, kv_end))
+                computed_before = kv_end
+            if valid_end > computed_before:
+                # First computation of [computed_before, valid_end) for this request: accepted
+                # drafts are their own class; blocks the engine had evicted are recomputes.
+                first_end = valid_end - n_accepted
+                if req.eviction_spans and first_end > computed_before:
+                    again = _overlap(req.eviction_spans, computed_before, first_end)
+                    req.recomputed_eviction += again
+                    req.uncached += first_end - computed_before - again
+                else:
+                    req.uncached += max(0, first_end - computed_before)
+                req.kv_end = valid_end
             if new:
-                if not r.first_token_ts:
-                    r.first_token_ts = ts
-                r.out += new
-                segs = r.segments
+                if not req.first_token_ts:
+                    req.first_token_ts = ts
+                req.out += new
+                segs = req.segments
                 last = segs[-1] if segs else None
                 if (
-                    not a
+                    not n_accepted
                     and last is not None
-                    and last[2] == "output"
-                    and last[3] == "computed"
-                    and not last[4]
+                    and last[sg.KIND] == sg.OUTPUT
+                    and last[sg.STATUS] == sg.COMPUTED
+                    and not last[sg.DRAFT]
+                    and last[sg.FATE] == sg.KEPT
                 ):
-                    last[1] += new  # the common decode step: extend the output run
+                    last[sg.END] += new  # the common decode step: extend the output run
                 else:
-                    drafts = min(a, new)
+                    drafts = min(n_accepted, new)
                     sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
             touched.append(key)
         store.touch_many(touched)
         if total > 0:
             scale = step_ns / total
-            for r, f in shares:
-                r.gpu_ns += f * scale
+            for req, f in shares:
+                req.gpu_ns += f * scale
+
+    def _recompute_after_preemption(self, req: RequestState, start: int, end: int) -> None:
+        """Re-prefill of [start, end), positions this request had computed or read before."""
+        if end <= start:
+            return
+        req.recomputed_preemption += end - start
+        sg.assign(req.segments, start, end, sg.RECOMPUTED_PREEMPTION)
+
+    def _reopen(self, epoch: EpochState, req: RequestState) -> bool:
+        """A closed request got a step: reopen it when the close was an idle timeout (its record
+        is superseded by a new version when it closes again), else count a late event."""
+        acc = req.output
+        if acc is None or acc.get("incomplete_reason") != "idle_timeout":
+            self.stats.late_events += 1
+            return False
+        req.reopened = req.reopened or acc
+        req.output = None
+        req.closed = False
+        if req.request_id not in epoch.open_requests:
+            epoch.open_requests.append(req.request_id)
+        epoch.retiring = [x for x in epoch.retiring if x[0] != req.request_id]
+        self.stats.reopened += 1
+        return True
 
     def _on_routing(self, epoch: EpochState, seq: int, body: dict[str, Any], out: list[Output]) -> None:
         layers, experts = body["num_layers"], body["num_experts"]
         width = layers * experts
         counts = body["expert_counts"]
         for i, rid in enumerate(body["req_ids"]):
+            # Routing comes on the worker stream, which is not ordered with the core stream: it
+            # may precede the request's RequestStarted, so it may create the request's state.
             r = self._request(epoch, rid)
-            if r is None or r.wseq >= seq:
+            if r is None or r.worker_seq >= seq:
                 continue
             if r.closed:
                 self.stats.late_events += 1
                 continue
-            r.wseq = seq
+            r.worker_seq = seq
             row = counts[i * width : (i + 1) * width]
             if not r.experts:
                 r.expert_layers, r.expert_experts = layers, experts
@@ -486,6 +533,9 @@ class Assembler:
         rid = body["request_id"]
         r = self._request(epoch, rid)
         assert r is not None
+        timed_out = r.output is not None and r.output["incomplete_reason"] == "idle_timeout"
+        if r.closed and r.seq < seq and timed_out:
+            self._reopen(epoch, r)  # the finish supersedes the record the idle timeout wrote
         if r.closed:
             # Replayed after a partial checkpoint: the request closed but the epoch effects may not
             # have been persisted; emit them again (downstream is idempotent by key).
@@ -553,6 +603,12 @@ class Assembler:
         """Epoch-level effects of a closed request: its window, its output, its retirement."""
         acc = r.output
         assert acc is not None
+        if r.reopened is not None:
+            # This record supersedes one an idle timeout emitted: take that one out of its window.
+            for rec in windows.add(epoch, r.reopened, self.window_ns, retract=True):
+                self.stats.corrections += 1
+                out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
+            r.reopened = None
         for rec in windows.add(epoch, acc, self.window_ns):
             self.stats.corrections += 1
             out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
@@ -596,27 +652,34 @@ class Assembler:
         incomplete: str | None,
     ) -> dict[str, Any]:
         cfg = epoch.config or {}
-        if r.steps == 0 and finish is not None:
+        fin = finish or {}
+        if r.steps == 0 and finish is not None and fin.get("finish_reason") != "abort":
             self._synthesise_request_level(r, finish)
-        segs = r.segments
-        prompt = r.prompt_len if r.started else (finish or {}).get("num_prompt_tokens", r.prompt_len)
+        segs = sg.upgrade(r.segments)
+        prompt = r.prompt_len if r.started else fin.get("num_prompt_tokens", r.prompt_len)
         if not r.started:
             r.prompt_len = prompt
         covered_prompt = sum(s[sg.END] - s[sg.START] for s in segs if s[sg.KIND] == sg.PROMPT)
         if covered_prompt < prompt and not any(s[sg.KIND] == sg.OUTPUT for s in segs):
             sg.append(segs, prompt - covered_prompt, sg.PROMPT, sg.COMPUTED)
-        # Prompt positions never computed (aborted during prefill) were never attended either.
-        if r.steps and r.hw < prompt:
-            sg.assign(segs, r.hw, prompt, sg.SKIPPED)
-        window = _attention_window(cfg)
-        if window:
-            self._apply_window(r, window, cfg.get("block_size") or 0)
+        # Prompt positions never computed (aborted before or during prefill) were never obtained:
+        # not_computed, not charged (they count in skipped_tokens: attention never saw them).
+        if (r.steps or fin.get("finish_reason") == "abort") and r.kv_end < prompt:
+            sg.assign(segs, r.kv_end, prompt, sg.NOT_COMPUTED)
+        groups = attention.groups_of(cfg)
+        released_end, unattended_end = attention.fates(groups, r.kv_end, r.last_computed_before)
+        if unattended_end:
+            sg.assign(segs, 0, released_end, sg.WINDOW_RELEASED, field=sg.FATE)
+            sg.assign(segs, released_end, unattended_end, sg.FATE_SKIPPED, field=sg.FATE)
+        window = _attention_window(groups)
         by_status = sg.count_by_status(segs)
+        by_fate = sg.count_by_fate(segs)
         gpu_ns = round(r.gpu_ns)
-        fin = finish or {}
         engine_prompt = fin.get("num_prompt_tokens", -1)
         engine_output = fin.get("num_output_tokens", -1)
         engine_cached = fin.get("num_cached_tokens", -1)
+        drafts = r.draft_accepted + r.draft_rejected + r.draft_cut
+        identity = r.scheduled == r.uncached + r.recomputed_preemption + r.recomputed_eviction + drafts
         consistent = (
             finish is not None
             and incomplete is None
@@ -624,11 +687,12 @@ class Assembler:
             and engine_prompt == prompt
             and engine_output == r.out
             and engine_cached == r.cached_at_admission
-            and r.scheduled == r.uncached + r.recomputed + r.draft_accepted + r.draft_rejected
+            and identity
             and sg.total(segs) == prompt + r.out
         )
         uid = r.uid
         block_uses = self._block_uses(epoch, r, fin)
+        skipped = by_fate.get(sg.FATE_SKIPPED, 0) + by_status.get(sg.NOT_COMPUTED, 0)
         return {
             "request_uid": uid,
             "engine_name": r.engine_name,
@@ -650,11 +714,11 @@ class Assembler:
             "output_tokens": r.out,
             "cache_read_tokens": r.cache_read,
             "uncached_computed_tokens": r.uncached,
-            "recomputed_tokens": r.recomputed,
+            "recomputed_tokens": r.recomputed_preemption + r.recomputed_eviction,
             "draft_accepted_tokens": r.draft_accepted,
             "draft_rejected_tokens": r.draft_rejected,
-            "skipped_tokens": by_status.get(sg.SKIPPED, 0),
-            "evicted_tokens": by_status.get(sg.EVICTED, 0),
+            "skipped_tokens": skipped,
+            "evicted_tokens": 0,
             "scheduled_tokens": r.scheduled,
             "preemptions": r.preemptions,
             "steps": r.steps,
@@ -671,6 +735,12 @@ class Assembler:
             "expert_counts": list(r.experts),
             "block_uses": block_uses,
             "timeline": {"segments": sg.to_records(segs), "attention_window": window},
+            "recomputed_preemption_tokens": r.recomputed_preemption,
+            "recomputed_eviction_tokens": r.recomputed_eviction,
+            "draft_cut_tokens": r.draft_cut,
+            "window_released_tokens": by_fate.get(sg.WINDOW_RELEASED, 0),
+            "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
+            "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,
         }
 
     def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:
@@ -687,21 +757,7 @@ class Assembler:
         r.out = output
         r.uncached = prompt - cached + max(output - 1, 0)
         r.scheduled = r.uncached
-        r.hw = prompt + max(output - 1, 0)
-
-    def _apply_window(self, r: RequestState, window: int, block_size: int) -> None:
-        """Positions outside the final attention window: evicted (whole blocks freed while the
-        request ran, vLLM's sliding-window policy) or skipped (still held, never attended again)."""
-        kv = r.hw
-        outside = max(0, kv - window)
-        if not outside:
-            return
-        freed = 0
-        if block_size:
-            freed = max(0, r.last_computed_before - window + 1) // block_size * block_size
-        evicted = min(outside, freed)
-        sg.assign(r.segments, 0, evicted, sg.EVICTED, keep_source=True)
-        sg.assign(r.segments, evicted, outside, sg.SKIPPED, keep_source=True)
+        r.kv_end = prompt + max(output - 1, 0)
 
     def _block_uses(self, epoch: EpochState, r: RequestState, finish: dict[str, Any]) -> list[dict[str, Any]]:
         bs = (epoch.config or {}).get("block_size") or 0
@@ -772,8 +828,41 @@ def _primary_group_kind(config: dict[str, Any] | None) -> str | None:
     return groups[0]["kind"] if groups else None
 
 
-def _attention_window(config: dict[str, Any]) -> int | None:
-    groups = config.get("kv_cache_groups") or []
-    if groups and all(g.get("sliding_window") for g in groups):
-        return int(min(g["sliding_window"] for g in groups))
-    return None
+def _attention_window(groups: tuple[attention.Group, ...]) -> int | None:
+    """The timeline's ``attention_window``: the smallest window or chunk of a limited group."""
+    reach = [g.window or g.chunk for g in groups if g.limited]
+    return int(min(r for r in reach if r)) if reach else None
+
+
+def _split_drafts(proposed: int, accepted: int, new: int) -> tuple[int, int]:
+    """``(accepted, cut)`` drafts of one step; the rest of ``proposed`` were rejected.
+
+    A verified step yields the accepted drafts plus one sampled token. Fewer new tokens mean the
+    stop condition cut the tail: drafts past the stop were computed, then thrown away (cut, not
+    accepted). No new token and nothing accepted means the request finished between schedule
+    and update: its drafts were never verified (cut, not rejected).
+    """
+    if new == 0 and accepted == 0:
+        return 0, proposed
+    cut = max(0, accepted - new)
+    return accepted - cut, cut
+
+
+def _add_span(spans: list[list[int]], start: int, end: int) -> None:
+    """Add [start, end) to sorted disjoint spans (admission plans add them in order)."""
+    if spans and spans[-1][1] >= start:
+        spans[-1][1] = max(spans[-1][1], end)
+    else:
+        spans.append([start, end])
+
+
+def _overlap(spans: list[list[int]], start: int, end: int) -> int:
+    """Positions of [start, end) inside the spans."""
+    total = 0
+    for lo, hi in spans:
+        if hi <= start:
+            continue
+        if lo >= end:
+            break
+        total += min(hi, end) - max(lo, start)
+    return total

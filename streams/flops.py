@@ -11,23 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparseety.streams import attention
+from sparseety.streams.attention import causal_pairs, windowed_pairs
 
-def causal_pairs(start: int, n: int) -> int:
-    """Query-key pairs of full causal attention for queries at positions [start, start + n)."""
-    return n * start + n * (n + 1) // 2
-
-
-def windowed_pairs(start: int, n: int, window: int) -> int:
-    """Pairs when each query attends at most ``window`` keys (itself included)."""
-    if n <= 0:
-        return 0
-    end = start + n
-    full_end = min(end, window)  # queries q < window attend q + 1 keys
-    pairs = 0
-    if start < full_end:
-        pairs = causal_pairs(start, full_end - start)
-    capped = end - max(start, full_end)
-    return pairs + capped * window
+__all__ = ["ModelShape", "causal_pairs", "windowed_pairs"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +30,9 @@ class ModelShape:
     vocab: int = 0
     experts: int = 0
     top_k: int = 0
-    window: int | None = None
-    window_layer_fraction: float = 0.0
+    # Attention groups that limit reach (sliding window, chunks), with their share of layers;
+    # empty for full attention everywhere.
+    limited: tuple[tuple[float, attention.Group], ...] = ()
     # Derived once (the assembler reads them per request per step).
     linear_flops_per_token: float = field(init=False)
     flops_per_pair: float = field(init=False)
@@ -57,14 +45,10 @@ class ModelShape:
 
     @classmethod
     def from_engine_started(cls, p: dict[str, Any]) -> ModelShape:
-        """Shape from an EngineStarted payload; sliding window from its KV cache groups."""
-        groups = p.get("kv_cache_groups") or []
-        sw = [g for g in groups if g.get("sliding_window")]
-        layers = sum(g.get("num_layers", 0) for g in groups) or 1
-        window = min(g["sliding_window"] for g in sw) if sw else None
-        fraction = (sum(g.get("num_layers", 0) for g in sw) / layers) if sw else 0.0
-        if sw and fraction == 0.0:
-            fraction = 1.0  # layer counts unknown: assume every layer slides
+        """Shape from an EngineStarted payload; windows and chunks from its KV cache groups."""
+        groups = attention.groups_of(p)
+        layers = sum(g.layers for g in groups) or 1
+        limited = tuple((g.layers / layers, g) for g in groups if g.limited)
         head_dim = p.get("head_dim") or (p.get("hidden_size", 0) // max(p.get("num_attention_heads", 1), 1))
         return cls(
             num_layers=p.get("num_layers", 0),
@@ -76,8 +60,7 @@ class ModelShape:
             vocab=p.get("vocab_size", 0),
             experts=p.get("moe_num_experts", 0),
             top_k=p.get("moe_top_k", 0),
-            window=window,
-            window_layer_fraction=fraction,
+            limited=limited,
         )
 
     @property
@@ -90,15 +73,15 @@ class ModelShape:
     def pairs(self, start: int, n: int) -> tuple[int, int]:
         """(attended pairs, pairs a full-attention model would attend) for queries [start, start+n).
 
-        With sliding-window layers, attended pairs blend windowed and full attention by the
-        fraction of layers that slide.
+        With sliding-window or chunked layers, attended pairs blend each group's pairs by its
+        fraction of the layers.
         """
         full = causal_pairs(start, n)
-        if self.window is None:
+        if not self.limited:
             return full, full
-        windowed = windowed_pairs(start, n, self.window)
-        f = self.window_layer_fraction
-        return round(f * windowed + (1.0 - f) * full), full
+        rest = 1.0 - sum(f for f, _ in self.limited)
+        attended = rest * full + sum(f * g.pairs(start, n) for f, g in self.limited)
+        return round(attended), full
 
     def flops(self, tokens: int, attended_pairs: int) -> float:
         """Estimated FLOPs of ``tokens`` new positions attending ``attended_pairs`` pairs."""

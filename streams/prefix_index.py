@@ -1,9 +1,16 @@
 """The per-engine prefix index: which request computed each cached block, and when it lived.
 
-A block's state is ``{"l": [[stored_seq, removed_seq, computed_by], ...], "c": claim}``:
+A block's state is ``{"l": [[stored_seq, removed_seq, computed_by, copies], ...], "c": claim}``:
 the cache *lifetimes* of that block hash on one engine epoch (oldest first, at most
 ``MAX_LIFETIMES``), and a pending claim by the request that scheduled its computation before
-the engine's BlockStored arrived. Queries are *as of* an event's seq, so the answer does not
+the engine's BlockStored arrived.
+
+vLLM can hold several physical blocks with the same hash (two requests computed it before
+either was cached). Each BlockStored of a hash already live adds a copy to that lifetime; each
+BlockRemoved takes one away; the lifetime ends (``removed_seq``) only when its last copy goes.
+``copies`` is ``[seqs of extra stores, seqs of removals]``, so re-applied events count once.
+
+Queries are *as of* an event's seq, so the answer does not
 depend on whether later events were already applied (replays after a crash stay exact).
 
 KvCleared is kept as a list of seqs on the epoch rather than a write to every block.
@@ -21,7 +28,7 @@ from bisect import bisect_right
 from typing import Any
 
 MAX_LIFETIMES = 4
-STORED, REMOVED, COMPUTED_BY = 0, 1, 2
+STORED, REMOVED, COMPUTED_BY, COPIES = 0, 1, 2, 3
 
 BlockState = dict[str, Any]
 
@@ -62,27 +69,55 @@ def evicted_before(block: BlockState, seq: int, cleared: list[int]) -> bool:
     return any(lt[STORED] < seq and _end(lt, cleared, seq) is not None for lt in block["l"])
 
 
+def _copies(lifetime: list[Any]) -> list[list[int]]:
+    if len(lifetime) <= COPIES:  # persisted before copies were counted
+        lifetime.append([[], []])
+    return lifetime[COPIES]  # type: ignore[no-any-return]
+
+
+def live_copies(lifetime: list[Any]) -> int:
+    """Physical copies of the hash alive in this lifetime (0 once it ended)."""
+    if lifetime[REMOVED] is not None:
+        return 0
+    stores, removals = _copies(lifetime)
+    return 1 + len(stores) - len(removals)
+
+
 def on_stored(block: BlockState, seq: int) -> bool:
-    """A BlockStored at ``seq``: begin a lifetime (idempotent). Returns whether anything changed."""
+    """A BlockStored at ``seq``: begin a lifetime, or add a copy to the live one (idempotent).
+    Returns whether anything changed."""
     lifetimes = block["l"]
-    if any(lt[STORED] == seq for lt in lifetimes):
+    if any(lt[STORED] == seq or seq in _copies(lt)[0] for lt in lifetimes):
         return False
+    for lt in reversed(lifetimes):
+        if lt[STORED] < seq:
+            if lt[REMOVED] is None:
+                _copies(lt)[0].append(seq)  # another physical copy of a hash still cached
+                return True
+            break
     computed_by = block["c"]
     block["c"] = None
-    lifetimes.append([seq, None, computed_by])
+    lifetimes.append([seq, None, computed_by, [[], []]])
     lifetimes.sort(key=lambda lt: lt[STORED])
     del lifetimes[:-MAX_LIFETIMES]
     return True
 
 
 def on_removed(block: BlockState, seq: int) -> bool:
-    """A BlockRemoved at ``seq``: end the lifetime alive then (idempotent)."""
+    """A BlockRemoved at ``seq``: drop one copy of the lifetime alive then; the lifetime ends
+    with its last copy (idempotent)."""
     for lt in reversed(block["l"]):
         if lt[STORED] <= seq:
-            if lt[REMOVED] is None:
+            if lt[REMOVED] is not None:
+                return False
+            stores, removals = _copies(lt)
+            if seq in removals:
+                return False
+            if len(removals) < len(stores):
+                removals.append(seq)
+            else:
                 lt[REMOVED] = seq
-                return True
-            return False
+            return True
     return False
 
 

@@ -1,6 +1,7 @@
 """Run-length encoded token timelines.
 
-A timeline is a list of segments ``[start, end, kind, status, draft, source]`` in position order,
+A timeline is a list of segments ``[start, end, kind, status, draft, source, fate]`` in position
+order,
 covering positions without gaps. Adjacent segments with equal attributes merge, so state stays
 O(segments), not O(tokens): a 128k-token prompt served half from cache is two segments.
 
@@ -14,16 +15,35 @@ from bisect import bisect_right
 from collections.abc import Iterable
 
 # Segment fields (list indices).
-START, END, KIND, STATUS, DRAFT, SOURCE = range(6)
+START, END, KIND, STATUS, DRAFT, SOURCE, FATE = range(7)
 
 PROMPT, OUTPUT = "prompt", "output"
-COMPUTED, CACHED, RECOMPUTED, SKIPPED, EVICTED = "computed", "cached", "recomputed", "skipped", "evicted"
 
-Segment = list  # [start, end, kind, status, draft, source]
+# Axis 1, how a position was obtained (TokenSegment.status; docs/streams.md has the table).
+COMPUTED = "computed"
+CACHED = "cached"
+RECOMPUTED_PREEMPTION = "recomputed_after_preemption"
+RECOMPUTED_EVICTION = "recomputed_after_eviction"
+NOT_COMPUTED = "not_computed"  # the request ended (aborted) before computing it
+# Old symbols, kept so records written before the two-axis model still decode; never written now.
+RECOMPUTED, SKIPPED, EVICTED = "recomputed", "skipped", "evicted"
+
+# Axis 2, what became of its KV while the request ran (TokenSegment.kv_fate).
+KEPT = "kept"
+WINDOW_RELEASED = "window_released"
+FATE_SKIPPED = "skipped"  # still held, outside the attention window at finish: never attended again
+
+Segment = list  # [start, end, kind, status, draft, source, fate]
 
 
 def _same(a: Segment, b: Segment) -> bool:
-    return a[KIND] == b[KIND] and a[STATUS] == b[STATUS] and a[DRAFT] == b[DRAFT] and a[SOURCE] == b[SOURCE]
+    return (
+        a[KIND] == b[KIND]
+        and a[STATUS] == b[STATUS]
+        and a[DRAFT] == b[DRAFT]
+        and a[SOURCE] == b[SOURCE]
+        and a[FATE] == b[FATE]
+    )
 
 
 def append(
@@ -39,13 +59,19 @@ def append(
         return
     if segments:
         last = segments[-1]
-        if last[KIND] == kind and last[STATUS] == status and last[DRAFT] == draft and last[SOURCE] == source:
+        if (
+            last[KIND] == kind
+            and last[STATUS] == status
+            and last[DRAFT] == draft
+            and last[SOURCE] == source
+            and last[FATE] == KEPT
+        ):
             last[END] += length
             return
         start = last[END]
     else:
         start = 0
-    segments.append([start, start + length, kind, status, draft, source])
+    segments.append([start, start + length, kind, status, draft, source, KEPT])
 
 
 def total(segments: list[Segment]) -> int:
@@ -61,7 +87,7 @@ def _split_at(segments: list[Segment], pos: int) -> int:
     seg = segments[i]
     if seg[START] == pos:
         return i
-    tail = [pos, seg[END], seg[KIND], seg[STATUS], seg[DRAFT], seg[SOURCE]]
+    tail = [pos, seg[END], seg[KIND], seg[STATUS], seg[DRAFT], seg[SOURCE], seg[FATE]]
     seg[END] = pos
     segments.insert(i + 1, tail)
     return i + 1
@@ -81,9 +107,15 @@ def _merge_around(segments: list[Segment], lo: int, hi: int) -> None:
 
 
 def assign(
-    segments: list[Segment], start: int, end: int, status: str, *, keep_source: bool = False
+    segments: list[Segment],
+    start: int,
+    end: int,
+    status: str,
+    *,
+    keep_source: bool = False,
+    field: int = STATUS,
 ) -> list[tuple[int, int, str]]:
-    """Set the status of positions [start, end) (within the covered range).
+    """Set the status (or, with ``field=FATE``, the KV fate) of positions [start, end).
 
     Args:
         keep_source: keep each segment's source (otherwise cleared: a recomputed block no longer
@@ -100,9 +132,9 @@ def assign(
     j = _split_at(segments, end)
     before = []
     for seg in segments[i:j]:
-        before.append((seg[START], seg[END], seg[STATUS]))
-        seg[STATUS] = status
-        if not keep_source:
+        before.append((seg[START], seg[END], seg[field]))
+        seg[field] = status
+        if not keep_source and field == STATUS:
             seg[SOURCE] = None
     _merge_around(segments, i, j - 1)
     return before
@@ -116,6 +148,22 @@ def count_by_status(segments: Iterable[Segment]) -> dict[str, int]:
     return out
 
 
+def count_by_fate(segments: Iterable[Segment]) -> dict[str, int]:
+    """Positions per KV fate."""
+    out: dict[str, int] = {}
+    for seg in segments:
+        out[seg[FATE]] = out.get(seg[FATE], 0) + seg[END] - seg[START]
+    return out
+
+
+def upgrade(segments: list[Segment]) -> list[Segment]:
+    """Segments of a state persisted before the KV-fate axis existed get fate ``kept``."""
+    for seg in segments:
+        if len(seg) == FATE:
+            seg.append(KEPT)
+    return segments
+
+
 def to_records(segments: Iterable[Segment]) -> list[dict[str, object]]:
     """Segments as TokenSegment Avro records."""
     return [
@@ -126,6 +174,7 @@ def to_records(segments: Iterable[Segment]) -> list[dict[str, object]]:
             "status": s[STATUS],
             "draft_accepted": s[DRAFT],
             "source_request_uid": s[SOURCE],
+            "kv_fate": s[FATE],
         }
         for s in segments
     ]

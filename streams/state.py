@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from sparseety.events import TOKEN_COUNTS
+from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
 def epoch_key(engine_id: str) -> str:
@@ -49,6 +49,7 @@ WINDOW_COUNTERS = (
     *TOKEN_COUNTS,
     "gpu_time_ns",
     "est_flops",
+    *POSITION_COUNTS,  # appended (schema v2): windows persisted before are a prefix of this layout
 )
 
 
@@ -75,7 +76,7 @@ class RequestState(_Record):
     engine_id: str
     request_id: str
     seq: int = -1  # last core-stream seq absorbed
-    wseq: int = -1  # last worker-stream seq absorbed
+    worker_seq: int = -1  # last worker-stream seq absorbed
     started: bool = False
     tenant: str = ""
     model: str = ""
@@ -86,11 +87,11 @@ class RequestState(_Record):
     last_ts: int = 0
     prompt_len: int = 0
     cached_at_admission: int = 0
-    hw: int = 0  # positions whose KV was computed or read from cache so far
+    kv_end: int = 0  # positions whose KV was computed or read from cache so far (a high-water mark)
     out: int = 0  # output tokens so far
     cache_read: int = 0
     uncached: int = 0
-    recomputed: int = 0
+    recomputed_preemption: int = 0  # re-prefill of positions this request had already computed
     draft_accepted: int = 0
     draft_rejected: int = 0
     scheduled: int = 0
@@ -106,7 +107,9 @@ class RequestState(_Record):
     segments: list[list[Any]] = field(default_factory=list)
     # Prompt full blocks: [hash hex, role, lifetime seq] from the admission plan.
     blocks: list[list[Any]] = field(default_factory=list)
-    recompute_until: int = 0  # prompt positions below this had been cached before and evicted
+    # Prompt position intervals [start, end) whose block had a cache lifetime on this engine that
+    # ended before admission: computing them is recompute after eviction (sorted, disjoint).
+    eviction_spans: list[list[int]] = field(default_factory=list)
     expert_layers: int = 0
     expert_experts: int = 0
     experts: list[int] = field(default_factory=list)
@@ -116,10 +119,26 @@ class RequestState(_Record):
     close_ts: int = 0
     output: dict[str, Any] | None = None  # the RequestAccounting record once closed
     finish: dict[str, Any] | None = None  # RequestFinished payload while waiting for routing
+    # Fields added with the two-axis position model (appended: older persisted states still load).
+    recomputed_eviction: int = 0  # first computation for this request of blocks evicted before
+    evicted_blocks_recomputed: int = 0
+    draft_cut: int = 0  # drafts computed, then thrown away because the request stopped
+    reopened: dict[str, Any] | None = None  # the record emitted by an idle-timeout close, if reopened
 
     @property
     def uid(self) -> str:
         return f"{self.engine_id}/{self.request_id}"
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> Any:
+        """Also loads a state persisted before the two-axis model (fields appended since)."""
+        r = cls(*data[1:])
+        if isinstance(r.eviction_spans, int):  # was recompute_until, a high-water mark
+            r.eviction_spans = [[0, r.eviction_spans]] if r.eviction_spans else []
+        for seg in r.segments:
+            if len(seg) == 6:  # before kv_fate
+                seg.append("kept")
+        return r
 
 
 @dataclass(slots=True)
@@ -147,6 +166,7 @@ class EpochState(_Record):
     stopped: bool = False
     superseded: bool = False  # a newer epoch of the same engine started
     producer_stats: dict[str, int] = field(default_factory=dict)
+    unknown_requests: int = 0  # step entries for request ids never started here (no state made)
 
 
 @dataclass(slots=True)

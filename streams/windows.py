@@ -22,7 +22,12 @@ def window_start(ts_ns: int, window_ns: int) -> int:
 
 def counters_of(acc: dict[str, Any]) -> list[Any]:
     """A RequestAccounting record's contribution, in WINDOW_COUNTERS order."""
-    return [1, 0 if acc["complete"] else 1, *(acc[name] for name in WINDOW_COUNTERS[2:])]
+    return [1, 0 if acc["complete"] else 1, *(acc.get(name, 0) for name in WINDOW_COUNTERS[2:])]
+
+
+def _padded(counters: list[Any]) -> list[Any]:
+    """Counters of a window persisted before counters were appended, extended with zeros."""
+    return counters + [0] * (len(WINDOW_COUNTERS) - len(counters))
 
 
 def _record(
@@ -45,15 +50,23 @@ def _record(
         "model": model,
         "tenant": tenant,
     }
-    for name, value in zip(WINDOW_COUNTERS, counters, strict=True):
+    for name, value in zip(WINDOW_COUNTERS, _padded(counters), strict=True):
         rec[name] = float(value) if name in _FLOAT_COUNTERS else int(value)
     return rec
 
 
-def add(epoch: EpochState, acc: dict[str, Any], window_ns: int) -> list[dict[str, Any]]:
-    """Add a closed request to its window; returns a correction record if that window had closed."""
+def add(
+    epoch: EpochState, acc: dict[str, Any], window_ns: int, *, retract: bool = False
+) -> list[dict[str, Any]]:
+    """Add a closed request to its window; returns a correction record if that window had closed.
+
+    With ``retract``, take out what an earlier version of the request's record added (a request
+    closed by the idle timeout that later got its finish is counted once, by its last version).
+    """
     start = window_start(acc["finished_ts_ns"], window_ns)
     contribution = counters_of(acc)
+    if retract:
+        contribution = [-x for x in contribution]
     if start < epoch.closed_through:
         return [
             _record(
@@ -64,7 +77,7 @@ def add(epoch: EpochState, acc: dict[str, Any], window_ns: int) -> list[dict[str
                 acc["tenant"],
                 contribution,
                 "correction",
-                acc["request_uid"],
+                acc["request_uid"] + ("/retract" if retract else ""),
             )
         ]
     key = f"{start}|{acc['model']}|{acc['tenant']}"
@@ -72,7 +85,7 @@ def add(epoch: EpochState, acc: dict[str, Any], window_ns: int) -> list[dict[str
     if current is None:
         epoch.windows[key] = contribution
     else:
-        epoch.windows[key] = [a + b for a, b in zip(current, contribution, strict=True)]
+        epoch.windows[key] = [a + b for a, b in zip(_padded(current), contribution, strict=True)]
     return []
 
 

@@ -47,7 +47,13 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "enable_prefix_caching": True,
         "prefix_hash_algo": "sha256",
         "kv_cache_groups": [
-            {"kind": "full_attention", "sliding_window": None, "block_size": 4, "num_layers": 2}
+            {
+                "kind": "full_attention",
+                "sliding_window": None,
+                "block_size": 4,
+                "num_layers": 2,
+                "attention_chunk_size": None,
+            }
         ],
         "kv_cache_dtype": "auto",
         "dtype": "bfloat16",
@@ -186,7 +192,15 @@ def long_request(
     """Events of one long request "long": half its prompt from the prefix cache, the rest in
     chunked prefill of 8k tokens, then ``decode_steps`` decode steps (not finished; seqs from 0)."""
     hashes = [i.to_bytes(hash_bytes, "big") for i in range(prompt // block_size)]
-    groups = [{"kind": "full_attention", "sliding_window": None, "block_size": block_size, "num_layers": 2}]
+    groups = [
+        {
+            "kind": "full_attention",
+            "sliding_window": None,
+            "block_size": block_size,
+            "num_layers": 2,
+            "attention_chunk_size": None,
+        }
+    ]
     stored = {
         "block_hashes": hashes[: len(hashes) // 2],
         "parent_block_hash": None,
@@ -271,6 +285,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
                     "status": "cached",
                     "draft_accepted": False,
                     "source_request_uid": f"{EID}/r0",
+                    "kv_fate": "kept",
                 },
                 {
                     "start": 4,
@@ -279,6 +294,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
                     "status": "computed",
                     "draft_accepted": False,
                     "source_request_uid": None,
+                    "kv_fate": "kept",
                 },
                 {
                     "start": 10,
@@ -287,10 +303,17 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
                     "status": "computed",
                     "draft_accepted": False,
                     "source_request_uid": None,
+                    "kv_fate": "kept",
                 },
             ],
             "attention_window": None,
         },
+        "recomputed_preemption_tokens": 0,
+        "recomputed_eviction_tokens": 0,
+        "draft_cut_tokens": 0,
+        "window_released_tokens": 0,
+        "evicted_blocks_recomputed": 0,
+        "waste_tokens": 0,
     }
     rec.update(over)
     return rec
@@ -318,6 +341,12 @@ def usage_window(**over: Any) -> dict[str, Any]:
         "evicted_tokens": 0,
         "gpu_time_ns": 1000,
         "est_flops": 1.5e6,
+        "recomputed_preemption_tokens": 0,
+        "recomputed_eviction_tokens": 0,
+        "draft_cut_tokens": 0,
+        "window_released_tokens": 0,
+        "evicted_blocks_recomputed": 0,
+        "waste_tokens": 0,
     }
     rec.update(over)
     return rec

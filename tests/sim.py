@@ -6,6 +6,7 @@ Modelled: block-hashed prefix cache with LRU eviction of unreferenced blocks (Kv
 KvBlocksRemoved), contiguous prefix hits at admission (a full hit recomputes the last token),
 chunked prefill under a token budget, decode with optional speculative drafts (k proposed, a
 random number accepted), preemption (blocks released, recomputed on resume, cache hits again).
+Each SimRequest keeps the ground truth of its position classes (``truth``) for property tests.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class SimRequest:
     preemptions: int = 0
     admitted: bool = False
     hashes: list[bytes] = field(default_factory=list)
+    # Ground truth kept by the simulator, in the fold's classes (docs/streams.md).
+    high: int = 0  # positions obtained so far (computed or read)
+    evicted_blocks: set[int] = field(default_factory=set)  # prompt blocks removed before admission
+    truth: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("cache_read", "uncached", "preemption", "eviction", "accepted", "rejected"), 0
+        )
+    )
 
     @property
     def tokens(self) -> list[int]:
@@ -79,6 +88,7 @@ class SimEngine:
         self.seq = 0
         self.events: list[dict[str, Any]] = []
         self.cache: OrderedDict[bytes, int] = OrderedDict()  # hash -> refcount (LRU order)
+        self.removed: set[bytes] = set()  # hashes removed from the cache at least once
         self.step_no = 0
 
     def _emit(self, kind: str, payload: dict[str, Any]) -> None:
@@ -123,6 +133,7 @@ class SimEngine:
             if victim is None:
                 break
             del self.cache[victim]
+            self.removed.add(victim)
             removed.append(victim)
         if removed:
             self._emit(
@@ -194,6 +205,8 @@ class SimEngine:
                 waiting.remove(r)
                 hit = self._hits(r)
                 r.computed = hit
+                r.truth["cache_read"] += hit
+                r.high = max(r.high, hit)
                 if not r.admitted:
                     r.admitted = True
                     r.cached_at_admission = hit
@@ -221,6 +234,12 @@ class SimEngine:
                     held.setdefault(rid, []).extend(new_blocks)
                     self._store(new_blocks)
             for r in started:
+                # What the request finds evicted once this step's KV events are out.
+                r.evicted_blocks = {
+                    i
+                    for i, h in enumerate(r.hashes)
+                    if i * self.bs >= r.cached_at_admission and h in self.removed
+                }
                 self._emit(
                     ev.REQUEST_STARTED,
                     f.request_started(
@@ -238,6 +257,7 @@ class SimEngine:
             for (rid, n, c, new), (k, a) in zip(rows, spec, strict=True):
                 r = next(x for x in running if x.rid == rid)
                 r.computed = c + n - (k - a)
+                self._count_truth(r, c, r.computed, k, a)
                 r.output.extend(new)
                 final_rows.append((rid, n, c, new))
             self._emit(
@@ -269,6 +289,20 @@ class SimEngine:
             self._evict()
         self._emit(ev.ENGINE_STOPPED, {"reason": "shutdown"})
         return self.events
+
+    def _count_truth(self, r: SimRequest, start: int, valid_end: int, k: int, a: int) -> None:
+        t = r.truth
+        t["accepted"] += a
+        t["rejected"] += k - a
+        if start < r.high:
+            t["preemption"] += min(valid_end, r.high) - start
+            start = r.high
+        for p in range(start, valid_end - a):
+            if p < len(r.prompt) and p // self.bs in r.evicted_blocks:
+                t["eviction"] += 1
+            else:
+                t["uncached"] += 1
+        r.high = max(r.high, valid_end)
 
     def _schedule(
         self, r: SimRequest, budget: int

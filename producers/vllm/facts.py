@@ -37,7 +37,11 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def kv_cache_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
-    """One KvCacheGroup record per vLLM KV cache group (kind as vLLM names it in KV events)."""
+    """One KvCacheGroup record per vLLM KV cache group (kind as vLLM names it in KV events).
+
+    ``num_layers`` weights the group in the fold's window arithmetic; a chunked local attention
+    group carries ``attention_chunk_size`` and no ``sliding_window``.
+    """
     spec_kind: Any
     try:
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind as spec_kind
@@ -50,13 +54,16 @@ def kv_cache_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
             kind = str(getattr(spec_kind(spec), "value", spec_kind(spec)))
         else:
             kind = type(spec).__name__
-        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        # Chunked local attention is not a sliding window: each query attends its own chunk.
+        chunk = getattr(spec, "attention_chunk_size", None)
+        window = None if chunk else getattr(spec, "sliding_window", None)
         out.append(
             {
                 "kind": kind,
                 "sliding_window": int(window) if window else None,
                 "block_size": int(getattr(spec, "block_size", 0) or 0),
                 "num_layers": len(getattr(group, "layer_names", []) or []),
+                "attention_chunk_size": int(chunk) if chunk else None,
             }
         )
     return out

@@ -182,32 +182,108 @@ def cost_sql(
 def savings_sql(
     db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
-    """Prefix-cache savings: positions read instead of computed, and what that saved."""
+    """Prefix-cache savings: prompt positions served from the cache at admission, and what that saved.
+
+    hit_rate and saved_usd use the same cache reads: the engine's admission hits
+    (``cached_prompt_tokens``, each prompt position at most once). Re-reads of a resumed
+    request after a preemption (``reread_tokens`` = cache_read_tokens - admission hits) only
+    make up for the preemption, so they are reported beside, not counted as savings.
+    """
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
         "count() AS requests, sum(c.prompt_tokens) AS prompt_tokens, "
         "sum(c.list_cached_tokens) AS cached_prompt_tokens, sum(c.cache_read_tokens) AS cache_read_tokens, "
+        "cache_read_tokens - cached_prompt_tokens AS reread_tokens, "
         "if(prompt_tokens = 0, 0, cached_prompt_tokens / prompt_tokens) AS hit_rate, "
-        "sum(toInt128(c.cache_read_tokens) * (c.input_price_micro - c.cached_price_micro)) AS saved_pico"
+        "sum(toInt128(c.list_cached_tokens) * (c.input_price_micro - c.cached_price_micro)) AS saved_pico"
     )
     return _per_request(db, select, measures, where, keys), params
 
 
 def waste_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
-    """Compute thrown away: recomputed positions and rejected draft tokens."""
+    """Compute thrown away, and compute a larger KV cache would have avoided, kept apart.
+
+    waste = recomputed_preemption + draft_rejected + draft_cut (compute that produced nothing
+    kept), as a share of scheduled_tokens (everything the engine computed for the requests).
+    Recompute after a prefix-cache eviction is first-time work for the request: it is reported
+    as ``evictable_tokens`` / ``evictable_usd``, "avoidable with more KV cache", not as waste.
+    ``computed_tokens`` means first-time computation (uncached_computed_tokens), as everywhere.
+    """
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "count() AS requests, sum(c.scheduled_tokens) AS computed_tokens, "
-        "sum(c.recomputed_tokens) AS recomputed_tokens, "
+        "count() AS requests, sum(c.scheduled_tokens) AS scheduled_tokens, "
+        "sum(c.uncached_computed_tokens) AS computed_tokens, "
+        "sum(c.recomputed_preemption_tokens) AS recomputed_preemption_tokens, "
         "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
-        "recomputed_tokens + draft_rejected_tokens AS waste_tokens, "
-        "if(computed_tokens = 0, 0, waste_tokens / computed_tokens) AS waste_share, "
-        "sum(toInt128(c.recomputed_tokens + c.draft_rejected_tokens) * c.input_price_micro) AS waste_pico, "
-        "sum(c.preemptions) AS preemptions, sum(c.evicted_tokens) AS evicted_tokens"
+        "sum(c.draft_cut_tokens) AS draft_cut_tokens, "
+        "recomputed_preemption_tokens + draft_rejected_tokens + draft_cut_tokens AS waste_tokens, "
+        "if(scheduled_tokens = 0, 0, waste_tokens / scheduled_tokens) AS waste_share, "
+        "sum(toInt128(c.waste_tokens) * c.input_price_micro) AS waste_pico, "
+        "sum(c.recomputed_eviction_tokens) AS evictable_tokens, "
+        "if(scheduled_tokens = 0, 0, evictable_tokens / scheduled_tokens) AS evictable_share, "
+        "sum(toInt128(c.recomputed_eviction_tokens) * c.input_price_micro) AS evictable_pico, "
+        "sum(c.evicted_blocks_recomputed) AS evicted_blocks_recomputed, "
+        "sum(c.preemptions) AS preemptions, sum(c.window_released_tokens) AS window_released_tokens"
     )
     return _per_request(db, select, measures, where, keys), params
+
+
+def prefix_evictions_sql(
+    db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
+) -> tuple[str, dict[str, Any]]:
+    """Observed prefix-cache eviction: blocks requests computed that later left the cache and
+    had to be computed again, and the blocks requests recomputed because of an eviction."""
+    select, keys, _ = _group(by, bucket, "c")
+    where, params = scope.where("c")
+    measures = (
+        "count() AS requests, sum(ifNull(p.blocks_evicted_later, 0)) AS blocks_evicted_later, "
+        "sum(ifNull(p.tokens_evicted_later, 0)) AS tokens_evicted_later, "
+        "sum(c.evicted_blocks_recomputed) AS evicted_blocks_recomputed, "
+        "sum(c.recomputed_eviction_tokens) AS recomputed_eviction_tokens, "
+        "sum(toInt128(c.recomputed_eviction_tokens) * c.input_price_micro) AS evictable_pico"
+    )
+    join = f"LEFT JOIN {db}.prefix_evictions_v AS p ON c.request_uid = p.request_uid"
+    sql = (
+        f"SELECT {_with_group(select, measures)} "
+        f"FROM {db}.request_costs_v AS c {join} WHERE {where} {_group_clause(keys)}"
+    )
+    return sql, params
+
+
+#: What a tenant-scoped reader sees as the source of a prefix another tenant's request computed.
+ANOTHER_TENANT = "another tenant"
+
+
+def segments_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """A request's timeline segments, in position order.
+
+    ``source_request_uid`` names the request that computed a cached prefix. A tenant-scoped
+    reader sees it only when that request belongs to one of its tenants; otherwise (another
+    tenant's, or a source not stored, which cannot be shown to be its own) it reads
+    :data:`ANOTHER_TENANT`. An unscoped reader (the admin) sees every uid.
+    """
+    params: dict[str, Any] = {"uid": request_uid}
+    source = "s.source_request_uid"
+    join = ""
+    if scope.tenants is not None:
+        params["tenants"] = list(scope.tenants)
+        params["another"] = ANOTHER_TENANT
+        source = (
+            "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
+            "s.source_request_uid, {another:String})"
+        )
+        join = (
+            f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
+            "ON s.source_request_uid = src.request_uid"
+        )
+    sql = (
+        "SELECT s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
+        f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "
+        f"FROM {db}.token_segments_v AS s {join} WHERE s.request_uid = {{uid:String}} ORDER BY s.start"
+    )
+    return sql, params
 
 
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
@@ -215,15 +291,18 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "countIf(c.draft_accepted_tokens + c.draft_rejected_tokens > 0) AS requests_with_drafts, "
+        "countIf(c.draft_accepted_tokens + c.draft_rejected_tokens + c.draft_cut_tokens > 0) "
+        "AS requests_with_drafts, "
         "sum(c.draft_accepted_tokens) AS draft_accepted_tokens, "
         "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
-        "draft_accepted_tokens + draft_rejected_tokens AS draft_tokens, "
+        "sum(c.draft_cut_tokens) AS draft_cut_tokens, "
+        "draft_accepted_tokens + draft_rejected_tokens + draft_cut_tokens AS draft_tokens, "
         "if(draft_tokens = 0, 0, draft_accepted_tokens / draft_tokens) AS acceptance_rate, "
         "sum(c.output_tokens) AS output_tokens, "
         "if(output_tokens = 0, 0, draft_accepted_tokens / output_tokens) AS output_from_drafts, "
-        "sum(c.scheduled_tokens) AS computed_tokens, "
-        "if(computed_tokens = 0, 0, draft_rejected_tokens / computed_tokens) AS rejected_compute_share"
+        "sum(c.scheduled_tokens) AS scheduled_tokens, "
+        "if(scheduled_tokens = 0, 0, (draft_rejected_tokens + draft_cut_tokens) / scheduled_tokens) "
+        "AS rejected_compute_share"
     )
     return _per_request(db, select, measures, where, keys), params
 
@@ -300,7 +379,11 @@ def duplicated_blocks_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, di
 
 
 def usage_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
-    """Windowed usage (topic usage) per group; finals and corrections summed."""
+    """Windowed usage (topic usage) per group; finals and corrections summed.
+
+    ``recomputed_tokens`` is both recompute senses; windows written before schema v2 read 0 in
+    the split columns (``recomputed_preemption_tokens`` ..., ``waste_tokens``).
+    """
     select, keys, _ = _group(by, bucket, "u", time_column="window_start")
     where, params = scope.where("u", time_column="window_start_ns")
     measures = (
@@ -311,6 +394,9 @@ def usage_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -
         "sum(u.recomputed_tokens) AS recomputed_tokens, "
         "sum(u.draft_accepted_tokens) AS draft_accepted_tokens, "
         "sum(u.draft_rejected_tokens) AS draft_rejected_tokens, sum(u.gpu_time_ns) AS gpu_time_ns, "
+        "sum(u.recomputed_preemption_tokens) AS recomputed_preemption_tokens, "
+        "sum(u.recomputed_eviction_tokens) AS recomputed_eviction_tokens, "
+        "sum(u.draft_cut_tokens) AS draft_cut_tokens, sum(u.waste_tokens) AS waste_tokens, "
         "sum(u.corrections) AS corrections"
     )
     sql = f"SELECT {_with_group(select, measures)} FROM {db}.usage_v AS u WHERE {where} {_group_clause(keys)}"
@@ -350,6 +436,9 @@ TOKEN_STATISTICS = (
     "kv_cache_evicted_count",
     "draft_token_count",
     "draft_rejected_count",
+    "recomputed_preemption_count",
+    "recomputed_eviction_count",
+    "draft_cut_count",
 )
 
 
@@ -413,27 +502,31 @@ class Queries:
         )
         out["cost"] = {m: costs[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
         out["cost"]["priced"] = bool(costs["tokens_priced"])
-        out["segments"] = self.store.query(
-            "SELECT start, end, kind, status, draft_accepted, source_request_uid "
-            f"FROM {self.db}.token_segments_v WHERE request_uid = {{uid:String}} ORDER BY start",
-            {"uid": request_uid},
-        )
+        out["segments"] = self.store.query(*segments_sql(self.db, request_uid, scope=scope))
         return out
 
     def tokens_statistics(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, int] | None:
         """The token counts of one request, as the HTTP API serves them.
 
-        ``computed_token_count`` = uncached computed + recomputed positions (excluding draft
-        verification); ``draft_token_count`` = drafts verified (accepted + rejected); so
-        computed + draft = every token the engine computed for the request.
+        ``computed_token_count`` = first-time computation (uncached_computed, the one meaning of
+        computed); ``recomputed_preemption_count`` and ``recomputed_eviction_count`` the two
+        recompute senses; ``draft_token_count`` = drafts verified (accepted + rejected) and
+        ``draft_cut_count`` drafts cut by stop; so computed + both recomputes + draft + cut =
+        every token the engine computed for the request. ``kv_cache_evicted_count`` (name kept
+        for API compatibility) is window-released positions, not prefix-cache eviction.
         """
         where, params = scope.where()
         params["uid"] = request_uid
         rows = self.store.query(
             "SELECT prompt_tokens AS input_token_count, output_tokens AS output_token_count, "
-            "toInt64(uncached_computed_tokens) + recomputed_tokens AS computed_token_count, "
+            "uncached_computed_tokens AS computed_token_count, "
             "cache_read_tokens AS cached_token_count, skipped_tokens AS skipped_token_count, "
-            "evicted_tokens AS kv_cache_evicted_count, "
+            "toInt64(window_released_tokens) + evicted_tokens AS kv_cache_evicted_count, "
+            "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
+            "recomputed_preemption_tokens, recomputed_tokens) AS recomputed_preemption_count, "
+            "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
+            "recomputed_eviction_tokens, 0) AS recomputed_eviction_count, "
+            "draft_cut_tokens AS draft_cut_count, "
             "toInt64(draft_accepted_tokens) + draft_rejected_tokens AS draft_token_count, "
             "draft_rejected_tokens AS draft_rejected_count "
             f"FROM {self.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
@@ -560,7 +653,8 @@ QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(
         "savings",
         savings_sql,
-        "Prefix-cache savings: hit rate and money saved, per group.",
+        "Prefix-cache savings per group: hit rate and saved_usd = admission hits x (input - cached "
+        "price); re-reads on resume beside it as reread_tokens.",
         route="savings",
         group_by="tenant",
         bucket=True,
@@ -568,8 +662,19 @@ QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(
         "waste",
         waste_sql,
-        "Recomputed and rejected-draft tokens, their share and cost.",
+        "Waste (preemption recompute + rejected and cut drafts) per group, its share of scheduled "
+        "compute and its cost; eviction recompute beside it as evictable_* (avoidable with more KV "
+        "cache, not waste).",
         route="waste",
+        group_by="tenant",
+        bucket=True,
+    ),
+    QuerySpec(
+        "prefix_evictions",
+        prefix_evictions_sql,
+        "Observed prefix-cache eviction per group: blocks computed that the cache later removed, "
+        "and blocks recomputed because of an eviction.",
+        route="evictions",
         group_by="tenant",
         bucket=True,
     ),

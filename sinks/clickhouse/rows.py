@@ -27,7 +27,7 @@ from sparseety.sinks.clickhouse.tables import (
 
 _TS_MASK = (1 << 63) - 1
 _USAGE_FIELDS = USAGE.columns
-_SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid")
+_SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate")
 _segment_values = itemgetter(*_SEGMENT_FIELDS)
 _BLOCK_FIELDS = ("block_hash", "lifetime_seq", "role", "tokens")
 _block_values = itemgetter(*_BLOCK_FIELDS)

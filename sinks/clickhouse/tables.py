@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparseety.events import TOKEN_COUNTS
+from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,13 @@ REQUESTS = Table(
         "consistent",
         "expert_num_layers",
         "expert_num_experts",
+        # Added by migration 003 (issue 11: the two-axis position model).
+        "recomputed_preemption_tokens",
+        "recomputed_eviction_tokens",
+        "draft_cut_tokens",
+        "window_released_tokens",
+        "evicted_blocks_recomputed",
+        "waste_tokens",
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -84,6 +91,7 @@ TOKEN_SEGMENTS = Table(
         "status",
         "draft_accepted",
         "source_request_uid",
+        "kv_fate",
     ),
     ("request_uid", "idx"),
 )
@@ -127,6 +135,7 @@ USAGE = Table(
         *TOKEN_COUNTS,
         "gpu_time_ns",
         "est_flops",
+        *POSITION_COUNTS,  # added by migration 003
     ),
     ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
 )

@@ -12,15 +12,21 @@ from typing import Any
 
 Figure = dict[str, Any]
 
-#: Token fates, in the order a reader meets them, and their colours (colour-blind safe palette).
+#: How positions were obtained (axis 1, the bar colour), in the order a reader meets them
+#: (colour-blind safe palette). recomputed, skipped and evicted appear only in schema-v1 rows.
 STATUS_COLORS = {
     "computed": "#4C78A8",
     "cached": "#54A24B",
+    "recomputed_after_preemption": "#E45756",
+    "recomputed_after_eviction": "#FF9DA6",
+    "not_computed": "#EEEEEE",
     "recomputed": "#E45756",
     "skipped": "#BAB0AC",
     "evicted": "#F58518",
 }
 DRAFT_ACCEPTED = "draft accepted"
+#: What became of the KV (axis 2): hatching drawn over the colour; kept positions have none.
+FATE_PATTERNS = {"window_released": "x", "skipped": "."}
 MODE_COLORS = {"actual": "#4C78A8", "amortized": "#72B7B2", "list": "#EECA3B", "gpu": "#B279A2"}
 _FONT = {"family": "system-ui, -apple-system, Segoe UI, sans-serif", "size": 12}
 
@@ -67,12 +73,13 @@ def _label(request: Mapping[str, Any], taken: set[str]) -> str:
 
 
 def timeline_figure(requests: Sequence[Mapping[str, Any]]) -> Figure:
-    """Each request's token positions as run-length segments, coloured by compute status.
+    """Each request's token positions as run-length segments: the colour says how a position
+    was obtained, hatching over it what became of its KV (window released, skipped).
 
     Args:
         requests: :meth:`Queries.request` results (``request_uid``, ``tenant``, ``segments``).
     """
-    title = "Token timelines (position → compute status)"
+    title = "Token timelines (colour: how obtained · hatching: KV fate)"
     if not requests:
         return _empty(title, "no requests in scope")
     taken: set[str] = set()
@@ -87,12 +94,34 @@ def timeline_figure(requests: Sequence[Mapping[str, Any]]) -> Figure:
             col["base"].append(start)
             col["y"].append(label)
             col["customdata"].append([start, end, s["kind"], s.get("source_request_uid") or "-"])
+            fate = str(s.get("kv_fate") or "kept")
+            if fate in FATE_PATTERNS:
+                col = series.setdefault(
+                    "KV " + fate.replace("_", " "), {"x": [], "base": [], "y": [], "customdata": []}
+                )
+                col["x"].append(end - start)
+                col["base"].append(start)
+                col["y"].append(label)
+                col["customdata"].append([start, end, s["kind"], s.get("source_request_uid") or "-"])
     data = []
-    for name in [*STATUS_COLORS, DRAFT_ACCEPTED]:
+    fates = {"KV " + f.replace("_", " "): shape for f, shape in FATE_PATTERNS.items()}
+    for name in [*STATUS_COLORS, DRAFT_ACCEPTED, *fates]:
         if name not in series:
             continue
         marker: dict[str, Any] = {"color": STATUS_COLORS.get(name, STATUS_COLORS["computed"])}
-        if name == DRAFT_ACCEPTED:
+        if name in fates:
+            # A second axis over the colour: transparent bars carrying only the hatching.
+            marker = {
+                "color": "rgba(0,0,0,0)",
+                "line": {"width": 0},
+                "pattern": {
+                    "shape": fates[name],
+                    "fgcolor": "#333333",
+                    "fillmode": "overlay",
+                    "solidity": 0.3,
+                },
+            }
+        elif name == DRAFT_ACCEPTED:
             # stripes over the computed colour: an accepted draft is computed output too
             marker["pattern"] = {"shape": "/", "fillmode": "overlay", "fgcolor": "#ffffff", "solidity": 0.45}
         data.append(

@@ -16,11 +16,24 @@ from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
 ORDERS = ("recent", "varied")
 #: The default scope: every finish time, every tenant.
 EVERYTHING = Scope()
-STATUSES = ("computed", "cached", "recomputed", "skipped", "evicted")
+#: Axis 1, how positions were obtained (docs/streams.md); the last three only in schema-v1 rows.
+STATUSES = (
+    "computed",
+    "cached",
+    "recomputed_after_preemption",
+    "recomputed_after_eviction",
+    "not_computed",
+    "recomputed",
+    "skipped",
+    "evicted",
+)
+#: Axis 2, what became of the KV: counted beside (``skipped`` adds to the old status of that name).
+FATES = ("window_released", "skipped")
 
 #: How many kinds of token fate a request shows: "varied" lists the most telling timelines first.
 _VARIETY = (
-    "(cache_read_tokens > 0) + (recomputed_tokens > 0) + (skipped_tokens > 0) + (evicted_tokens > 0) "
+    "(cache_read_tokens > 0) + (recomputed_tokens > 0) + (skipped_tokens > 0) "
+    "+ (window_released_tokens + evicted_tokens > 0) + (draft_cut_tokens > 0) "
     "+ (draft_accepted_tokens > 0) + (draft_rejected_tokens > 0) + (uncached_computed_tokens > 0)"
 )
 
@@ -37,7 +50,8 @@ def requests_sql(db: str, *, scope: Scope, limit: int, order: str) -> tuple[str,
     sql = (
         "SELECT request_uid, tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
         "consistent, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
-        "recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, "
+        "recomputed_tokens, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_accepted_tokens, "
+        "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, evicted_tokens, window_released_tokens, "
         f"gpu_time_ns FROM {db}.requests_v WHERE {where} ORDER BY {by} LIMIT {{limit:UInt32}}"
     )
     return sql, params
@@ -61,11 +75,18 @@ def dead_letters_sql(db: str) -> tuple[str, dict[str, Any]]:
 
 
 def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Positions per status, per kind (prompt / output) and from accepted drafts."""
-    counts = dict.fromkeys((*STATUSES, "prompt", "output", "draft_accepted", "positions"), 0)
+    """Positions per status (axis 1: these partition the positions), per KV fate
+    (``window_released``; fate ``skipped`` adds to ``skipped``), per kind (prompt / output) and
+    from accepted drafts."""
+    counts = dict.fromkeys(
+        (*STATUSES, "window_released", "prompt", "output", "draft_accepted", "positions"), 0
+    )
     for s in segments:
         n = int(s["end"]) - int(s["start"])
         counts[str(s["status"])] = counts.get(str(s["status"]), 0) + n
+        fate = str(s.get("kv_fate") or "kept")
+        if fate != "kept":
+            counts[fate] = counts.get(fate, 0) + n
         counts[str(s["kind"])] = counts.get(str(s["kind"]), 0) + n
         counts["positions"] += n
         if s.get("draft_accepted"):

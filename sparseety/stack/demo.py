@@ -24,7 +24,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sparseety import events as ev
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
 from sparseety.stack.supervisor import Stack
@@ -33,7 +32,34 @@ Say = Callable[[str], None]
 
 #: Demo prices (USD per million tokens, per GPU-hour): list prices of a mid-size model.
 DEMO_PRICES = {"input": "3.00", "cached_input": "0.30", "output": "15.00", "gpu_hour": "2.50"}
-TOKEN_CLASSES = ("prompt_tokens", "output_tokens", *ev.TOKEN_COUNTS)
+#: The per-request columns the report sums per tenant, their short names, and what each means
+#: (docs/streams.md has the classes and the identity they satisfy).
+CLASS_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens", "prompt", "prompt positions"),
+    ("output_tokens", "output", "output positions"),
+    (
+        "cache_read_tokens",
+        "cache_read",
+        "positions read from the prefix cache; a re-read after a preemption counts again",
+    ),
+    ("uncached_computed_tokens", "computed", "first-time computation (not drafts, not recomputes)"),
+    ("recomputed_preemption_tokens", "re_preempt", "re-prefill after a preemption: waste"),
+    (
+        "recomputed_eviction_tokens",
+        "re_evict",
+        "blocks the prefix cache had evicted, computed again: a bigger KV cache avoids it",
+    ),
+    ("draft_accepted_tokens", "drafts_ok", "speculative drafts verified and kept as output"),
+    ("draft_rejected_tokens", "drafts_rej", "speculative drafts verified and rejected: waste"),
+    ("draft_cut_tokens", "drafts_cut", "accepted drafts thrown away because the request stopped: waste"),
+    ("window_released_tokens", "win_released", "KV freed by a sliding window or chunk while the request ran"),
+    (
+        "skipped_tokens",
+        "skipped",
+        "positions attention never looked at by the end (outside the window, or never computed)",
+    ),
+)
+TOKEN_CLASSES = tuple(col for col, _, _ in CLASS_COLUMNS)
 
 
 class DemoError(SparseetyError):
@@ -225,11 +251,7 @@ def build_report(
         e["cached"] += r["num_cached_tokens"]
     if len(stored) != len(eng):
         problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
-    for name, e in by_tenant_engine.items():
-        t = tenants.get(name, {})
-        for k in ("requests", "prompt_tokens", "output_tokens"):
-            if t.get(k) != e[k]:
-                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    problems += check_engine_counters(_details(api, stored), engine, by_tenant_engine)
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
     lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
     m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
@@ -238,18 +260,16 @@ def build_report(
         f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
         f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
     )
-    lines += ["", "Tokens per tenant (disjoint classes; prompt includes cache reads):", ""]
-    short = {
-        "prompt_tokens": "prompt",
-        "output_tokens": "output",
-        "cache_read_tokens": "cache_read",
-        "uncached_computed_tokens": "computed",
-        "recomputed_tokens": "recomputed",
-        "draft_accepted_tokens": "drafts_ok",
-        "draft_rejected_tokens": "drafts_rej",
-        "skipped_tokens": "skipped",
-        "evicted_tokens": "evicted",
-    }
+    lines += [
+        "",
+        "Tokens per tenant. Compute: computed + re_preempt + re_evict + drafts_ok + drafts_rej + drafts_cut",
+        "= every token the engine computed. Positions: prompt + output, each obtained once by cache_read,",
+        "computed or a recompute (not additive with compute: re-reads and re-prefill repeat positions).",
+        "",
+    ]
+    lines += [f"  {name:<12} {meaning}" for _, name, meaning in CLASS_COLUMNS]
+    lines.append("")
+    short = {col: name for col, name, _ in CLASS_COLUMNS}
     rows = [
         {"tenant": t["tenant"], "requests": t["requests"], **{short[k]: t[k] for k in TOKEN_CLASSES}}
         for t in sorted(tenants.values(), key=lambda x: x["tenant"])
@@ -266,7 +286,11 @@ def build_report(
     lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu"]))
     for title, path, cols in (
         ("Prefix-cache savings", "/api/v1/savings", None),
-        ("Waste (recomputed + rejected drafts)", "/api/v1/waste", None),
+        (
+            "Waste (re-prefill after preemption + rejected and cut drafts; re_evict apart as evictable)",
+            "/api/v1/waste",
+            None,
+        ),
         ("Speculative decoding", "/api/v1/spec", None),
     ):
         try:
@@ -289,11 +313,78 @@ def build_report(
             lines.append(f"  layer {layer}: {counts}")
     lines += [
         "",
-        "Check: per-tenant totals = sum over requests; counts = what vLLM returned: "
-        + ("OK" if not problems else "MISMATCH"),
+        f"{CHECK_LINE}: " + ("OK" if not problems else "MISMATCH"),
     ]
     lines += [f"  - {p}" for p in problems]
     return "\n".join(lines), tenants, problems
+
+
+#: The report's check line; every engine counter the report prints is compared (see below).
+CHECK_LINE = (
+    "Check: per-tenant totals = sum over requests; prompt, output, cached (per tenant), "
+    "drafts and preemptions = what vLLM counted"
+)
+
+
+def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every stored count of each request (the list rows omit engine_cached_tokens, preemptions)."""
+    from urllib.parse import quote
+
+    return [api.get(f"/api/v1/requests/{quote(r['request_uid'], safe='')}") for r in stored]
+
+
+def check_engine_counters(
+    stored: list[dict[str, Any]], engine: dict[str, Any], by_tenant_engine: dict[str, dict[str, int]]
+) -> list[str]:
+    """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
+
+    Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
+    ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
+    ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
+    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
+    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
+    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
+    """
+    problems: list[str] = []
+    tenants: dict[str, dict[str, int]] = {}
+    for r in stored:
+        t = tenants.setdefault(
+            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
+        )
+        t["requests"] += 1
+        t["prompt_tokens"] += int(r["prompt_tokens"])
+        t["output_tokens"] += int(r["output_tokens"])
+        t["cached"] += int(r.get("engine_cached_tokens", -1))
+    for name, e in sorted(by_tenant_engine.items()):
+        t = tenants.get(name, {})
+        for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
+            if t.get(k) != e[k]:
+                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    m = engine.get("metrics", {})
+
+    def total(*keys: str) -> int:
+        return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
+
+    pairs = [
+        (
+            "accepted drafts",
+            total("draft_accepted_tokens", "draft_cut_tokens"),
+            "vllm:spec_decode_num_accepted_tokens",
+        ),
+        ("preemptions", total("preemptions"), "vllm:num_preemptions"),
+    ]
+    for label, got, metric in pairs:
+        if metric not in m:
+            problems.append(f"{label}: the engine did not report {metric}")
+        elif got != int(m[metric]):
+            problems.append(f"{label}: {got} stored, {int(m[metric])} counted by vLLM ({metric})")
+    hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
+    if hit is not None and total("engine_cached_tokens") != int(hit):
+        problems.append(
+            f"cached: {total('engine_cached_tokens')} stored, {int(hit)} counted by vLLM "
+            "(vllm:prompt_tokens_by_source{source=local_cache_hit})"
+        )
+    return problems
 
 
 def run_demo(

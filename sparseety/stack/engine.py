@@ -134,10 +134,12 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
             f"engine: turn {n}/{len(all_phases)}: {len(outs)} requests in {time.time() - t0:.1f} s",
             flush=True,
         )
-    metrics = {}
+    metrics: dict[str, float] = {}
     for m in llm.get_metrics():
-        if hasattr(m, "value") and not m.labels.get("source"):
-            metrics[m.name] = m.value
+        if hasattr(m, "value"):
+            source = m.labels.get("source")
+            key = m.name if not source else f"{m.name}|source={source}"
+            metrics[key] = metrics.get(key, 0) + m.value
     out.write_text(json.dumps({"requests": results, "metrics": metrics}, indent=1))
     llm.llm_engine.engine_core.shutdown()  # the plugin sends EngineStopped and flushes
 

@@ -3,8 +3,9 @@
 Each checkpoint pairs a byte-level BPE tokenizer (trained on a small embedded English
 text) with a 2-layer model of hidden size 128 and random bf16 weights. vLLM (CPU build)
 serves it like any real checkpoint: prefix caching, speculative decoding, KV events,
-MoE routing (``mixtral``) and sliding-window attention (``mistral-sw``) all work, which
-is what the SparSEEty tests need; the generated text is noise.
+MoE routing (``mixtral``), sliding-window attention (``mistral-sw``), a hybrid of full and
+sliding-window layers (``gemma3-hybrid``) and chunked local attention (``llama4-chunked``) all
+work, which is what the SparSEEty tests need; the generated text is noise.
 
 Usage::
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-KINDS: Final = ("llama", "mixtral", "mistral-sw", "mixtral-sw")
+KINDS: Final = ("llama", "mixtral", "mistral-sw", "mixtral-sw", "gemma3-hybrid", "llama4-chunked")
 MARKER: Final = ".sparseety-tiny-model.json"
 """Written last; its presence means the checkpoint directory is complete."""
 
@@ -79,7 +80,11 @@ def build_tiny_model(kind: str, path: Path, *, seed: int = 0) -> Path:
     Args:
         kind: One of ``"llama"``, ``"mixtral"`` (4 experts, top-2), ``"mistral-sw"``
             (Mistral with ``sliding_window=64``) or ``"mixtral-sw"`` (the Mixtral with a
-            128-token sliding window).
+            128-token sliding window), ``"gemma3-hybrid"`` (Gemma 3 text model with three
+            layers: two with a 64-token sliding window and one with full attention, so vLLM
+            forms a full and a sliding-window KV-cache group) or ``"llama4-chunked"`` (Llama 4
+            text model, chunked local attention with ``attention_chunk_size=64`` in three
+            layers and one full-attention NoPE layer, 4 experts top-1).
         path: Target checkpoint directory.
         seed: Seed for the random weights.
 
@@ -164,6 +169,27 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
             num_local_experts=4,
             num_experts_per_tok=2,
             sliding_window=128 if kind == "mixtral-sw" else None,
+        )
+    elif kind == "gemma3-hybrid":
+        # Gemma 3 alternates sliding and full layers; 2 sliding + 1 full gives the sliding
+        # groups a layer majority, so window release is visible on the request timeline.
+        config = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3},
+            sliding_window=64,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=64,
+        )
+    elif kind == "llama4-chunked":
+        # Llama 4: chunked local attention in RoPE layers, full attention in the NoPE layer.
+        config = transformers.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            intermediate_size_mlp=256,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=64,
+            no_rope_layers=[1, 1, 1, 0],
+            layer_types=["chunked_attention"] * 3 + ["full_attention"],
         )
     else:
         config = transformers.MistralConfig(**common, sliding_window=64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparseety.config import load_config
-from sparseety.stack.demo import TOKEN_CLASSES, run_demo
+from sparseety.stack.demo import CHECK_LINE, TOKEN_CLASSES, run_demo
 from sparseety.stack.supervisor import Stack
 from tests.helpers import free_port
 
@@ -22,7 +22,7 @@ def test_demo(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_demo(cfg, quick=False, say=lines.append)
     assert not result.problems, result.report
-    assert "Check: per-tenant totals = sum over requests; counts = what vLLM returned: OK" in result.report
+    assert f"{CHECK_LINE}: OK" in result.report
     engine = result.engine["requests"]
     assert len(result.requests) == len(engine) > 0
     # Per-tenant totals in the report are sums over the stored requests.
@@ -36,10 +36,11 @@ def test_demo(tmp_path: Path) -> None:
     for k in (
         "cache_read_tokens",
         "uncached_computed_tokens",
-        "recomputed_tokens",
+        "recomputed_preemption_tokens",
+        "recomputed_eviction_tokens",
         "draft_accepted_tokens",
         "skipped_tokens",
-        "evicted_tokens",
+        "window_released_tokens",
     ):
         assert total[k] > 0, (k, total)
     assert total["prompt_tokens"] == sum(r["prompt_tokens"] for r in engine)

@@ -92,6 +92,9 @@ def test_token_statistics(client: TestClient, local: ApiQueries) -> None:
         "kv_cache_evicted_count": 0,
         "draft_token_count": 12,
         "draft_rejected_count": 4,
+        "recomputed_preemption_count": 0,
+        "recomputed_eviction_count": 0,
+        "draft_cut_count": 0,
     }
     for rec in dataset():
         body = get(client, "/api/v1/tokens/statistics", request_id=rec["request_uid"])
@@ -112,9 +115,13 @@ def test_timeline_counts_and_segments(client: TestClient) -> None:
     assert body["counts"] == {
         "computed": 64,
         "cached": 64,
+        "recomputed_after_preemption": 0,
+        "recomputed_after_eviction": 0,
+        "not_computed": 0,
         "recomputed": 32,
         "skipped": 0,
         "evicted": 0,
+        "window_released": 0,
         "prompt": 128,
         "output": 32,
         "draft_accepted": 0,
@@ -128,6 +135,17 @@ def test_timeline_counts_and_segments(client: TestClient) -> None:
         (128, 160, "computed"),
     ]
     assert body["segments"][0]["source_request_uid"] == uid("e1", "r1")
+    # r1 is acme's: globex's own token sees that another tenant computed its prefix, not which request.
+    scoped = get(client, f"/api/v1/requests/{uid('e1', 'r3')}/timeline", headers=GI)
+    assert scoped["segments"][0]["source_request_uid"] == "another tenant"
+    detail = get(client, f"/api/v1/requests/{uid('e1', 'r3')}", headers=GI)
+    assert uid("e1", "r1") not in str(detail)
+    page = client.get("/dashboard", params={"request_id": uid("e1", "r3")}, headers=GI)
+    assert page.status_code == 200 and "another tenant" in page.text and uid("e1", "r1") not in page.text
+    admin_page = client.get("/dashboard", params={"request_id": uid("e1", "r3")}, headers=ADMIN)
+    assert uid("e1", "r1") in admin_page.text
+    acme = get(client, f"/api/v1/requests/{uid('e1', 'r2')}/timeline", headers=ACME)
+    assert acme["segments"][0]["source_request_uid"] == uid("e1", "r1")  # its own tenant's request
     r1 = get(client, "/api/v1/requests/" + uid("e1", "r1").replace("/", "%2F") + "/timeline")
     assert (r1["counts"]["draft_accepted"], r1["counts"]["draft_rejected"]) == (8, 4)
     r4 = get(client, f"/api/v1/requests/{uid('e3', 'r4')}/timeline")
@@ -196,7 +214,9 @@ def test_savings_waste_and_spec_values(client: TestClient) -> None:
         "0.00048"
     )  # 64 x (10 - 2.5) $/M
     waste = {r["tenant"]: r for r in get(client, "/api/v1/waste")["rows"]}
-    assert waste["globex"]["recomputed_tokens"] == 32 and waste["acme"]["draft_rejected_tokens"] == 4
+    assert (
+        waste["globex"]["recomputed_preemption_tokens"] == 32 and waste["acme"]["draft_rejected_tokens"] == 4
+    )
     spec = {r["model"]: r for r in get(client, "/api/v1/spec")["rows"]}
     assert spec["tiny-moe"]["draft_accepted_tokens"] == 8 and spec["tiny-moe"]["acceptance_rate"] == 8 / 12
 
@@ -435,3 +455,50 @@ def test_remote_errors_say_what_to_do(client: TestClient) -> None:
     assert scoped.pipeline() == {}  # the pipeline's counters are for all-tenant tokens
     with pytest.raises(QueryError, match="unknown attribution mode"):
         scoped.cost(mode="cheapest")
+
+
+def test_timeline_figure_shows_both_axes() -> None:
+    from sparseety.api.figures import timeline_figure
+
+    segments = [
+        {
+            "start": 0,
+            "end": 8,
+            "kind": "prompt",
+            "status": "cached",
+            "draft_accepted": False,
+            "source_request_uid": "another tenant",
+            "kv_fate": "window_released",
+        },
+        {
+            "start": 8,
+            "end": 12,
+            "kind": "prompt",
+            "status": "recomputed_after_eviction",
+            "draft_accepted": False,
+            "source_request_uid": None,
+            "kv_fate": "skipped",
+        },
+        {
+            "start": 12,
+            "end": 20,
+            "kind": "prompt",
+            "status": "computed",
+            "draft_accepted": False,
+            "source_request_uid": None,
+            "kv_fate": "kept",
+        },
+    ]
+    fig = timeline_figure([{"request_uid": "e@1/r", "tenant": "acme", "segments": segments}])
+    traces = {t["name"]: t for t in fig["data"]}
+    assert set(traces) == {
+        "cached",
+        "recomputed_after_eviction",
+        "computed",
+        "KV window released",
+        "KV skipped",
+    }
+    # Colour = how obtained; the KV fate is a transparent, hatched bar over the same positions.
+    assert (traces["KV window released"]["base"], traces["KV window released"]["x"]) == ([0], [8])
+    assert traces["KV skipped"]["marker"]["pattern"]["shape"] == "."
+    assert traces["cached"]["customdata"][0][3] == "another tenant"

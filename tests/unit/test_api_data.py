@@ -51,6 +51,7 @@ def seg(
         "status": status,
         "draft_accepted": draft,
         "source_request_uid": source,
+        "kv_fate": "kept",
     }
 
 

@@ -3,6 +3,7 @@ simulated engine runs (sums, disjointness, engine totals, order and duplicate in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Any
@@ -14,7 +15,7 @@ from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.streams import segments as sg
 from sparseety.streams.assembler import TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.state import MemoryStore, decode_state, encode_state
+from sparseety.streams.state import MemoryStore, RequestState, decode_state, encode_state
 from tests import factories as f
 from tests.sim import SimEngine, workload
 
@@ -34,10 +35,26 @@ def accounts(out: list[Output]) -> dict[str, dict[str, Any]]:
 
 
 def segs(acc: dict[str, Any]) -> list[tuple[int, int, str, str, bool]]:
-    return [
-        (s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"])
-        for s in acc["timeline"]["segments"]
-    ]
+    """The timeline's axis 1 (how positions were obtained), neighbours with equal values merged."""
+    out: list[tuple[int, int, str, str, bool]] = []
+    for s in acc["timeline"]["segments"]:
+        row = (s["start"], s["end"], s["kind"], s["status"], s["draft_accepted"])
+        if out and out[-1][1] == row[0] and out[-1][2:] == row[2:]:
+            out[-1] = (out[-1][0], row[1], *row[2:])
+        else:
+            out.append(row)
+    return out
+
+
+def fates(acc: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """The timeline's axis 2 (KV fate), neighbours with equal values merged."""
+    out: list[tuple[int, int, str]] = []
+    for s in acc["timeline"]["segments"]:
+        if out and out[-1][2] == s["kv_fate"]:
+            out[-1] = (out[-1][0], s["end"], s["kv_fate"])
+        else:
+            out.append((s["start"], s["end"], s["kv_fate"]))
+    return out
 
 
 # --- crafted scenarios -----------------------------------------------------------------------
@@ -104,6 +121,7 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
             "status": "cached",
             "draft_accepted": False,
             "source_request_uid": f"{f.EID}/r1",
+            "kv_fate": "kept",
         }
     ]
     uses = {(u["block_hash"], u["role"], u["lifetime_seq"]) for u in r2["block_uses"]}
@@ -136,8 +154,13 @@ def test_block_evicted_then_computed_again_is_recomputed() -> None:
         f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=6, output=1)),
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
-    assert (acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 2)
-    assert segs(acc)[:2] == [(0, 4, "prompt", "recomputed", False), (4, 6, "prompt", "computed", False)]
+    assert (acc["recomputed_eviction_tokens"], acc["uncached_computed_tokens"]) == (4, 2)
+    assert (acc["recomputed_tokens"], acc["recomputed_preemption_tokens"], acc["waste_tokens"]) == (4, 0, 0)
+    assert acc["evicted_blocks_recomputed"] == 1
+    assert segs(acc)[:2] == [
+        (0, 4, "prompt", "recomputed_after_eviction", False),
+        (4, 6, "prompt", "computed", False),
+    ]
     assert acc["block_uses"][0]["role"] == "recomputed" and acc["block_uses"][0]["lifetime_seq"] == 4
     assert acc["consistent"]
 
@@ -179,12 +202,21 @@ def test_preemption_recomputes_and_rereads_cache() -> None:
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     assert acc["preemptions"] == 1 and acc["consistent"]
-    assert (acc["cache_read_tokens"], acc["recomputed_tokens"], acc["uncached_computed_tokens"]) == (4, 5, 10)
+    assert (
+        acc["cache_read_tokens"],
+        acc["recomputed_preemption_tokens"],
+        acc["uncached_computed_tokens"],
+    ) == (
+        4,
+        5,
+        10,
+    )
+    assert (acc["recomputed_eviction_tokens"], acc["waste_tokens"]) == (0, 5)
     assert acc["scheduled_tokens"] == 15
     assert segs(acc) == [
         (0, 4, "prompt", "computed", False),
-        (4, 8, "prompt", "recomputed", False),
-        (8, 9, "output", "recomputed", False),
+        (4, 8, "prompt", "recomputed_after_preemption", False),
+        (8, 9, "output", "recomputed_after_preemption", False),
         (9, 11, "output", "computed", False),
     ]
 
@@ -203,13 +235,11 @@ def test_sliding_window_evicts_whole_blocks_and_skips_the_rest() -> None:
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     # 23 KV positions computed; the last query attends 8 of them: 15 outside the window.
     # Before the last step 22 were computed: (22 - 8 + 1) // 4 = 3 blocks = 12 positions freed.
-    assert (acc["evicted_tokens"], acc["skipped_tokens"]) == (12, 3)
+    assert (acc["window_released_tokens"], acc["skipped_tokens"], acc["evicted_tokens"]) == (12, 3, 0)
     assert acc["timeline"]["attention_window"] == 8
-    assert segs(acc)[:3] == [
-        (0, 12, "prompt", "evicted", False),
-        (12, 15, "prompt", "skipped", False),
-        (15, 20, "prompt", "computed", False),
-    ]
+    # The KV fate is a second axis: how the positions were obtained (computed) stays.
+    assert segs(acc)[:1] == [(0, 20, "prompt", "computed", False)]
+    assert fates(acc) == [(0, 12, "window_released"), (12, 15, "skipped"), (15, 24, "kept")]
     assert acc["attention_pairs_skipped"] > 0 and acc["consistent"]
 
 
@@ -492,3 +522,274 @@ def test_segments_assign_keeps_coverage_and_merges() -> None:
     assert [(x[0], x[1], x[3]) for x in s] == [(0, 3, "cached"), (3, 12, "recomputed"), (12, 15, "computed")]
     sg.assign(s, 0, 15, sg.COMPUTED)
     assert [(x[0], x[1], x[3]) for x in s] == [(0, 15, "computed")]
+
+
+# --- the two-axis position model (issue 11) ---------------------------------------------------
+
+KV = {
+    "parent_block_hash": None,
+    "block_size": 4,
+    "num_tokens": 4,
+    "lora_id": None,
+    "medium": "GPU",
+    "group_kind": "full_attention",
+    "sliding_window": None,
+}
+
+
+def stored(seq: int, *hashes: bytes) -> dict[str, Any]:
+    return f.wrap(seq, ev.KV_STORED, {**KV, "block_hashes": list(hashes), "num_tokens": 4 * len(hashes)})
+
+
+def removed(seq: int, *hashes: bytes) -> dict[str, Any]:
+    return f.wrap(
+        seq, ev.KV_REMOVED, {"block_hashes": list(hashes), "medium": "GPU", "group_kind": "full_attention"}
+    )
+
+
+def test_recompute_after_eviction_counts_only_evicted_blocks() -> None:
+    # The issue's repro: h0-h2 stored, h0 and h2 removed; a 12-token prompt recomputes 8, not 12.
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        stored(1, b"h0", b"h1", b"h2"),
+        removed(2, b"h0", b"h2"),
+        f.wrap(3, ev.REQUEST_STARTED, f.request_started("r1", list(range(12)), hashes=[b"h0", b"h1", b"h2"])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(0, [("r1", 12, 0, [1])])),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=12, output=1)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["recomputed_eviction_tokens"], acc["uncached_computed_tokens"]) == (8, 4)
+    assert acc["evicted_blocks_recomputed"] == 2 and acc["waste_tokens"] == 0
+    assert segs(acc) == [
+        (0, 4, "prompt", "recomputed_after_eviction", False),
+        (4, 8, "prompt", "computed", False),
+        (8, 12, "prompt", "recomputed_after_eviction", False),
+        (12, 13, "output", "computed", False),
+    ]
+    assert acc["consistent"]
+
+
+def test_a_hash_with_two_copies_lives_until_its_last_copy_goes() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(5)), hashes=[b"a"])),
+        stored(2, b"a"),
+        stored(3, b"a"),  # a second physical copy of the same hash
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(0, [("r1", 5, 0, [1])])),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=5, output=1)),
+        removed(6, b"a"),  # one copy goes: the hash is still cached
+        f.wrap(7, ev.REQUEST_STARTED, f.request_started("r2", list(range(6)), cached=4, hashes=[b"a"])),
+        f.wrap(8, ev.STEP_BATCH, f.step_batch(1, [("r2", 2, 4, [1])])),
+        f.wrap(9, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=6, output=1, cached=4)),
+        removed(10, b"a"),  # the last copy goes: computing it again is a recompute
+        f.wrap(11, ev.REQUEST_STARTED, f.request_started("r3", list(range(5)), hashes=[b"a"])),
+        f.wrap(12, ev.STEP_BATCH, f.step_batch(2, [("r3", 5, 0, [1])])),
+        f.wrap(13, ev.REQUEST_FINISHED, f.request_finished("r3", prompt=5, output=1)),
+    ]
+    accs = accounts(run(events)[0])
+    r2 = accs[f"{f.EID}/r2"]
+    assert r2["timeline"]["segments"][0]["source_request_uid"] == f"{f.EID}/r1"
+    r3 = accs[f"{f.EID}/r3"]
+    assert (r3["recomputed_eviction_tokens"], r3["uncached_computed_tokens"]) == (4, 1)
+
+
+def test_drafts_cut_by_stop_are_not_accepted() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(spec_method="ngram", spec_num_tokens=3)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])], spec=[(0, 0)])),
+        # 1 input + 3 drafts, all 3 accepted, but the stop string ends output after 1 token.
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 4, 8, [2])], spec=[(3, 3)])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=2)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["draft_accepted_tokens"], acc["draft_cut_tokens"], acc["draft_rejected_tokens"]) == (1, 2, 0)
+    assert acc["waste_tokens"] == 2 and acc["consistent"]
+    assert acc["scheduled_tokens"] == 12 == acc["uncached_computed_tokens"] + 1 + 2
+
+
+def test_drafts_of_a_request_finished_before_update_are_cut_not_rejected() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(spec_method="ngram", spec_num_tokens=3)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])], spec=[(0, 0)])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 4, 8, [])], spec=[(3, 0)])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=1, finish_reason="abort")),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["draft_cut_tokens"], acc["draft_rejected_tokens"]) == (3, 0)
+
+
+def test_idle_timeout_close_is_corrected_by_the_late_finish() -> None:
+    cfg = WorkerConfig(window_s=60, allowed_lateness_s=5, idle_timeout_s=1, closed_retention_s=600)
+    t = 1_700_000_000_000_000_000
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), ts_ns=t),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(4)), hashes=[]), ts_ns=t),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 4, 0, [5])]), ts_ns=t),
+        f.wrap(3, ev.HEARTBEAT, {"events_dropped": 0}, ts_ns=t + 3_000_000_000),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 4, [6])]), ts_ns=t + 3_100_000_000),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=4, output=2), ts_ns=t + 3_200_000_000),
+        f.wrap(6, ev.ENGINE_STOPPED, {"reason": "shutdown"}, ts_ns=t + 3_300_000_000),
+    ]
+    out, asm = run(events, cfg)
+    versions = [o.record for o in out if o.topic == TIMELINES]
+    assert [v["complete"] for v in versions] == [False, True]
+    assert versions[-1]["output_tokens"] == 2 and versions[-1]["consistent"]
+    assert asm.stats.reopened == 1
+    usage = [o.record for o in out if o.topic == USAGE]
+    assert sum(u["requests"] for u in usage) == 1 and sum(u["incomplete_requests"] for u in usage) == 0
+    assert sum(u["output_tokens"] for u in usage) == 2
+
+
+def test_unknown_request_ids_make_no_state() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.STEP_BATCH, f.step_batch(0, [("ghost", 4, 0, [5])], preempted=["ghost2"])),
+    ]
+    out, asm = run(events)
+    assert accounts(out) == {}
+    assert not list(asm.store.keys("r|"))
+    epoch = asm.store.get(f"e|{f.EID}")
+    assert epoch.unknown_requests == 2 and epoch.open_requests == []
+
+
+def test_aborted_request_is_not_charged_for_its_uncomputed_prompt() -> None:
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(12)), cached=4, hashes=[])),
+        f.wrap(
+            2,
+            ev.REQUEST_FINISHED,
+            f.request_finished("r1", prompt=12, output=0, cached=4, finish_reason="abort"),
+        ),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["uncached_computed_tokens"], acc["cache_read_tokens"], acc["skipped_tokens"]) == (0, 4, 8)
+    assert segs(acc) == [(0, 4, "prompt", "cached", False), (4, 12, "prompt", "not_computed", False)]
+
+
+def test_hybrid_model_releases_by_the_layer_majority() -> None:
+    # 3 of 4 layers slide (window 8), 1 is full attention: the sliding groups hold the majority.
+    groups = [
+        {"kind": "full_attention", "sliding_window": None, "block_size": 4, "num_layers": 1},
+        {"kind": "sliding_window", "sliding_window": 8, "block_size": 4, "num_layers": 3},
+    ]
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(kv_cache_groups=groups)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(20)), hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 20, 0, [1])])),
+        *[f.wrap(3 + i, ev.STEP_BATCH, f.step_batch(1 + i, [("r1", 1, 20 + i, [i])])) for i in range(3)],
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=20, output=4)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["window_released_tokens"], acc["skipped_tokens"]) == (12, 3)
+    assert acc["attention_pairs_skipped"] > 0 and acc["consistent"]
+    # With the full-attention group holding the majority nothing is released or skipped.
+    groups[0]["num_layers"], groups[1]["num_layers"] = 3, 1
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["window_released_tokens"], acc["skipped_tokens"]) == (0, 0)
+    assert acc["attention_pairs_skipped"] > 0  # the one sliding layer still skipped pairs
+
+
+def test_chunked_local_attention_is_modelled_as_chunks() -> None:
+    groups = [
+        {
+            "kind": "chunked_local_attention",
+            "sliding_window": None,
+            "attention_chunk_size": 8,
+            "block_size": 4,
+            "num_layers": 2,
+        }
+    ]
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(kv_cache_groups=groups)),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(20)), hashes=[])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 20, 0, [1])])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 20, [2])])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=20, output=2)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    # 21 KV positions; the last query (20) attends its chunk [16, 21): 16 positions unattended.
+    # Before the last step 20 were computed: chunks [0, 16) were done and released.
+    assert (acc["window_released_tokens"], acc["skipped_tokens"]) == (16, 0)
+    # Query q attends q % 8 + 1 keys: 36 + 36 + (1+2+3+4) + 5 = 87 pairs, of 21 * 22 / 2 = 231.
+    assert acc["attention_pairs"] == 87 and acc["attention_pairs_skipped"] == 231 - 87
+
+
+def _check_identity(acc: dict[str, Any]) -> None:
+    assert acc["scheduled_tokens"] == (
+        acc["uncached_computed_tokens"]
+        + acc["recomputed_preemption_tokens"]
+        + acc["recomputed_eviction_tokens"]
+        + acc["draft_accepted_tokens"]
+        + acc["draft_rejected_tokens"]
+        + acc["draft_cut_tokens"]
+    )
+    assert acc["waste_tokens"] == (
+        acc["recomputed_preemption_tokens"] + acc["draft_rejected_tokens"] + acc["draft_cut_tokens"]
+    )
+    segments = acc["timeline"]["segments"]
+    assert sum(s["end"] - s["start"] for s in segments) == acc["prompt_tokens"] + acc["output_tokens"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {
+            "seed": st.integers(0, 10_000),
+            "spec_k": st.sampled_from([0, 2, 3]),
+            "preempt_prob": st.sampled_from([0.0, 0.2, 0.4]),
+            "cache_blocks": st.sampled_from([6, 10, 24]),
+            "n": st.integers(2, 16),
+        }
+    )
+)
+def test_every_class_equals_the_simulators_truth(p: dict[str, Any]) -> None:
+    """Preemption (re-reads, re-prefill), eviction under a small cache, shared prefixes, drafts."""
+    sim = SimEngine(
+        seed=p["seed"], spec_k=p["spec_k"], preempt_prob=p["preempt_prob"], cache_blocks=p["cache_blocks"]
+    )
+    reqs = workload(p["n"], seed=p["seed"], shared_prefix=8)
+    out, _ = run(sim.run(reqs))
+    accs = accounts(out)
+    for r in reqs:
+        acc = accs[f"{f.EID}/{r.rid}"]
+        _check_identity(acc)
+        assert acc["consistent"], acc
+        t = r.truth
+        got = (
+            acc["cache_read_tokens"],
+            acc["uncached_computed_tokens"],
+            acc["recomputed_preemption_tokens"],
+            acc["recomputed_eviction_tokens"],
+            acc["draft_accepted_tokens"],
+            acc["draft_rejected_tokens"],
+        )
+        want = (t["cache_read"], t["uncached"], t["preemption"], t["eviction"], t["accepted"], t["rejected"])
+        assert got == want, (r.rid, got, want)
+
+
+def test_attention_groups_read_chunks_from_old_and_new_producers() -> None:
+    from types import SimpleNamespace
+
+    from sparseety.producers.vllm.facts import kv_cache_groups
+    from sparseety.streams import attention
+
+    old = {"kv_cache_groups": [{"kind": "chunked_local_attention", "sliding_window": 8, "block_size": 4}]}
+    (g,) = attention.groups_of(old)
+    assert (g.window, g.chunk, g.layers) == (None, 8, 1)
+    spec = SimpleNamespace(attention_chunk_size=8, sliding_window=None, block_size=4)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+    (rec,) = kv_cache_groups(cfg)
+    assert (rec["attention_chunk_size"], rec["sliding_window"], rec["num_layers"]) == (8, None, 2)
+    assert attention.chunked_pairs(6, 4, 8) == 7 + 8 + 1 + 2  # queries 6, 7 | 8, 9
+
+
+def test_a_request_state_persisted_before_the_two_axis_model_still_loads() -> None:
+    old = RequestState("e", "e@1", "r1", segments=[[0, 8, "prompt", "computed", False, None]])
+    data = old.to_json()
+    i = [f.name for f in dataclasses.fields(RequestState)].index("eviction_spans") + 1
+    data[i] = 4  # the old recompute_until high-water mark
+    back = decode_state(encode_state(data))
+    assert back.eviction_spans == [[0, 4]] and back.segments[0][sg.FATE] == sg.KEPT

@@ -184,7 +184,8 @@ def test_history_folder_versions_resolve(tmp_path: Any) -> None:
     (folder / "history").mkdir(exist_ok=True)
     (folder / "history" / "EngineEvent.v0.avsc").write_text(json.dumps(_previous_engine_event()))
     store = SchemaStore.load(folder)
-    assert len(store.by_fingerprint) == len(WIRE_RECORDS) + 1
+    shipped = len(list((schema_dir() / "history").glob("*.avsc")))
+    assert len(store.by_fingerprint) == len(WIRE_RECORDS) + shipped + 1
 
 
 def test_schema_errors_are_typed(tmp_path: Any) -> None:
@@ -202,3 +203,69 @@ def test_invalid_step_batch_is_rejected() -> None:
         ev.validate_engine_event(bad, raw=b"raw")
     assert info.value.fields["field"] == "num_computed_before" and info.value.raw == b"raw"
     assert ev.validate_engine_event(f.one_of_each()[2]) is not None
+
+
+def _history(name: str) -> dict[str, Any]:
+    return json.loads((schema_dir() / "history" / f"{name}.v1.avsc").read_text())  # type: ignore[no-any-return]
+
+
+def _old_accounting() -> dict[str, Any]:
+    """A RequestAccounting as schema v1 wrote it: one recompute class, evicted as a status."""
+    rec = f.accounting(recomputed_tokens=4, evicted_tokens=4)
+    for name in (
+        "recomputed_preemption_tokens",
+        "recomputed_eviction_tokens",
+        "draft_cut_tokens",
+        "window_released_tokens",
+        "evicted_blocks_recomputed",
+        "waste_tokens",
+    ):
+        del rec[name]
+    for seg in rec["timeline"]["segments"]:
+        del seg["kv_fate"]
+    rec["timeline"]["segments"][0]["status"] = "evicted"
+    rec["timeline"]["segments"][1]["status"] = "recomputed"
+    return rec
+
+
+def test_record_written_with_schema_v1_decodes_with_defaults() -> None:
+    old = _history("RequestAccounting")
+    data = Encoder(STORE.with_reader(old), "RequestAccounting").encode(_old_accounting())
+    assert data[2:10] != STORE.wire("RequestAccounting").fingerprint_bytes
+    _, back = Decoder(STORE).decode(data)  # the shipped history resolves the old writer
+    assert back["recomputed_tokens"] == 4 and back["evicted_tokens"] == 4
+    assert back["recomputed_preemption_tokens"] == 0 and back["waste_tokens"] == 0
+    segs = back["timeline"]["segments"]
+    assert [s["status"] for s in segs] == ["evicted", "recomputed", "computed"]
+    assert {s["kv_fate"] for s in segs} == {"kept"}
+
+
+def test_engine_event_written_with_schema_v1_decodes_and_replays() -> None:
+    from sparseety.config import WorkerConfig
+    from sparseety.streams.assembler import Assembler
+    from sparseety.streams.state import MemoryStore
+
+    old = _history("EngineEvent")
+    old_store = STORE.with_reader(old)
+    started = f.engine_started()
+    for g in started["kv_cache_groups"]:
+        del g["attention_chunk_size"]
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, started),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(6)))),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 6, 0, [9])])),
+        f.wrap(3, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=6, output=1, cached=0)),
+    ]
+    decoded = [Decoder(STORE).decode(Encoder(old_store, "EngineEvent").encode(e))[1] for e in events]
+    assert ev.payload(decoded[0])["kv_cache_groups"][0]["attention_chunk_size"] is None
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    accounts = [o.record for e in decoded for o in asm.apply(e) if o.record_name == ev.REQUEST_ACCOUNTING]
+    assert accounts and accounts[0]["consistent"] and accounts[0]["uncached_computed_tokens"] == 6
+
+
+def test_usage_window_written_with_schema_v1_decodes_with_defaults() -> None:
+    old = _history("UsageWindow")
+    rec = {k: v for k, v in f.usage_window().items() if k not in ev.POSITION_COUNTS}
+    data = Encoder(STORE.with_reader(old), "UsageWindow").encode(rec)
+    _, back = Decoder(STORE).decode(data)
+    assert back == f.usage_window()

@@ -108,6 +108,10 @@ def test_prices_and_queries(env: dict[str, str], tmp_path: Path) -> None:
     assert one["tenant"] == "t1" and one["cost"]["list"] == "0.000190000003" and len(one["segments"]) == 3
     code, out = run(env, "query", "request", f"{f.EID}/r1")
     assert code == 0 and "cached" in out and "amortized" in out
+    # r1's cached prefix was computed by r0, tenant t0: a t1-scoped reader sees no uid.
+    assert one["segments"][0]["source_request_uid"] == f"{f.EID}/r0"
+    code, out = run(env, "query", "request", f"{f.EID}/r1", "--tenant", "t1", "--format", "json")
+    assert json.loads(out)["segments"][0]["source_request_uid"] == "another tenant"
     code, out = run(env, "query", "tokens", f"{f.EID}/r1", "--format", "json")
     assert json.loads(out)["cached_token_count"] == 4
     code, out = run(env, "query", "request", "nope")

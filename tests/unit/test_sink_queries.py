@@ -5,13 +5,14 @@ Prices (USD per 1M tokens; GPU per hour):
   m2: input 20 (30 from T0+10min), cached_input 5, output 60, no GPU price
   m3: no price at all
 
-Requests (P prompt, C cache reads, O output, S scheduled = computed positions, R recomputed,
-A/J drafts accepted/rejected); blocks are 1000 tokens; lifetimes are (engine, block, seq):
+Requests (P prompt, C cache reads, O output, S scheduled = computed positions, R recomputed
+after preemption, E recomputed after eviction, A/J drafts accepted/rejected); blocks are 1000
+tokens; lifetimes are (engine, block, seq):
   r1 A m1 e1: P4000 C0    O500 S4499             computes b1,b2,b3,b4 (lifetime 10..13)
   r2 B m1 e1: P3000 C2000 O200 S1229 A50 J30     reads b1@10, b2@11; computes b5
   r3 A m1 e1: P2000 C1000 O100 S1599 R500        reads b1@10; computes b6 (preempted once)
   r4 B m1 e2: P1000 C0    O10  S1009             computes b1 on engine e2 (fleet duplicate)
-  r5 C m1 e1: P1000 C0    O10  S1009 R1000       recomputes b2 after eviction (new lifetime 50)
+  r5 C m1 e1: P1000 C0    O10  S1009 E1000       recomputes b2 after eviction (new lifetime 50)
   r6 A m2 e3: P1000 C0    O100 S1099             before the m2 price change; experts
   r7 A m2 e3: P1000 C0    O100 S1099             after it; reads c1 with unknown lifetime
   r8 D m3 e4: P100  C0    O10  S109              no price
@@ -30,7 +31,7 @@ from sparseety import events as ev
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
+from sparseety.sinks.clickhouse.queries import ANOTHER_TENANT, Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store
@@ -57,6 +58,7 @@ def req(
     O: int,  # noqa: E741 - the cost model's names
     S_: int,
     R: int = 0,
+    E: int = 0,
     A: int = 0,
     J: int = 0,
     gpu_s: float = 0.0,
@@ -74,8 +76,12 @@ def req(
         prompt_tokens=P,
         output_tokens=O,
         cache_read_tokens=C,
-        uncached_computed_tokens=S_ - R - A - J,
-        recomputed_tokens=R,
+        uncached_computed_tokens=S_ - R - E - A - J,
+        recomputed_tokens=R + E,
+        recomputed_preemption_tokens=R,
+        recomputed_eviction_tokens=E,
+        evicted_blocks_recomputed=E // 1000,
+        waste_tokens=R + J,
         draft_accepted_tokens=A,
         draft_rejected_tokens=J,
         scheduled_tokens=S_,
@@ -163,7 +169,7 @@ def dataset() -> list[dict[str, Any]]:
             C=0,
             O=10,
             S_=1009,
-            R=1000,
+            E=1000,
             gpu_s=0.5,
             blocks=[block("b2", 50, "recomputed")],
         ),
@@ -376,16 +382,40 @@ def test_savings(q: Queries) -> None:
 def test_waste(q: Queries) -> None:
     rows = by_key(q.waste(by=["tenant"]), "tenant")
     assert (
-        rows["A"]["recomputed_tokens"],
+        rows["A"]["recomputed_preemption_tokens"],
         rows["A"]["draft_rejected_tokens"],
         rows["A"]["waste_tokens"],
     ) == (500, 0, 500)
-    assert rows["A"]["computed_tokens"] == 4499 + 1599 + 1099 + 1099
+    assert rows["A"]["scheduled_tokens"] == 4499 + 1599 + 1099 + 1099
+    assert rows["A"]["computed_tokens"] == 4499 + 1099 + 1099 + 1099  # first-time only
     assert rows["A"]["waste_share"] == pytest.approx(500 / 8296)
     assert rows["A"]["waste_usd"] == D("0.005")
     assert rows["B"]["waste_tokens"] == 30 and rows["B"]["waste_usd"] == D("0.0003")
-    assert rows["C"]["waste_usd"] == D("0.01")
+    # r5's recompute after eviction is not waste: it is what a larger KV cache would have saved.
+    assert (rows["C"]["waste_tokens"], rows["C"]["waste_usd"]) == (0, 0)
+    assert (rows["C"]["evictable_tokens"], rows["C"]["evictable_usd"]) == (1000, D("0.01"))
+    assert rows["C"]["evicted_blocks_recomputed"] == 1
     assert rows["A"]["preemptions"] == 1
+
+
+def test_prefix_evictions(q: Queries) -> None:
+    rows = by_key(q.prefix_evictions(by=["tenant"]), "tenant")
+    # r1 computed b2 in lifetime 11; it was evicted and r5 computed it again (lifetime 50).
+    assert (rows["A"]["blocks_evicted_later"], rows["A"]["tokens_evicted_later"]) == (1, 1000)
+    assert (rows["C"]["evicted_blocks_recomputed"], rows["C"]["recomputed_eviction_tokens"]) == (1, 1000)
+    assert rows["C"]["evictable_usd"] == D("0.01") and rows["B"]["blocks_evicted_later"] == 0
+
+
+def test_legacy_rows_count_their_recompute_as_preemption(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # A schema-v1 row has recomputed_tokens but no split: read in its old meaning (waste).
+    legacy = f.accounting("e9@1/old", tenant="L", model="m1", recomputed_tokens=7, finished_ts_ns=T0 + MIN)
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        sink = ClickHouseSink(s)
+        sink.add(ev.REQUEST_ACCOUNTING, legacy, topic="timelines", partition=0, offset=0)
+        sink.flush()
+        (row,) = Queries(s).waste(by=["tenant"])
+    assert (row["recomputed_preemption_tokens"], row["evictable_tokens"], row["waste_tokens"]) == (7, 0, 7)
 
 
 def test_spec_efficiency(q: Queries) -> None:
@@ -447,6 +477,9 @@ def test_request_and_token_statistics(q: Queries) -> None:
         "kv_cache_evicted_count": 0,
         "draft_token_count": 80,
         "draft_rejected_count": 30,
+        "recomputed_preemption_count": 0,
+        "recomputed_eviction_count": 0,
+        "draft_cut_count": 0,
     }
     # outside the caller's tenants: indistinguishable from absent
     assert q.request("e1@1/r2", scope=Scope(tenants=("A",))) is None
@@ -461,3 +494,64 @@ def test_bad_arguments_are_typed_errors(q: Queries) -> None:
         q.cost(by=["color"])
     with pytest.raises(QueryError, match="duration"):
         q.cost(bucket="soon")
+
+
+def test_another_tenants_source_request_is_hidden(tmp_path_factory: pytest.TempPathFactory) -> None:
+    def rec(uid: str, tenant: str, source: str | None) -> dict[str, Any]:
+        r = f.accounting(uid, tenant=tenant, finished_ts_ns=T0)
+        r["timeline"]["segments"][0]["source_request_uid"] = source
+        return r
+
+    records = [
+        rec("e1@1/a1", "A", None),
+        rec("e1@1/b1", "B", "e1@1/a1"),  # B's prefix was computed by A's request
+        rec("e1@1/a2", "A", "e1@1/a1"),
+        rec("e1@1/b2", "B", "e1@1/gone"),  # a source not stored: not shown to a scoped reader
+    ]
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        sink = ClickHouseSink(s)
+        for i, r in enumerate(records):
+            sink.add(ev.REQUEST_ACCOUNTING, r, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        q = Queries(s)
+
+        def source(uid: str, scope: Scope) -> Any:
+            found = q.request(uid, scope=scope)
+            assert found is not None
+            return found["segments"][0]["source_request_uid"]
+
+        assert source("e1@1/b1", Scope(tenants=("B",))) == ANOTHER_TENANT
+        assert source("e1@1/b2", Scope(tenants=("B",))) == ANOTHER_TENANT
+        assert source("e1@1/a2", Scope(tenants=("A",))) == "e1@1/a1"
+        assert source("e1@1/b1", Scope(tenants=("A", "B"))) == "e1@1/a1"
+        assert source("e1@1/b1", Scope()) == "e1@1/a1"  # the admin sees every uid
+        assert q.request("e1@1/a1", scope=Scope(tenants=("A",)))["segments"][0]["source_request_uid"] is None  # type: ignore[index]
+
+
+def test_list_mode_does_not_charge_an_aborted_request_for_prompt_it_never_computed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # 1000-token prompt, aborted after computing 300 of it (700 not_computed), nothing cached.
+    aborted = f.accounting(
+        "e1@1/ab",
+        tenant="A",
+        model="m1",
+        finished_ts_ns=T0 + MIN,
+        finish_reason="abort",
+        prompt_tokens=1000,
+        output_tokens=0,
+        cache_read_tokens=0,
+        engine_cached_tokens=0,
+        uncached_computed_tokens=300,
+        scheduled_tokens=300,
+        skipped_tokens=700,
+    )
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        set_prices(s, PRICES)
+        sink = ClickHouseSink(s)
+        sink.add(ev.REQUEST_ACCOUNTING, aborted, topic="timelines", partition=0, offset=0)
+        sink.flush()
+        (row,) = Queries(s).cost(mode="list", by=["tenant"])
+    assert row["cost_usd"] == D("0.003")  # 300 input tokens x $10 / 1M, not 1000

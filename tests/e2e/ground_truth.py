@@ -1,0 +1,406 @@
+"""Engine ground truth: what vLLM's scheduler and KV-cache manager did, recorded in the engine.
+
+:class:`EngineTruth` attaches to the ``Scheduler`` of an in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) by wrapping methods of that one scheduler, its KV-cache
+manager and its block pool (instance attributes: the plugin's class-level hooks stay underneath).
+It is independent of the SparSEEty fold: it reads vLLM's own state at the moment vLLM decides,
+not the events the plugin publishes, so the e2e tests can hold the fold's classes against it.
+
+Per request it records:
+
+* admissions and resumes: the prefix-cache hit vLLM's ``get_computed_blocks`` returned (the last
+  lookup before the request was scheduled), and, for every full block past the hit, whether its
+  hash had a cache lifetime on this engine that had ended (no copy left in the block pool);
+* per step: the tokens scheduled, split into re-prefill of positions the request had computed
+  before a preemption, recompute of blocks whose cache lifetime had ended (eviction), drafts, and
+  first-time compute;
+* drafts: accepted as vLLM counts them (``len(sampled) - 1``, before the stop check), kept as
+  output, cut by the stop condition, and never verified because the request finished between
+  schedule and update (vLLM skips those in its counters);
+* window release: the blocks vLLM replaced with the null block in each KV-cache group, read when
+  the request's blocks are freed at its end.
+
+Hashes evicted from the prefix cache (all copies of a hash gone) are kept per KV-cache group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestTruth:
+    """What the engine did for one request (engine request id)."""
+
+    prompt_len: int = 0
+    admission_hit: int = 0  # tokens vLLM served from the prefix cache at the first admission
+    cache_read: int = 0  # admission + every resume after a preemption
+    scheduled: int = 0
+    uncached_computed: int = 0
+    recomputed_preemption: int = 0
+    recomputed_eviction: int = 0
+    evicted_blocks_recomputed: int = 0
+    drafts_scheduled: int = 0
+    drafts_accepted_vllm: int = 0  # vLLM's count: before the stop check
+    drafts_kept: int = 0  # accepted drafts that became output tokens
+    drafts_cut_by_stop: int = 0
+    drafts_unverified: int = 0  # the request finished between schedule and update
+    drafts_rejected: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    output_tokens: int = 0
+    released_blocks: list[int] = field(default_factory=list)  # per KV-cache group, at the end
+    finished: bool = False
+    # working state
+    high: int = 0  # positions whose KV this request has computed at some point
+    evicted_idx: set[int] = field(default_factory=set)  # block indices of the last lookup
+    recomputed_idx: set[int] = field(default_factory=set)
+    lookup: tuple[int, set[int]] | None = None
+
+    @property
+    def drafts_cut(self) -> int:
+        """Drafts cut by a stop plus drafts never verified (the fold's ``draft_cut_tokens``)."""
+        return self.drafts_cut_by_stop + self.drafts_unverified
+
+
+class EngineTruth:
+    """Recorder attached to one in-process vLLM scheduler (see the module docstring)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        self._get_block_hash = get_block_hash
+        self._get_group_id = get_group_id
+        self.scheduler = scheduler
+        self.kv = scheduler.kv_cache_manager
+        self.pool = self.kv.block_pool
+        self.block_size = int(scheduler.block_size)
+        self.async_scheduling = bool(getattr(scheduler.scheduler_config, "async_scheduling", False))
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self.groups = [
+            {
+                "kind": type(g.kv_cache_spec).__name__,
+                "layers": len(g.layer_names),
+                "block_size": int(g.kv_cache_spec.block_size),
+                "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                "attention_chunk_size": getattr(g.kv_cache_spec, "attention_chunk_size", None),
+            }
+            for g in groups
+        ]
+        full = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+        #: The group whose cache lifetimes decide eviction recompute (full attention keeps every
+        #: block of a request; sliding groups release and re-cache blocks on their own).
+        self.lifetime_group = full[0] if full else 0
+        self.requests: dict[str, RequestTruth] = defaultdict(RequestTruth)
+        self.ever_cached: dict[int, set[bytes]] = defaultdict(set)
+        self.evicted: dict[int, set[bytes]] = defaultdict(set)  # hashes whose every copy was removed
+        self.steps = 0
+        self._finished: dict[str, Any] = {}  # freed inside update_from_output, read after it
+        self._wrap()
+
+    # --- wrapping ------------------------------------------------------------------------------
+
+    def _wrap(self) -> None:
+        sched, kv, pool = self.scheduler, self.kv, self.pool
+        schedule, update = sched.schedule, sched.update_from_output
+        lookup, free = kv.get_computed_blocks, kv.free
+        insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
+
+        def get_computed_blocks(request: Any) -> Any:
+            out = lookup(request)
+            self._on_lookup(request, int(out[1]))
+            return out
+
+        def insert_block_hash(key: Any, block: Any, *a: Any, **k: Any) -> Any:
+            self.ever_cached[self._get_group_id(key)].add(bytes(self._get_block_hash(key)))
+            return insert(key, block, *a, **k)
+
+        def remove_cached_block_hashes(block: Any) -> Any:
+            removed = remove(block)
+            for key in removed:
+                if pool.cached_block_hash_to_block.get_one_block(key) is None:  # last copy gone
+                    self.evicted[self._get_group_id(key)].add(bytes(self._get_block_hash(key)))
+            return removed
+
+        def free_(request: Any) -> Any:
+            self._on_free(request)
+            return free(request)
+
+        def schedule_(*a: Any, **k: Any) -> Any:
+            so = schedule(*a, **k)
+            self._on_schedule(so)
+            return so
+
+        def update_(so: Any, mro: Any, *a: Any, **k: Any) -> Any:
+            before = self._before_update(so, mro)
+            out = update(so, mro, *a, **k)
+            self._after_update(so, before)
+            return out
+
+        kv.get_computed_blocks = get_computed_blocks
+        kv.free = free_
+        pool._insert_block_hash = insert_block_hash
+        pool._remove_cached_block_hashes = remove_cached_block_hashes
+        sched.schedule = schedule_
+        sched.update_from_output = update_
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    def _live(self, group: int, h: bytes) -> bool:
+        from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+        key = make_block_hash_with_group_id(BlockHash(h), group)
+        return self.pool.cached_block_hash_to_block.get_one_block(key) is not None
+
+    def _on_lookup(self, request: Any, hit: int) -> None:
+        """The hit, and the blocks past it whose cache lifetime had ended, at this lookup."""
+        g = self.lifetime_group
+        bs = self.block_size
+        evicted: set[int] = set()
+        for i, h in enumerate(request.block_hashes or ()):
+            if (i + 1) * bs <= hit:
+                continue
+            hb = bytes(h)
+            if hb in self.evicted[g] and not self._live(g, hb):
+                evicted.add(i)
+        self.requests[request.request_id].lookup = (hit, evicted)
+
+    def _on_schedule(self, so: Any) -> None:
+        if not so.total_num_scheduled_tokens:
+            return
+        self.steps += 1
+        reqs = self.scheduler.requests
+        before: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for nr in so.scheduled_new_reqs:
+            self._admit(nr.req_id, reqs.get(nr.req_id), first=True)
+        for rid in resumed:
+            self._admit(rid, reqs.get(rid), first=False)
+        for rid in so.preempted_req_ids or ():
+            self.requests[rid].preemptions += 1
+        spec = so.scheduled_spec_decode_tokens or {}
+        bs = self.block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            rt = self.requests[rid]
+            c = before.get(rid, 0)
+            k = len(spec.get(rid, ()))
+            end = c + n - k  # drafts are the last k positions
+            rt.scheduled += n
+            rt.drafts_scheduled += k
+            pre = max(0, min(end, rt.high) - c)
+            evict = 0
+            for p in range(max(c, rt.high), end):
+                i = p // bs
+                if i in rt.evicted_idx:
+                    evict += 1
+                    rt.recomputed_idx.add(i)
+            rt.recomputed_preemption += pre
+            rt.recomputed_eviction += evict
+            rt.uncached_computed += end - c - pre - evict
+            rt.evicted_blocks_recomputed = len(rt.recomputed_idx)
+
+    def _admit(self, rid: str, request: Any, *, first: bool) -> None:
+        rt = self.requests[rid]
+        hit, evicted = rt.lookup or (0, set())
+        rt.lookup = None
+        rt.cache_read += hit
+        rt.evicted_idx = evicted
+        if first:
+            rt.admission_hit = hit
+            rt.prompt_len = int(getattr(request, "num_prompt_tokens", 0) or 0)
+        else:
+            rt.resumes += 1
+
+    def _before_update(self, so: Any, mro: Any) -> dict[str, Any]:
+        spec = so.scheduled_spec_decode_tokens or {}
+        reqs = self.scheduler.requests
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        out: dict[str, Any] = {}
+        for rid in so.num_scheduled_tokens:
+            req = reqs.get(rid)
+            drafts = len(spec.get(rid, ()))
+            if req is None or req.is_finished():
+                out[rid] = ("finished", drafts, 0, 0)
+                continue
+            i = index.get(rid)
+            n = len(sampled[i]) if sampled and i is not None else 0
+            accepted = max(n - 1, 0) if drafts and n else 0
+            out[rid] = ("live", drafts, accepted, req.num_output_tokens)
+        return out
+
+    def _after_update(self, so: Any, before: dict[str, Any]) -> None:
+        reqs = self.scheduler.requests
+        for rid, (state, drafts, accepted, outputs_before) in before.items():
+            rt = self.requests[rid]
+            if state == "finished":
+                rt.drafts_unverified += drafts
+                continue
+            req = reqs.get(rid) or self._finished.get(rid)
+            new = (req.num_output_tokens - outputs_before) if req is not None else 0
+            rt.output_tokens += new
+            if drafts:
+                kept = min(accepted, new)
+                rt.drafts_accepted_vllm += accepted
+                rt.drafts_kept += kept
+                rt.drafts_cut_by_stop += accepted - kept
+                rt.drafts_rejected += drafts - accepted
+            if req is not None:
+                rt.high = max(rt.high, int(req.num_computed_tokens))
+        self._finished.clear()
+
+    def _on_free(self, request: Any) -> None:
+        """Blocks replaced by the null block, per group, when the request's blocks are freed."""
+        rid = request.request_id
+        rt = self.requests[rid]
+        managers = self.kv.coordinator.single_type_managers
+        null = self.pool.null_block
+        rt.released_blocks = [sum(1 for b in m.req_to_blocks.get(rid, ()) if b is null) for m in managers]
+        if request.is_finished():
+            rt.finished = True
+            # update_from_output frees a finished request before the wrapper reads it back.
+            self._finished[rid] = request
+
+    # --- derived -------------------------------------------------------------------------------
+
+    def window_released(self, rid: str) -> int:
+        """Positions released by the groups holding more than half of the layers (the fold's rule
+        in ``streams/attention.py``): the largest released prefix such a majority shares."""
+        rt = self.requests[rid]
+        if not rt.released_blocks:
+            return 0
+        total = sum(g["layers"] for g in self.groups)
+        ends = [n * g["block_size"] for n, g in zip(rt.released_blocks, self.groups, strict=True)]
+        acc = 0
+        for end, layers in sorted(zip(ends, (g["layers"] for g in self.groups), strict=True), reverse=True):
+            acc += layers
+            if 2 * acc > total:
+                return end
+        return 0
+
+    def summary(self, rid: str) -> dict[str, int]:
+        """The request's truth under the fold's RequestAccounting names."""
+        rt = self.requests[rid]
+        return {
+            "cache_read_tokens": rt.cache_read,
+            "uncached_computed_tokens": rt.uncached_computed,
+            "recomputed_preemption_tokens": rt.recomputed_preemption,
+            "recomputed_eviction_tokens": rt.recomputed_eviction,
+            "evicted_blocks_recomputed": rt.evicted_blocks_recomputed,
+            "draft_accepted_tokens": rt.drafts_kept,
+            "draft_rejected_tokens": rt.drafts_rejected,
+            "draft_cut_tokens": rt.drafts_cut,
+            "window_released_tokens": self.window_released(rid),
+            "scheduled_tokens": rt.scheduled,
+            "preemptions": rt.preemptions,
+        }
+
+
+def attach(llm: Any) -> EngineTruth:
+    """Attach to the scheduler of ``vllm.LLM`` running its engine core in this process."""
+    core = llm.llm_engine.engine_core
+    engine_core = getattr(core, "engine_core", None)
+    if engine_core is None:
+        raise RuntimeError("ground truth needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine core)")
+    return EngineTruth(engine_core.scheduler)
+
+
+def prompt_tokens_by_source(llm: Any) -> dict[str, int]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` counter per ``source`` label (local_compute,
+    local_cache_hit, external_kv_transfer): first admissions only, re-prefill not included."""
+    out: dict[str, int] = defaultdict(int)
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_by_source":
+            out[m.labels["source"]] += int(m.value)
+    return dict(out)
+
+
+# --- driver: a workload on an in-process engine, with its truth written out ----------------------
+
+
+def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``phases`` (each a list of ``{"prompt": str | token ids, "tenant", **sampling}``, one
+    ``generate`` call per phase) and return what vLLM returned plus the recorded truth."""
+    from vllm import SamplingParams
+
+    requests = []
+    for phase in phases:
+        prompts: list[Any] = []
+        params = []
+        for item in phase:
+            item = dict(item)
+            prompt = item.pop("prompt")
+            tenant = item.pop("tenant", "")
+            prompts.append({"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt)
+            params.append(SamplingParams(extra_args={"tenant": tenant} if tenant else None, **item))
+        for o, sp in zip(llm.generate(prompts, params, use_tqdm=False), params, strict=True):
+            requests.append(
+                {
+                    "request_id": o.request_id,
+                    "tenant": (sp.extra_args or {}).get("tenant", ""),
+                    "prompt_token_ids": list(o.prompt_token_ids),
+                    "output_token_ids": list(o.outputs[0].token_ids),
+                    "num_cached_tokens": o.num_cached_tokens or 0,
+                    "finish_reason": o.outputs[0].finish_reason,
+                }
+            )
+    by_external: dict[str, str] = {}
+    for rid in truth.requests:
+        by_external.setdefault(rid.rsplit("-", 1)[0], rid)
+    for r in requests:
+        rid = by_external.get(r["request_id"], r["request_id"])
+        rt = truth.requests[rid]
+        r["engine_request_id"] = rid
+        r["truth"] = {
+            **truth.summary(rid),
+            "admission_hit": rt.admission_hit,
+            "drafts_scheduled": rt.drafts_scheduled,
+            "drafts_accepted_vllm": rt.drafts_accepted_vllm,
+            "drafts_unverified": rt.drafts_unverified,
+            "released_blocks": rt.released_blocks,
+            "resumes": rt.resumes,
+            "output_tokens": rt.output_tokens,
+            "kv_end": rt.high,
+        }
+    metrics: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "value"):
+            labels = {k: v for k, v in m.labels.items() if k not in ("engine", "model_name")}
+            key = m.name + "".join(f"|{k}={v}" for k, v in sorted(labels.items()))
+            metrics[key] = m.value
+    return {
+        "requests": requests,
+        "metrics": metrics,
+        "prompt_tokens_by_source": prompt_tokens_by_source(llm),
+        "kv_cache_groups": truth.groups,
+        "block_size": truth.block_size,
+        "async_scheduling": truth.async_scheduling,
+        "evicted_hashes": sum(len(v) for v in truth.evicted.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``SPEC.json OUT.json``: SPEC holds ``model``, ``engine`` (LLM arguments) and ``phases``."""
+    import json
+    import sys
+    from pathlib import Path
+
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM
+
+    kv = {"enable_kv_cache_events": True, "publisher": "null"}  # the plugin tees them
+    llm = LLM(model=spec["model"], seed=0, disable_log_stats=False, kv_events_config=kv, **spec["engine"])
+    truth = attach(llm)
+    result = run_workload(llm, truth, spec["phases"])
+    Path(out_path).write_text(json.dumps(result))
+    llm.llm_engine.engine_core.shutdown()  # the plugin sends EngineStopped and flushes
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the guard is required
+    main()

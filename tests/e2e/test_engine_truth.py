@@ -1,0 +1,230 @@
+"""Every class the fold produces equals the engine's ground truth, on workloads the project never
+saw (prefix sharing, a 24-block cache that evicts, preemption, ngram drafts) with a full-attention
+model, a hybrid full + sliding-window model and a chunked-local-attention model.
+
+Each engine kind runs once per session, in a child process with the engine core in-process, so
+``tests/e2e/ground_truth.py`` can wrap vLLM's scheduler, KV-cache manager and block pool there.
+The ground truth itself is anchored to vLLM's own counters (``prompt_tokens_by_source``, spec
+decode, preemptions, ``num_cached_tokens``) before the fold is held against it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import Config, WorkerConfig
+from tests.e2e.conftest import MODEL_CACHE, engine_config, run_driver, tiny_model
+from tests.e2e.engine_events import engine_events
+from tests.e2e.truth_workloads import ENGINES, phases
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.e2e.ground_truth import main
+if __name__ == "__main__":
+    main()
+"""
+
+#: The fold's RequestAccounting fields held against the truth of the same name.
+CLASSES = (
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_preemption_tokens",
+    "recomputed_eviction_tokens",
+    "evicted_blocks_recomputed",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "draft_cut_tokens",
+    "window_released_tokens",
+    "scheduled_tokens",
+    "preemptions",
+)
+
+
+class Run:
+    """One engine kind's run: vLLM's answers and truth, the published events, the fold's output."""
+
+    def __init__(self, result: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        from sparseety.streams.assembler import TIMELINES, Assembler
+        from sparseety.streams.state import MemoryStore
+
+        self.result = result
+        self.events = events
+        asm = Assembler(WorkerConfig(window_s=60, allowed_lateness_s=5, closed_retention_s=0), MemoryStore())
+        out = [o for e in sorted(events, key=lambda e: (e["stream"], e["seq"])) for o in asm.apply(e)]
+        self.accounts = {o.record["request_id"]: o.record for o in out if o.topic == TIMELINES}
+        self.requests = result["requests"]
+        self.started = next(ev.payload(e) for e in events if ev.payload_type(e) == ev.ENGINE_STARTED)
+
+    def total(self, key: str) -> int:
+        return sum(int(r["truth"][key]) for r in self.requests)
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def engine_run(kind: str, broker: Config, workdir: Path) -> Run:
+    """Run ``kind``'s workload once per session (engines are shared by the tests)."""
+    if kind not in _RUNS:
+        spec = ENGINES[kind]
+        tiny_model(spec["model"])
+        cfg = engine_config(broker, workdir / kind, f"truth-{kind}")
+        spec_path = workdir / f"{kind}-{uuid.uuid4().hex[:6]}.json"
+        out_path = spec_path.with_suffix(".out.json")
+        spec_path.write_text(
+            json.dumps(
+                {"model": str(MODEL_CACHE / spec["model"]), "engine": spec["engine"], "phases": phases()}
+            )
+        )
+        run_driver(DRIVER, cfg, [str(spec_path), str(out_path)], workdir)
+        result = json.loads(out_path.read_text())
+        n = len(result["requests"])
+
+        def done(events: list[dict[str, Any]]) -> bool:
+            return sum(ev.payload_type(e) == ev.REQUEST_FINISHED for e in events) >= n
+
+        _RUNS[kind] = Run(result, engine_events(cfg, done))
+    return _RUNS[kind]
+
+
+@pytest.fixture(scope="module")
+def workdir(e2e_dir: Path) -> Path:
+    d = e2e_dir / "truth"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+KINDS = list(ENGINES)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ground_truth_equals_vllm_counters(kind: str, broker: Config, workdir: Path) -> None:
+    """The recorder agrees with what vLLM itself counts, so it can judge the fold."""
+    run = engine_run(kind, broker, workdir)
+    res, m = run.result, run.result["metrics"]
+    assert not res["async_scheduling"]
+    reqs = run.requests
+    for r in reqs:
+        assert r["truth"]["admission_hit"] == r["num_cached_tokens"], r["request_id"]
+        assert r["truth"]["output_tokens"] == len(r["output_token_ids"]), r["request_id"]
+    by_source = res["prompt_tokens_by_source"]
+    assert by_source.get("local_cache_hit", 0) == sum(r["truth"]["admission_hit"] for r in reqs)
+    assert by_source.get("local_compute", 0) == sum(
+        len(r["prompt_token_ids"]) - r["truth"]["admission_hit"] for r in reqs
+    )
+    assert run.total("preemptions") == m.get("vllm:num_preemptions", 0)
+    if kind == "llama":
+        assert run.total("drafts_accepted_vllm") == m["vllm:spec_decode_num_accepted_tokens"]
+        verified = sum(r["truth"]["drafts_scheduled"] - r["truth"]["drafts_unverified"] for r in reqs)
+        assert verified == m["vllm:spec_decode_num_draft_tokens"]
+    # The workload makes what it is for happen.
+    assert res["evicted_hashes"] > 0
+    assert run.total("cache_read_tokens") > 0
+    assert run.total("preemptions") > 0
+    assert run.total("recomputed_preemption_tokens") > 0
+    if kind == "llama":
+        assert run.total("recomputed_eviction_tokens") > 0
+        assert run.total("draft_accepted_tokens") > 0 and run.total("draft_rejected_tokens") > 0
+    else:
+        assert run.total("window_released_tokens") > 0
+
+
+#: Known disagreement (issue 11, open): on the hybrid model two requests of one step re-need the
+#: same evicted document blocks. vLLM caches a block's hash when it allocates it, so the second
+#: request's lookup finds a live copy (the first request's, not computed yet) and still misses:
+#: the engine truth calls those positions first-time computed for the second request and eviction
+#: recompute for the first; the fold splits the same total (192 tokens) 3 blocks / 3 blocks.
+HYBRID_SAME_STEP = pytest.mark.xfail(
+    reason="hybrid: eviction recompute attributed differently between two same-step requests", strict=True
+)
+
+
+@pytest.mark.parametrize(
+    "kind", [k if k != "hybrid" else pytest.param(k, marks=HYBRID_SAME_STEP) for k in KINDS]
+)
+def test_every_fold_class_equals_engine_truth(kind: str, broker: Config, workdir: Path) -> None:
+    run = engine_run(kind, broker, workdir)
+    mismatches = []
+    for r in run.requests:
+        acc = run.accounts.get(r["engine_request_id"])
+        assert acc is not None, f"no accounting for {r['engine_request_id']}"
+        assert acc["prompt_tokens"] == len(r["prompt_token_ids"])
+        assert acc["output_tokens"] == len(r["output_token_ids"])
+        assert acc["consistent"], r["engine_request_id"]
+        for k in CLASSES:
+            if int(acc[k]) != int(r["truth"][k]):
+                mismatches.append(f"{r['engine_request_id']} {k}: fold {acc[k]} != engine {r['truth'][k]}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preemption_recompute_is_separate_from_eviction_recompute(
+    kind: str, broker: Config, workdir: Path
+) -> None:
+    run = engine_run(kind, broker, workdir)
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        assert (
+            acc["recomputed_tokens"]
+            == acc["recomputed_preemption_tokens"] + acc["recomputed_eviction_tokens"]
+        )
+        assert acc["waste_tokens"] == (
+            acc["recomputed_preemption_tokens"] + acc["draft_rejected_tokens"] + acc["draft_cut_tokens"]
+        )
+        if r["truth"]["preemptions"] == 0:
+            assert acc["recomputed_preemption_tokens"] == 0
+    # Requests that were never preempted recompute only evicted blocks; both senses occur.
+    assert any(
+        r["truth"]["preemptions"] == 0 and r["truth"]["recomputed_eviction_tokens"] for r in run.requests
+    ) or (kind != "llama")
+
+
+def _unattended(group: dict[str, Any], kv_end: int) -> int:
+    """Positions ``[0, result)`` the last query no longer attends in one group."""
+    if kv_end <= 0:
+        return 0
+    if group.get("attention_chunk_size"):
+        return (kv_end - 1) // group["attention_chunk_size"] * group["attention_chunk_size"]
+    if group.get("sliding_window"):
+        return max(0, kv_end - group["sliding_window"])
+    return 0
+
+
+def _majority(groups: list[dict[str, Any]], ends: list[int]) -> int:
+    total = sum(g["layers"] for g in groups)
+    acc = 0
+    for end, layers in sorted(zip(ends, (g["layers"] for g in groups), strict=True), reverse=True):
+        acc += layers
+        if 2 * acc > total:
+            return end
+    return 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_skipped_tokens_follow_the_groups_window_and_chunk_arithmetic(
+    kind: str, broker: Config, workdir: Path
+) -> None:
+    run = engine_run(kind, broker, workdir)
+    groups = run.result["kv_cache_groups"]
+    # EngineStarted carries the same groups: kind, window, chunk and layers.
+    published = run.started["kv_cache_groups"]
+    assert [(g["sliding_window"], g["attention_chunk_size"], g["num_layers"]) for g in published] == [
+        (g["sliding_window"], g["attention_chunk_size"], g["layers"]) for g in groups
+    ]
+    if kind == "hybrid":
+        assert {g["kind"] for g in published} == {"full_attention", "sliding_window"}
+    if kind == "chunked":
+        assert {g["kind"] for g in published} == {"full_attention", "chunked_local_attention"}
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        t = r["truth"]
+        unattended = _majority(groups, [_unattended(g, t["kv_end"]) for g in groups])
+        released = t["window_released_tokens"]
+        assert acc["skipped_tokens"] == max(0, unattended - released), r["engine_request_id"]
