@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import uvicorn
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.producers.proxy.app import ProxyProducer, create_app
-from tests.helpers import read_topic, wait_for
+from tests.helpers import free_port, read_topic, wait_for
 
 #: The upstream answers by the request's model: these bodies go back byte for byte.
 BAD_USAGE = b'{"id": "cmpl-abc", "choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": "abc"}}'
@@ -81,16 +80,10 @@ def upstream() -> Iterator[str]:
         server.server_close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def proxy(cfg: Config, url: str, **kw: Any) -> Iterator[str]:
-    producer = ProxyProducer(cfg, url, engine_name=f"chaos-proxy-{_free_port()}", read_timeout_s=1.0, **kw)
-    port = _free_port()
+    producer = ProxyProducer(cfg, url, engine_name=f"chaos-proxy-{free_port()}", read_timeout_s=1.0, **kw)
+    port = free_port()
     srv = uvicorn.Server(
         uvicorn.Config(create_app(producer), host="127.0.0.1", port=port, log_level="warning")
     )
@@ -182,7 +175,7 @@ def test_upstream_down_or_slow_is_a_json_502_or_504(kafka_cfg: Config) -> None:
     with upstream() as up, proxy(kafka_cfg, up) as url:
         _is_openai_error(_chat(url, "slow"), 504, "upstream_timeout")
         assert _chat(url, "fast").status_code == 200
-    with proxy(kafka_cfg, f"http://127.0.0.1:{_free_port()}") as url:
+    with proxy(kafka_cfg, f"http://127.0.0.1:{free_port()}") as url:
         _is_openai_error(_chat(url, "m"), 502, "upstream_unreachable")
         _is_openai_error(httpx.get(f"{url}/v1/models"), 502, "upstream_unreachable")
 

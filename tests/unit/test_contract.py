@@ -230,7 +230,7 @@ def _old_accounting() -> dict[str, Any]:
 
 def test_record_written_with_schema_v1_decodes_with_defaults() -> None:
     old = _history("RequestAccounting")
-    data = Encoder(STORE.with_reader(old), "RequestAccounting").encode(_old_accounting())
+    data = Encoder(with_reader(STORE, old), "RequestAccounting").encode(_old_accounting())
     assert data[2:10] != STORE.wire("RequestAccounting").fingerprint_bytes
     _, back = Decoder(STORE).decode(data)  # the shipped history resolves the old writer
     assert back["recomputed_tokens"] == 4 and back["evicted_tokens"] == 4
@@ -246,7 +246,7 @@ def test_engine_event_written_with_schema_v1_decodes_and_replays() -> None:
     from sparseety.streams.state import MemoryStore
 
     old = _history("EngineEvent")
-    old_store = STORE.with_reader(old)
+    old_store = with_reader(STORE, old)
     started = f.engine_started()
     for g in started["kv_cache_groups"]:
         del g["attention_chunk_size"]
@@ -266,6 +266,6 @@ def test_engine_event_written_with_schema_v1_decodes_and_replays() -> None:
 def test_usage_window_written_with_schema_v1_decodes_with_defaults() -> None:
     old = _history("UsageWindow")
     rec = {k: v for k, v in f.usage_window().items() if k not in ev.POSITION_COUNTS}
-    data = Encoder(STORE.with_reader(old), "UsageWindow").encode(rec)
+    data = Encoder(with_reader(STORE, old), "UsageWindow").encode(rec)
     _, back = Decoder(STORE).decode(data)
     assert back == f.usage_window()

@@ -1,0 +1,119 @@
+"""The package import rules of docs/architecture.md, checked on the source (imports inside functions
+included, since a lazy import is still a dependency)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Installed package name -> source folder (pyproject's package-dir).
+FOLDERS = {
+    "sparseety.producers": ROOT / "producers",
+    "sparseety.streams": ROOT / "streams",
+    "sparseety.sinks": ROOT / "sinks",
+    "sparseety.schemas": ROOT / "schemas",
+    "sparseety": ROOT / "sparseety",
+}
+COMPONENTS = (
+    "sparseety.producers",
+    "sparseety.streams",
+    "sparseety.sinks",
+    "sparseety.api",
+    "sparseety.stack",
+)
+# The command line is the one place that wires every component together.
+ENTRY_POINTS = {"sparseety.cli", "sparseety.cli_context", "sparseety.__main__"}
+
+# (importer prefix, forbidden import prefixes, why)
+RULES = [
+    (
+        "sparseety.producers",
+        ("sparseety.streams", "sparseety.sinks", "sparseety.api", "sparseety.stack"),
+        "the engine side ships alone into the engine process",
+    ),
+    ("sparseety.sinks", ("sparseety.api", "sparseety.stack"), "the API depends on the sinks, not back"),
+    ("sparseety.streams", ("sparseety.sinks", "sparseety.api", "sparseety.stack"), "streams feed sinks"),
+    ("sparseety.api", ("sparseety.stack",), "the stack runs the API, not the other way"),
+]
+
+
+def _module_name(path: Path) -> str:
+    for package, folder in FOLDERS.items():
+        if package != "sparseety" and path.is_relative_to(folder):
+            parts = path.relative_to(folder).with_suffix("").parts
+            break
+    else:
+        package, parts = "sparseety", path.relative_to(ROOT / "sparseety").with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for folder in FOLDERS.values():
+        for path in folder.rglob("*.py"):
+            module = _module_name(path)
+            graph[module] = _imports(path, module)
+    return graph
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _violations() -> list[str]:
+    out = []
+    for module, imports in sorted(_graph().items()):
+        for importer, forbidden, why in RULES:
+            if _under(module, importer):
+                out += [
+                    f"{module} imports {name} ({why})"
+                    for name in sorted(imports)
+                    if any(_under(name, f) for f in forbidden)
+                ]
+        core = module.startswith("sparseety.") and module.count(".") == 1 and module not in ENTRY_POINTS
+        if core and not any(_under(module, c) for c in COMPONENTS):
+            out += [
+                f"{module} (core contract) imports {name}"
+                for name in sorted(imports)
+                if any(_under(name, c) for c in COMPONENTS)
+            ]
+    return out
+
+
+def test_no_forbidden_imports() -> None:
+    assert _violations() == []
+
+
+def test_rule_checker_catches_a_violation(tmp_path: Path) -> None:
+    # The checker itself must be able to fail: a relative import from a producer into streams.
+    path = ROOT / "producers" / "vllm" / "kv.py"
+    imports = _imports(path, "sparseety.producers.vllm.kv") | {"sparseety.streams.assembler"}
+    assert any(_under(i, "sparseety.streams") for i in imports)
+    fake = tmp_path / "x.py"
+    fake.write_text("from ...streams import assembler\n")
+    assert "sparseety.streams.assembler" in _imports(fake, "sparseety.producers.vllm.x")
+
+
+# Replay importing no Faust is checked at run time in test_sink_client.test_replay_imports_no_faust.
