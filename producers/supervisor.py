@@ -1,6 +1,7 @@
 """The emitter's background thread: builds and encodes the handed-off events, produces them
-through the ledger, restarts a stalled Kafka client, emits heartbeats, exports metrics, and at
-shutdown journals whatever Kafka did not take within ``flush_timeout_s``.
+through the ledger, restarts a stalled Kafka client, emits heartbeats, exports metrics
+(:mod:`.reporting`), and at shutdown journals whatever Kafka did not take within
+``flush_timeout_s``.
 
 A client that makes no progress for a while (a broker that lost its producer state, a fatal
 idempotence error) is purged and recreated; its unacknowledged messages go back to the head of
@@ -17,10 +18,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sparseety import events as ev
-from sparseety.producers import metrics
 from sparseety.producers.handoff import Item
 from sparseety.producers.kafka_client import producer_settings, rdkafka_log
 from sparseety.producers.ledger import Ledger, OnDelivery, WarnOnce
+from sparseety.producers.reporting import Reporter
 
 if TYPE_CHECKING:
     from sparseety.producers.emitter import Emitter
@@ -62,7 +63,7 @@ class Supervisor:
         self._born = self._last_progress = time.monotonic()
         self._next_hb = time.monotonic() + self._hb_interval
         self._next_metrics = 0.0
-        self._exported: dict[str, int] = {}
+        self._report = Reporter(owner, self.ledger)
         self.stopping = threading.Event()
         self.done = threading.Event()
         self.thread = threading.Thread(
@@ -87,8 +88,8 @@ class Supervisor:
         except Exception:  # the thread must never die silently; events would pile up
             log.exception("sparseety producer %s/%s: background thread failed", owner.engine_id, owner.stream)
         finally:
-            self._sync_metrics()
-            self._log_totals()
+            self._report.sync_metrics()
+            self._report.log_totals()
             with contextlib.suppress(Exception):
                 self.ledger.close_journal()
             self.done.set()
@@ -222,7 +223,7 @@ class Supervisor:
             self.owner.emit(self._build_heartbeat)
         if now >= self._next_metrics:
             self._next_metrics = now + 1.0
-            self._sync_metrics()
+            self._report.sync_metrics()
 
     def _restart_producer(self) -> None:
         old = self._producer
@@ -271,52 +272,6 @@ class Supervisor:
         return ev.HEARTBEAT, {
             name: counters[name] for name in ("queued", "produced", "dropped", "spilled", "drained")
         }
-
-    def _sync_metrics(self) -> None:
-        owner, stats = self.owner, self.ledger.stats
-        labels = (owner.engine_name, owner.stream)
-        queue_full = owner.handoff.dropped
-        now = {
-            "produced": stats.produced,
-            "spilled": stats.spilled,
-            "drained": stats.drained,
-            "dropped": stats.dropped + queue_full,
-        }
-        for outcome, value in now.items():
-            delta = value - self._exported.get(outcome, 0)
-            if delta > 0:
-                metrics.EVENTS.labels(*labels, outcome).inc(delta)
-        for reason, value in dict(stats.dropped_by, queue_full=queue_full).items():
-            delta = value - self._exported.get("r:" + reason, 0)
-            if delta > 0:
-                metrics.DROPPED.labels(*labels, reason).inc(delta)
-            self._exported["r:" + reason] = value
-        delta = stats.restarts - self._exported.get("restarts", 0)
-        if delta > 0:
-            metrics.RESTARTS.labels(*labels).inc(delta)
-        self._exported.update(now, restarts=stats.restarts)
-        metrics.QUEUE.labels(*labels).set(owner.handoff.queued)
-        metrics.MEMORY.labels(*labels).set(self.ledger.memory_bytes)
-        metrics.JOURNAL.labels(*labels).set(self.ledger.journal_bytes)
-
-    def _log_totals(self) -> None:
-        owner = self.owner
-        counters = owner.counters()
-        log.info(
-            "sparseety producer %s/%s stopped: produced=%d dropped=%d spilled=%d drained=%d "
-            "restarts=%d journal_bytes_left=%d%s",
-            owner.engine_id,
-            owner.stream,
-            counters["produced"],
-            counters["dropped"],
-            counters["spilled"],
-            counters["drained"],
-            counters["restarts"],
-            self.ledger.journal_bytes,
-            f" (dropped by reason: {dict(self.ledger.stats.dropped_by, queue_full=owner.handoff.dropped)})"
-            if counters["dropped"]
-            else "",
-        )
 
 
 def _purge(producer: Any, wait_s: float) -> None:
