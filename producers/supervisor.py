@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparseety import events as ev
@@ -38,7 +39,7 @@ class Supervisor:
         *,
         producer_factory: Callable[[dict[str, Any]], Any],
         stall_s: float,
-        unbound_journal_dir: Any,
+        unbound_journal_dir: Path,
     ) -> None:
         pc = owner.cfg.producer
         self.owner = owner
