@@ -1,0 +1,100 @@
+"""The hot-path hand-off between the engine thread and the emitter's background thread.
+
+:meth:`Handoff.emit` takes the next ``seq``, reads the wall and monotonic clocks and appends
+``(seq, count, ts_ns, mono_ns, builder, args)`` to a bounded deque. Nothing is built, encoded
+or sent there, nothing blocks on I/O (the lock only orders seq assignment with the append),
+nothing raises. When the deque is full, or the hand-off is not open yet or closed again, the
+event is dropped: its seq is skipped, a gap the assembler detects, and it is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+Builder = Callable[..., Any]
+#: (first seq, 0 or the emit_many count, wall ns, monotonic ns, builder, builder args)
+Item = tuple[int, int, int, int, Builder, tuple[Any, ...]]
+
+
+class Handoff:
+    """Seq numbering and a bounded queue of not-yet-built events; refuses events until
+    :meth:`open` and after :meth:`close`."""
+
+    def __init__(self, max_events: int) -> None:
+        self._max_events = max_events
+        # any thread: guarded by _lock
+        self._lock = threading.Lock()
+        self._items: deque[Item] = deque()
+        self._seq = 0
+        self._queued = 0  # events (not hand-offs) in _items
+        self._queue_full = 0
+        self._open = False
+        self._closed = False
+
+    def open(self) -> None:
+        """Start accepting events (the stream has its name now)."""
+        self._open = True
+
+    def close(self) -> None:
+        """Refuse every event from now on (their seqs are still taken and counted)."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def queued(self) -> int:
+        """Events waiting to be taken."""
+        return self._queued
+
+    @property
+    def dropped(self) -> int:
+        """Events refused: queue full, not open yet, or closed."""
+        return self._queue_full
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def _refuses(self, count: int) -> bool:
+        return self._queued + count > self._max_events or self._closed or not self._open
+
+    def emit(self, build: Builder, *args: Any) -> None:
+        """Hand one event over; ``build(*args)`` makes its payload on the background thread."""
+        with self._lock:
+            seq = self._seq
+            self._seq = seq + 1
+            if self._refuses(1):
+                self._queue_full += 1
+                return
+            self._queued += 1
+            self._items.append((seq, 0, time.time_ns(), time.monotonic_ns(), build, args))
+
+    def emit_many(self, count: int, build: Builder, *args: Any) -> None:
+        """Hand ``count`` events of one moment over at once: ``build(*args)`` returns their
+        ``count`` payloads. Seqs are consecutive; a dropped batch leaves ``count`` gaps."""
+        if count <= 0:
+            return
+        with self._lock:
+            seq = self._seq
+            self._seq = seq + count
+            if self._refuses(count):
+                self._queue_full += count
+                return
+            self._queued += count
+            self._items.append((seq, count, time.time_ns(), time.monotonic_ns(), build, args))
+
+    def take(self, limit: int) -> list[Item]:
+        """Up to ``limit`` hand-offs, oldest first (background thread only)."""
+        items = self._items
+        taken: list[Item] = []
+        with contextlib.suppress(IndexError):
+            for _ in range(limit):
+                taken.append(items.popleft())
+        if taken:
+            events = sum(item[1] or 1 for item in taken)
+            with self._lock:
+                self._queued -= events
+        return taken
