@@ -34,7 +34,9 @@ def parse_duration(text: str, *, name: str = "duration", longest: timedelta = MA
     """
     m = _DURATION.match(text.strip())
     if m is None:
-        raise QueryError(f"bad {name} {text!r}: use a number and s, m, h, d or w (e.g. 15m, 1h)")
+        raise QueryError(
+            f"bad {name} {text!r}: not a duration; use a number and s, m, h, d or w (e.g. 15m, 1h)"
+        )
     digits = m.group(1).lstrip("0")
     seconds = int(digits[:_DIGITS] or "0") * _UNIT_S[m.group(2)]
     if seconds <= 0:

@@ -98,7 +98,7 @@ def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Sc
         try:
             return parse_time(text, now_ns=now, name="time")
         except QueryError as e:
-            raise click.BadParameter(str(e)) from None
+            raise click.BadParameter(f"{text!r} is not a time: {e}") from None
 
     return Scope(bound(since), bound(until), tuple(tenants) or None)
 
