@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.times import parse_duration, to_ns
+from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
 MODES = ("actual", "amortized", "list", "gpu")
@@ -102,7 +102,7 @@ def _dims(by: Sequence[str], alias: str = "") -> list[tuple[str, str]]:
 def _bucket_expr(bucket: str | None, column: str) -> str | None:
     if bucket is None:
         return None
-    seconds = int(parse_duration(bucket).total_seconds())
+    seconds = int(parse_bucket(bucket).total_seconds())
     return f"toStartOfInterval({column}, INTERVAL {seconds} SECOND, 'UTC')"
 
 
@@ -256,15 +256,23 @@ def prefix_evictions_sql(
 ANOTHER_TENANT = "another tenant"
 
 
-def segments_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+def segments_sql(db: str, request_uid: str | Sequence[str], *, scope: Scope) -> tuple[str, dict[str, Any]]:
     """A request's timeline segments, in position order.
+
+    Given several uids, the segments of all of them, each row with its ``request_uid``.
 
     ``source_request_uid`` names the request that computed a cached prefix. A tenant-scoped
     reader sees it only when that request belongs to one of its tenants; otherwise (another
     tenant's, or a source not stored, which cannot be shown to be its own) it reads
     :data:`ANOTHER_TENANT`. An unscoped reader (the admin) sees every uid.
     """
-    params: dict[str, Any] = {"uid": request_uid}
+    params: dict[str, Any]
+    if isinstance(request_uid, str):
+        params, which, uid_col, order = {"uid": request_uid}, "s.request_uid = {uid:String}", "", "s.start"
+    else:
+        params = {"uids": list(request_uid)}
+        which, uid_col = "has({uids:Array(String)}, s.request_uid)", "s.request_uid AS request_uid, "
+        order = "s.request_uid, s.start"
     source = "s.source_request_uid"
     join = ""
     if scope.tenants is not None:
@@ -279,9 +287,9 @@ def segments_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[
             "ON s.source_request_uid = src.request_uid"
         )
     sql = (
-        "SELECT s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
+        f"SELECT {uid_col}s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
         f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "
-        f"FROM {db}.token_segments_v AS s {join} WHERE s.request_uid = {{uid:String}} ORDER BY s.start"
+        f"FROM {db}.token_segments_v AS s {join} WHERE {which} ORDER BY {order}"
     )
     return sql, params
 
@@ -479,31 +487,53 @@ class Queries:
 
         Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
         """
+        return self.requests_by_uid([request_uid], scope=scope).get(request_uid)
+
+    def requests_by_uid(
+        self, request_uids: Sequence[str], *, scope: Scope = Scope()
+    ) -> dict[str, dict[str, Any]]:
+        """Several requests as :meth:`request` answers them, uid -> request (absent: not found).
+
+        Three queries however many uids (rows, costs, segments): the dashboard asks for up to a
+        hundred timelines, and a query per uid took seconds.
+        """
+        uids = list(dict.fromkeys(request_uids))
+        if not uids:
+            return {}
         where, params = scope.where()
-        params["uid"] = request_uid
+        params["uids"] = uids
         rows = self.store.query(
             f"SELECT * EXCEPT (_version) FROM {self.db}.requests_v "
-            f"WHERE request_uid = {{uid:String}} AND {where}",
+            f"WHERE has({{uids:Array(String)}}, request_uid) AND {where}",
             params,
         )
         if not rows:
-            return None
-        out = _finish(rows)[0]
-        (costs,) = self._run(
+            return {}
+        found = {r["request_uid"]: r for r in _finish(rows)}
+        wanted = [u for u in uids if u in found]
+        costs = self._run(
             (
-                "SELECT c.list_pico AS list_pico, c.actual_pico AS actual_pico, "
+                "SELECT c.request_uid AS request_uid, c.list_pico AS list_pico, "
+                "c.actual_pico AS actual_pico, "
                 "c.actual_pico + ifNull(d.delta_pico, 0) AS amortized_pico, c.gpu_pico AS gpu_pico, "
                 "c.tokens_priced AS tokens_priced "
                 f"FROM {self.db}.request_costs_v AS c "
                 f"LEFT JOIN {self.db}.amortized_delta_v AS d ON c.request_uid = d.request_uid "
-                "WHERE c.request_uid = {uid:String}",
-                {"uid": request_uid},
+                "WHERE has({uids:Array(String)}, c.request_uid)",
+                {"uids": wanted},
             )
         )
-        out["cost"] = {m: costs[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
-        out["cost"]["priced"] = bool(costs["tokens_priced"])
-        out["segments"] = self.store.query(*segments_sql(self.db, request_uid, scope=scope))
-        return out
+        segments: dict[str, list[dict[str, Any]]] = {u: [] for u in wanted}
+        for seg in self.store.query(*segments_sql(self.db, wanted, scope=scope)):
+            segments[seg.pop("request_uid")].append(seg)
+        out: dict[str, dict[str, Any]] = {}
+        for c in costs:
+            r = found[c["request_uid"]]
+            r["cost"] = {m: c[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
+            r["cost"]["priced"] = bool(c["tokens_priced"])
+            r["segments"] = segments[c["request_uid"]]
+            out[c["request_uid"]] = r
+        return {u: out[u] for u in wanted if u in out}
 
     def tokens_statistics(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, int] | None:
         """The token counts of one request, as the HTTP API serves them.
@@ -573,11 +603,20 @@ class Param:
         return self.http or self.name
 
     def check(self, value: Any) -> Any:
-        """The value, or a QueryError when it is not one of :attr:`choices`."""
+        """The value, or a QueryError when it is not one of :attr:`choices` or outside ``ge``/``le``.
+
+        The HTTP route declares the same bounds to FastAPI; checking here too covers the CLI and
+        the library, so every entry point refuses the same values with the same message.
+        """
         if self.choices and value not in self.choices:
             raise QueryError(
                 f"unknown {self.what or self.name} {value!r}: choose from {', '.join(self.choices)}"
             )
+        if value is not None and self.type is int:
+            if self.ge is not None and value < self.ge:
+                raise QueryError(f"bad {self.wire} {value}: at least {self.ge}")
+            if self.le is not None and value > self.le:
+                raise QueryError(f"bad {self.wire} {value}: at most {self.le}")
         return value
 
 
@@ -616,7 +655,10 @@ class QuerySpec:
     def build(
         self, db: str, *, by: Sequence[str] | None, bucket: str | None, scope: Scope, **arguments: Any
     ) -> tuple[str, dict[str, Any]]:
-        kwargs: dict[str, Any] = {p.name: arguments.get(p.name, p.default) for p in self.params}
+        kwargs: dict[str, Any] = {
+            p.name: p.check(v) if (v := arguments.get(p.name, p.default)) is not None else v
+            for p in self.params
+        }
         unknown = set(arguments) - set(kwargs)
         if unknown:
             raise TypeError(f"{self.name}() got unexpected arguments {sorted(unknown)}")

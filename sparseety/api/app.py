@@ -326,7 +326,7 @@ def _ops(app: FastAPI) -> None:
             collect_dashboard,
             back.queries,
             scope=scope,
-            request_uids=request_id or None,
+            request_uids=params.request_ids(request_id),
             pipeline=back.pipeline() if who.admin else None,
             now_ns=back.clock(),
         )

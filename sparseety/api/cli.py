@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from sparseety.api import params
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.producers.logs.cli import ingest_cmd
 from sparseety.sinks.cli import FORMAT, echo_rows
@@ -96,10 +97,8 @@ def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Sc
             return None
         try:
             return parse_time(text, now_ns=now, name="time")
-        except QueryError:
-            raise click.BadParameter(
-                f"{text!r} is not a time (use ISO-8601, a duration ago like 1h, or now)"
-            ) from None
+        except QueryError as e:
+            raise click.BadParameter(f"{text!r} is not a time: {e}") from None
 
     return Scope(bound(since), bound(until), tuple(tenants) or None)
 
@@ -153,11 +152,14 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
     ) -> None:
         scope = _scope(since, until, tenants)
         spec = next((s for name, s in switches.items() if given.get(name)), plain)
-        arguments = {p.name: given[p.name] for p in spec.params}
+        try:  # the registry's checks, before any store is opened: a usage error, not a traceback
+            arguments = {p.name: p.check(given[p.name]) for p in spec.params}
+            if spec is plain and plain.bucket:
+                arguments["bucket"] = params.bucket(bucket)
+        except QueryError as e:
+            raise click.UsageError(str(e)) from None
         if spec is plain and plain.group_by is not None:
             arguments["by"] = by or (plain.group_by,)
-        if spec is plain and plain.bucket:
-            arguments["bucket"] = bucket
         _run_query(c, fmt, lambda q: q.ask(spec, scope=scope, **arguments))
 
     if plain.bucket:

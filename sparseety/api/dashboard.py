@@ -66,7 +66,7 @@ def collect(
         request_uids = [
             r["request_uid"] for r in queries.requests(scope=scope, limit=timelines, order="varied")
         ]
-    found = [queries.request(uid, scope=scope) for uid in request_uids]
+    found = _requests(queries, request_uids, scope)
     return DashboardData(
         generated_ns=now,
         scope=scope,
@@ -77,6 +77,15 @@ def collect(
         health=queries.health(scope=scope, now_ns=now),
         pipeline=dict(pipeline or {}),
     )
+
+
+def _requests(queries: Any, uids: list[str], scope: Scope) -> list[dict[str, Any] | None]:
+    """The requests in ``uids``' order: in one batch where the queries can (the local library)."""
+    batch = getattr(queries, "requests_by_uid", None)
+    if batch is None:  # a RemoteQueries asks the API one request at a time
+        return [queries.request(uid, scope=scope) for uid in uids]
+    by_uid = batch(uids, scope=scope)
+    return [by_uid.get(uid) for uid in uids]
 
 
 def build_figures(data: DashboardData) -> dict[str, figs.Figure]:

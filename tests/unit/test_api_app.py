@@ -360,7 +360,7 @@ def test_bad_parameters_are_clear_400s(client: TestClient) -> None:
     assert "give since or since_ns" in error(client, "/api/v1/cost", 400, since="1h", since_ns=5)
     assert "unknown attribution mode 'cheapest'" in error(client, "/api/v1/cost", 400, mode="cheapest")
     assert "cannot group by 'planet'" in error(client, "/api/v1/savings", 400, group_by="tenant,planet")
-    assert "bad duration 'fortnight'" in error(client, "/api/v1/cost", 400, bucket="fortnight")
+    assert "bad bucket 'fortnight'" in error(client, "/api/v1/cost", 400, bucket="fortnight")
     assert "unknown order" in error(client, "/api/v1/requests", 400, order="random")
     assert "limit" in error(client, "/api/v1/requests", 400, limit="many")
     assert "request_id" in error(client, "/api/v1/tokens/statistics", 400)
