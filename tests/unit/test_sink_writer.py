@@ -262,7 +262,7 @@ def test_a_poison_record_is_dead_lettered_and_every_good_one_is_written(store: S
     """Issue 12: a value a column cannot hold never stops the partition."""
     sink = ClickHouseSink(store, max_retries=3, retry_backoff_s=0, sleep=lambda s: None)
     for o in range(7):
-        over = {"prompt_tokens": 2**31} if o == 3 else {}
+        over = {"prompt_tokens": 2**63} if o == 3 else {}  # beyond Int64
         sink.add(ev.REQUEST_ACCOUNTING, rich(f"r{o}", **over), topic="acc", partition=1, offset=o)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="u0"), topic="u", partition=0, offset=0)
     result = sink.flush()
