@@ -7,7 +7,7 @@ once, by :func:`sparseety.events.validate_engine_event`, which the producers' em
 request-log ingest and the worker all call on every event; a record out of range is a data error
 and is dead-lettered with the reason and its raw bytes, never billed.
 
-The bounds (also in docs/events.md, "Bounds"):
+The bounds (also in docs/streams.md, "Bounds of the contract"):
 
 * :data:`MAX_TOKENS` = 2**24 (16,777,216) tokens: any token count of one request or one step
   (prompt, output, cached, scheduled, computed-before, max_tokens, block and window sizes). No
