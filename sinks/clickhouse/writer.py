@@ -65,11 +65,23 @@ _DATA_ERROR_CAUSES = frozenset({"DataError", "OverflowError", "ValueError", "Typ
 _DATA_ERROR_CODES = frozenset({6, 27, 41, 43, 53, 69, 70, 117, 321, 407})
 
 
+#: ClickHouse error codes that are about the server, however well it answers ``SELECT 1``:
+#: TIMEOUT_EXCEEDED (159), TOO_MANY_SIMULTANEOUS_QUERIES (202), SOCKET_TIMEOUT (209),
+#: NETWORK_ERROR (210), ABORTED (236), MEMORY_LIMIT_EXCEEDED (241), TABLE_IS_READ_ONLY (242),
+#: NOT_ENOUGH_SPACE (243), TOO_MANY_PARTS (252), READONLY (164), UNKNOWN_TABLE (60).
+_INFRA_ERROR_CODES = frozenset({60, 159, 164, 202, 209, 210, 236, 241, 242, 243, 252})
+
+
 def is_data_error(exc: StoreError) -> bool:
     """Whether ``exc`` is about the rows (retrying cannot help), not about the store."""
     cause = exc.fields.get("cause")
     code = exc.fields.get("code")
     return cause in _DATA_ERROR_CAUSES or code in _DATA_ERROR_CODES
+
+
+def is_infra_error(exc: StoreError) -> bool:
+    """Whether ``exc`` is known to be about the store (a data error never is)."""
+    return not is_data_error(exc) and exc.fields.get("code") in _INFRA_ERROR_CODES
 
 
 @dataclass(eq=False)
@@ -88,9 +100,10 @@ class _Chunk(Chunk):
 class _InsertFailed(Exception):
     """An insert failed after all its attempts (internal); ``data``: a data error."""
 
-    def __init__(self, message: str, *, data: bool) -> None:
+    def __init__(self, message: str, *, data: bool, infra: bool = False) -> None:
         super().__init__(message)
         self.data = data
+        self.infra = infra
 
 
 class ClickHouseSink(Sink):
@@ -276,7 +289,7 @@ class ClickHouseSink(Sink):
         error. On a data error the chunk is bisected by record: every record that can be written
         is, each one that cannot becomes a ``dead_letters`` row, and the table counts as written.
         """
-        if not (exc.data or self._store_answers()):
+        if exc.infra or not (exc.data or self._store_answers()):
             log.error("sink: writing %s for %s failed (store error): %s", table.name, chunk.batch, exc)
             return False
         log.warning(
@@ -287,6 +300,10 @@ class ClickHouseSink(Sink):
         )
         bounds = [mark[table.name] for *_, mark in chunk.records] + [chunk.rows.rows(table)]
         rejected: list[tuple[int, str]] = []
+        # An unclassified error counts as a data error only if the store took other rows of this
+        # chunk, or another record failed with a classified data error: an error that every
+        # row gets (an overloaded server that still answers SELECT 1) is not about the rows.
+        proof = {"data": exc.data}
 
         def split(lo: int, hi: int, error: _InsertFailed | None) -> None:
             if bounds[lo] == bounds[hi]:
@@ -296,10 +313,12 @@ class ClickHouseSink(Sink):
                 cols = [columns[c][bounds[lo] : bounds[hi]] for c in table.columns]
                 try:
                     self._insert(table, cols, result, 0)
+                    proof["data"] = True
                     return
                 except _InsertFailed as failed:
-                    if not (failed.data or self._store_answers()):
+                    if failed.infra or not (failed.data or self._store_answers()):
                         raise
+                    proof["data"] = proof["data"] or failed.data
                     error = failed
             if hi - lo == 1:
                 rejected.append((lo, str(error)))
@@ -310,6 +329,8 @@ class ClickHouseSink(Sink):
 
         try:
             split(0, len(chunk.records), exc)
+            if rejected and not proof["data"]:
+                raise _InsertFailed(f"every record failed: {exc}", data=False, infra=True)
             if rejected:
                 self._dead_letter(table, chunk, rejected, result)
         except _InsertFailed as infra:
@@ -388,7 +409,7 @@ class ClickHouseSink(Sink):
                 settings={"insert_deduplication_token": token},
             )
         except StoreError as exc:
-            raise _InsertFailed(str(exc), data=is_data_error(exc)) from exc
+            raise _InsertFailed(str(exc), data=is_data_error(exc), infra=is_infra_error(exc)) from exc
         result.rows[table.name] = result.rows.get(table.name, 0) + n
         result.inserts += 1
 

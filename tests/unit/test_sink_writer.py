@@ -293,6 +293,11 @@ def test_an_unclassified_error_while_the_store_answers_is_a_data_error(store: St
         def query(self, sql: str) -> Any:
             return self.store.query(sql)
 
+        def insert(self, table: str, columns: Any, names: Any, *, settings: dict[str, Any]) -> None:
+            if self.fail(table, columns, names, 0):
+                raise StoreError("refused (injected, no code)", code=None, cause="OSError")
+            self.store.insert(table, columns, names, settings=settings)
+
     def fail(table: str, cols: Any, names: Any, call: int) -> bool:
         return "usage_1m" in table and "bad" in cols[names.index("usage_id")]
 
@@ -304,3 +309,21 @@ def test_an_unclassified_error_while_the_store_answers_is_a_data_error(store: St
     assert result.rejected == 1 and result.failed == []
     ids = {r["usage_id"] for r in store.query(f"SELECT usage_id FROM {store.table('usage_1m')} FINAL")}
     assert ids == {"a", "c"}
+
+
+def test_an_error_every_row_gets_is_not_a_data_error_even_if_the_store_answers(store: Store) -> None:
+    class Overloaded(FlakyStore):
+        def query(self, sql: str) -> Any:
+            return self.store.query(sql)
+
+        def insert(self, table: str, columns: Any, names: Any, *, settings: dict[str, Any]) -> None:
+            self.calls.append((table, len(columns[0]), settings))
+            raise StoreError("something odd (injected)", code=None, cause="OSError")
+
+    sink = ClickHouseSink(Overloaded(store, None), max_retries=0, retry_backoff_s=0, sleep=lambda s: None)  # type: ignore[arg-type]
+    for o in range(3):
+        sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id=f"x{o}"), topic="u", partition=0, offset=o)
+    with pytest.raises(SinkWriteError):
+        sink.flush()
+    assert sink.pending_rows() == 3 and sink.totals.rejected == 0
+    assert store.query(f"SELECT count() AS n FROM {store.table('dead_letters')}") == [{"n": 0}]
