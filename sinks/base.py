@@ -109,12 +109,14 @@ class FlushResult:
         written: Batches now completely stored.
         failed: Batches still buffered because their write kept failing.
         inserts: Insert statements issued (one per table per flush when all is well).
+        rejected: Records the sink could not store (data errors) and wrote to ``dead_letters``.
     """
 
     rows: dict[str, int] = field(default_factory=dict)
     written: list[Batch] = field(default_factory=list)
     failed: list[Batch] = field(default_factory=list)
     inserts: int = 0
+    rejected: int = 0
 
     @property
     def total_rows(self) -> int:
@@ -128,6 +130,7 @@ class FlushResult:
         self.written.extend(other.written)
         self.failed.extend(other.failed)
         self.inserts += other.inserts
+        self.rejected += other.rejected
 
 
 class Sink(abc.ABC):

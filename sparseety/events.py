@@ -14,6 +14,7 @@ from typing import Any
 from sparseety.deadletter_limits import cap_raw
 from sparseety.errors import DecodeError, InvalidEventError, SchemaError
 from sparseety.schema_store import full_name, read_schema_files, schema_dir
+from sparseety.validate import count_error
 
 ENGINE_STARTED = full_name("EngineStarted")
 ENGINE_STOPPED = full_name("EngineStopped")
@@ -172,7 +173,8 @@ _STEP_COLUMNS = ("num_scheduled_tokens", "num_computed_before", "num_new_tokens"
 
 
 def validate_engine_event(event: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
-    """Check what the schema cannot: ids agree, columns line up.
+    """Check what the schema cannot: ids agree, columns line up, every count is in its bounds
+    (:mod:`sparseety.validate`: non-negative and no larger than an engine can produce).
 
     Returns:
         The event, unchanged.
@@ -190,6 +192,9 @@ def validate_engine_event(event: dict[str, Any], raw: bytes | None = None) -> di
     if event["seq"] < 0:
         raise InvalidEventError(f"negative seq {event['seq']}", raw=raw, field="seq")
     kind, body = event["payload"]
+    bad = count_error(kind.rsplit(".", 1)[-1], body)
+    if bad is not None:
+        raise InvalidEventError(bad[1], raw=raw, field=bad[0])
     if kind == STEP_BATCH:
         n = len(body["req_ids"])
         for col in _STEP_COLUMNS:

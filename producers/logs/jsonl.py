@@ -23,7 +23,8 @@ Fields:
 
 Limits (a line beyond them is a bad line, never an abort): a line holds at most
 :data:`MAX_LINE_BYTES` bytes (1 MiB) and JSON nested at most :data:`MAX_DEPTH` levels (64);
-counts fit the events' Avro ``int`` (at most 2**31 - 1) and times their ``long``.
+counts are within the contract's bounds (:mod:`sparseety.validate`: 0..2**24 tokens, the same
+check the worker applies) and times fit the events' ``long``.
 
 Each request becomes a RequestStarted + RequestFinished pair on an engine epoch with
 ``engine_kind = trace``; the assembler derives the request's timeline from the totals (cached
@@ -45,14 +46,13 @@ from typing import Any
 from sparseety import __version__
 from sparseety import events as ev
 from sparseety.producers.logs.errors import BadTraceLineError
+from sparseety.validate import count_error
 
 ENGINE_KIND = "trace"
 #: Default size limit of one line, in bytes (``ingest --max-line-bytes``).
 MAX_LINE_BYTES = 1024 * 1024
 #: Default nesting limit of one line's JSON (``ingest --max-depth``); a valid line nests 3 deep.
 MAX_DEPTH = 64
-#: Largest count an event carries (Avro ``int``).
-MAX_COUNT = 2**31 - 1
 #: Largest time in ns an event carries (Avro ``long``).
 MAX_NS = 2**63 - 1
 
@@ -82,8 +82,6 @@ def _count(usage: dict[str, Any], key: str, line: int, *, required: bool) -> int
         raise BadTraceLineError(line, f"usage.{key} must be a non-negative integer, got {_kind(value)}")
     if value < 0:
         raise BadTraceLineError(line, f"usage.{key} must be a non-negative integer, got {_short(value)}")
-    if value > MAX_COUNT:
-        raise BadTraceLineError(line, f"usage.{key} {_short(value)} exceeds {MAX_COUNT}")
     return value
 
 
@@ -218,9 +216,7 @@ def parse_line(
     if reason is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
         reason = choices[0].get("finish_reason")
     max_tokens = obj.get("max_tokens")
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and not 0 <= max_tokens <= MAX_COUNT:
-        raise BadTraceLineError(line, f"max_tokens must be between 0 and {MAX_COUNT}")
-    return TraceRequest(
+    req = TraceRequest(
         request_id=str(rid),
         tenant=_text(obj, "tenant", default_tenant, line),
         model=model,
@@ -232,6 +228,20 @@ def parse_line(
         cached_tokens=cached,
         finish_reason=str(reason) if reason else "stop",
         max_tokens=max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None,
+    )
+    # the contract's bounds, checked here too so that the line number goes with the reason
+    for kind, body in request_payloads(req):
+        bad = count_error(kind.rsplit(".", 1)[-1], body)
+        if bad is not None:
+            raise BadTraceLineError(line, _short_reason(bad[1]))
+    return req
+
+
+def _short_reason(reason: str) -> str:
+    """A reason that quotes a huge number keeps only its size."""
+    return " ".join(
+        w if len(w) < 40 or not w.lstrip("-").isdigit() else f"a {len(w)}-digit number"
+        for w in reason.split(" ")
     )
 
 

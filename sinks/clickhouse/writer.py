@@ -4,8 +4,20 @@ Records are buffered per partition in *chunks* (a contiguous offset range of one
 :meth:`ClickHouseSink.flush` writes every pending chunk with one insert per table (all
 partitions together, so the store sees about one insert per table per flush), retrying with
 exponential backoff. When a table's insert keeps failing, the chunks are retried one by one to
-find the partitions at fault; those stay buffered and are reported in a
-:class:`~sparseety.errors.SinkWriteError`, the others count as written.
+find the partitions at fault, and the failure is classified:
+
+* a *data error* (a value the column cannot hold, a type mismatch: the same rows would fail
+  forever) never stops a partition. The chunk is bisected by record until the failing records
+  are isolated; every other record is written, and each failing one becomes a row of
+  ``dead_letters`` (component ``sink``, the record as JSON, the error, its topic/partition/offset).
+  The chunk then counts as written and the partition moves on.
+* an *infrastructure error* (the store unreachable, out of disk) keeps the chunk buffered and is
+  reported in a :class:`~sparseety.errors.SinkWriteError`; the consumer pauses that partition and
+  retries it later (``sparseety:sink_stopped_partitions``, alert ``SparseetySinkPartitionsStopped``).
+
+An error is a data error when the client says so (``DataError``, a Python value/overflow error
+while serializing) or ClickHouse answers with a value/type error code; an unclassified error
+counts as one only when the store still answers ``SELECT 1`` right after it.
 
 Idempotency comes from the tables, not from the writer: every row has a deterministic key and
 the tables are ReplacingMergeTrees, so a chunk written twice (crash between write and offset
@@ -19,6 +31,7 @@ same offsets carry new records, and a position token would silently drop them.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -33,11 +46,42 @@ from sparseety.errors import SinkWriteError, StoreError
 from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
-from sparseety.sinks.clickhouse.tables import SINK_TABLES, Table
+from sparseety.sinks.clickhouse.tables import DEAD_LETTERS, SINK_TABLES, Table
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 10.0
+#: A dead-lettered record's JSON is cut to this many characters (the error says so).
+MAX_DEAD_VALUE_CHARS = 64 * 1024
+
+#: Exception classes (by name, as :class:`StoreError` records them in ``cause``) that mean the
+#: rows themselves cannot be written: clickhouse-connect's ``DataError`` and Python's own errors
+#: while serializing a value (``struct.error`` for an int out of an Int32's range).
+_DATA_ERROR_CAUSES = frozenset({"DataError", "OverflowError", "ValueError", "TypeError", "error"})
+#: ClickHouse error codes that are about values, not about the server: CANNOT_PARSE_TEXT (6),
+#: CANNOT_PARSE_NUMBER (27), TYPE_MISMATCH (53), ILLEGAL_TYPE_OF_ARGUMENT (43), ARGUMENT_OUT_OF_BOUND
+#: (69), CANNOT_CONVERT_TYPE (70), CANNOT_PARSE_DATETIME (41), INCORRECT_DATA (117),
+#: VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE (321), DECIMAL_OVERFLOW (407), CANNOT_PARSE_INPUT_ASSERTION_FAILED (27).
+_DATA_ERROR_CODES = frozenset({6, 27, 41, 43, 53, 69, 70, 117, 321, 407})
+
+
+#: ClickHouse error codes that are about the server, however well it answers ``SELECT 1``:
+#: TIMEOUT_EXCEEDED (159), TOO_MANY_SIMULTANEOUS_QUERIES (202), SOCKET_TIMEOUT (209),
+#: NETWORK_ERROR (210), ABORTED (236), MEMORY_LIMIT_EXCEEDED (241), TABLE_IS_READ_ONLY (242),
+#: NOT_ENOUGH_SPACE (243), TOO_MANY_PARTS (252), READONLY (164), UNKNOWN_TABLE (60).
+_INFRA_ERROR_CODES = frozenset({60, 159, 164, 202, 209, 210, 236, 241, 242, 243, 252})
+
+
+def is_data_error(exc: StoreError) -> bool:
+    """Whether ``exc`` is about the rows (retrying cannot help), not about the store."""
+    cause = exc.fields.get("cause")
+    code = exc.fields.get("code")
+    return cause in _DATA_ERROR_CAUSES or code in _DATA_ERROR_CODES
+
+
+def is_infra_error(exc: StoreError) -> bool:
+    """Whether ``exc`` is known to be about the store (a data error never is)."""
+    return not is_data_error(exc) and exc.fields.get("code") in _INFRA_ERROR_CODES
 
 
 @dataclass(eq=False)
@@ -45,13 +89,21 @@ class _Chunk(Chunk):
     rows: RowBuffer = field(default_factory=RowBuffer)
     written: set[str] = field(default_factory=set)
     sealed: bool = False
+    #: ``(offset, record name, record, rows per table before it)`` of every record, so that a
+    #: chunk that cannot be written can be split by record and its bad records dead-lettered.
+    records: list[tuple[int, str, Mapping[str, Any], dict[str, int]]] = field(default_factory=list)
 
     def pending_tables(self) -> list[Table]:
         return [t for t in SINK_TABLES if t.name not in self.written and self.rows.rows(t)]
 
 
 class _InsertFailed(Exception):
-    """An insert failed after all its attempts (internal)."""
+    """An insert failed after all its attempts (internal); ``data``: a data error."""
+
+    def __init__(self, message: str, *, data: bool, infra: bool = False) -> None:
+        super().__init__(message)
+        self.data = data
+        self.infra = infra
 
 
 class ClickHouseSink(Sink):
@@ -133,6 +185,7 @@ class ClickHouseSink(Sink):
             chunk.rows.rollback(mark)  # a half-appended record would misalign the columns
             raise
         self._pending_rows += added
+        chunk.records.append((offset, record_name, record, mark))
         chunk.last = offset
 
     def pending_rows(self) -> int:
@@ -190,16 +243,16 @@ class ClickHouseSink(Sink):
                 self._write(table, todo, result, self.max_retries)
             except _InsertFailed as exc:
                 if len(todo) == 1:
-                    failed.append(todo[0])
-                    log.error("sink: writing %s for %s failed: %s", table.name, todo[0].batch, exc)
+                    if not self._salvage(table, todo[0], exc, result):
+                        failed.append(todo[0])
                     continue
                 # Find the partitions at fault: one attempt per chunk (the store may be down).
                 for c in todo:
                     try:
                         self._write(table, [c], result, 0)
                     except _InsertFailed as one:
-                        failed.append(c)
-                        log.error("sink: writing %s for %s failed: %s", table.name, c.batch, one)
+                        if not self._salvage(table, c, one, result):
+                            failed.append(c)
         done = [c for c in chunks if c not in failed]
         result.written.extend(c.batch for c in done)
         result.failed.extend(c.batch for c in failed)
@@ -217,6 +270,113 @@ class ClickHouseSink(Sink):
                 for ch in chunks[1:]:
                     merged.extend(ch.rows.columns[table.name][c])
                 cols.append(merged)
+        self._insert(table, cols, result, retries)
+        for c in chunks:
+            c.written.add(table.name)
+
+    def _store_answers(self) -> bool:
+        """Whether the store still answers a trivial query (then a failing insert is about its rows)."""
+        try:
+            self.store.query("SELECT 1")
+        except Exception:
+            return False
+        return True
+
+    def _salvage(self, table: Table, chunk: _Chunk, exc: _InsertFailed, result: FlushResult) -> bool:
+        """Write what can be written of ``chunk`` into ``table`` after its insert failed.
+
+        Returns False (the chunk stays buffered, its partition is paused) on an infrastructure
+        error. On a data error the chunk is bisected by record: every record that can be written
+        is, each one that cannot becomes a ``dead_letters`` row, and the table counts as written.
+        """
+        if exc.infra or not (exc.data or self._store_answers()):
+            log.error("sink: writing %s for %s failed (store error): %s", table.name, chunk.batch, exc)
+            return False
+        log.warning(
+            "sink: writing %s for %s failed on its data, isolating the bad records: %s",
+            table.name,
+            chunk.batch,
+            exc,
+        )
+        bounds = [mark[table.name] for *_, mark in chunk.records] + [chunk.rows.rows(table)]
+        rejected: list[tuple[int, str]] = []
+        # An unclassified error counts as a data error only if the store took other rows of this
+        # chunk, or another record failed with a classified data error: an error that every
+        # row gets (an overloaded server that still answers SELECT 1) is not about the rows.
+        proof = {"data": exc.data}
+
+        def split(lo: int, hi: int, error: _InsertFailed | None) -> None:
+            if bounds[lo] == bounds[hi]:
+                return
+            if error is None:
+                columns = chunk.rows.columns[table.name]
+                cols = [columns[c][bounds[lo] : bounds[hi]] for c in table.columns]
+                try:
+                    self._insert(table, cols, result, 0)
+                    proof["data"] = True
+                    return
+                except _InsertFailed as failed:
+                    if failed.infra or not (failed.data or self._store_answers()):
+                        raise
+                    proof["data"] = proof["data"] or failed.data
+                    error = failed
+            if hi - lo == 1:
+                rejected.append((lo, str(error)))
+                return
+            mid = (lo + hi) // 2
+            split(lo, mid, None)
+            split(mid, hi, None)
+
+        try:
+            split(0, len(chunk.records), exc)
+            if rejected and not proof["data"]:
+                raise _InsertFailed(f"every record failed: {exc}", data=False, infra=True)
+            if rejected:
+                self._dead_letter(table, chunk, rejected, result)
+        except _InsertFailed as infra:
+            log.error("sink: writing %s for %s failed (store error): %s", table.name, chunk.batch, infra)
+            return False
+        chunk.written.add(table.name)
+        return True
+
+    def _dead_letter(
+        self, table: Table, chunk: _Chunk, rejected: list[tuple[int, str]], result: FlushResult
+    ) -> None:
+        """Write the records at ``rejected`` (index, error) of ``chunk`` to ``dead_letters``.
+
+        Keyed by the record's own position (``dlq_topic`` = ``sink:<topic>:<table>``), so a
+        replay of the same range rewrites the same rows.
+        """
+        now = time.time_ns()
+        rows: dict[str, list[Any]] = {c: [] for c in DEAD_LETTERS.columns}
+        for i, error in rejected:
+            offset, name, record, _ = chunk.records[i]
+            value = json.dumps(record, default=_json_default, sort_keys=True)
+            if len(value) > MAX_DEAD_VALUE_CHARS:
+                value = value[:MAX_DEAD_VALUE_CHARS]
+                error += f" (record JSON cut to {MAX_DEAD_VALUE_CHARS} characters)"
+            for col, v in (
+                ("dlq_topic", f"sink:{chunk.topic}:{table.name}"),
+                ("dlq_partition", chunk.partition),
+                ("dlq_offset", offset),
+                ("error_type", "SinkDataError"),
+                ("reason", f"{name} -> {table.name}: {error}"[:4096]),
+                ("component", "sink"),
+                ("topic", chunk.topic),
+                ("partition", chunk.partition),
+                ("offset", offset),
+                ("key", None),
+                ("value", value),
+                ("ts_ns", now),
+            ):
+                rows[col].append(v)
+            log.error(
+                "sink: dead-lettered %s at %s[%d]@%d (%s)", name, chunk.topic, chunk.partition, offset, error
+            )
+        self._insert(DEAD_LETTERS, [rows[c] for c in DEAD_LETTERS.columns], result, self.max_retries)
+        result.rejected += len(rejected)
+
+    def _insert(self, table: Table, cols: list[list[Any]], result: FlushResult, retries: int) -> None:
         n = len(cols[0])
         token = f"{self._token_prefix}-{next(self._inserts)}"
 
@@ -234,7 +394,8 @@ class ClickHouseSink(Sink):
         insert = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(retries + 1),
             wait=tenacity.wait_exponential(multiplier=self.retry_backoff_s, max=MAX_BACKOFF_S),
-            retry=tenacity.retry_if_exception_type(StoreError),
+            # a data error fails the same way every time: do not wait for it
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, StoreError) and not is_data_error(e)),
             sleep=self._sleep,
             before_sleep=warn,
             reraise=True,
@@ -248,12 +409,17 @@ class ClickHouseSink(Sink):
                 settings={"insert_deduplication_token": token},
             )
         except StoreError as exc:
-            raise _InsertFailed(str(exc)) from exc
-        for c in chunks:
-            c.written.add(table.name)
+            raise _InsertFailed(str(exc), data=is_data_error(exc), infra=is_infra_error(exc)) from exc
         result.rows[table.name] = result.rows.get(table.name, 0) + n
         result.inserts += 1
 
     def close(self) -> None:
         if self._own_store:
             self.store.close()
+
+
+def _json_default(value: Any) -> Any:
+    """JSON for what records hold besides JSON types (bytes: hex)."""
+    if isinstance(value, bytes | bytearray):
+        return value.hex()
+    return repr(value)

@@ -30,6 +30,11 @@ class SinkCollector(Collector):
             "sparseety:sink_dead_letters", "Records the sink dead-lettered.", value=w.dead_letters
         )
         yield CounterMetricFamily("sparseety:sink_writes", "Batches the sink wrote.", value=w.writes)
+        yield CounterMetricFamily(
+            "sparseety:sink_rows_rejected",
+            "Records the store refused on their data (written to dead_letters; the partition went on).",
+            value=w.totals.rejected,
+        )
         rows = CounterMetricFamily("sparseety:sink_rows", "Rows the sink wrote, per table.", labels=["table"])
         for table, n in sorted(w.totals.rows.items()):
             rows.add_metric([table], n)

@@ -210,3 +210,52 @@ def test_sigkill_between_write_and_commit_counts_nothing_twice(
         assert {r["tenant"]: r["requests"] for r in q.cost(by=["tenant"])} == {"t0": 20, "t1": 20, "t2": 20}
         raw = store.query(f"SELECT count() AS n FROM {store.table('requests')}")[0]["n"]
         assert raw >= 60  # the re-read batch was written again: FINAL (and every query) hides it
+
+
+def test_a_poison_record_is_dead_lettered_and_the_partitions_move_on(
+    kafka_cfg: Config, unique: str, sink_process: Callable[..., ComponentProcess]
+) -> None:
+    """Issue 12: a record the store cannot hold (a segment position past Int32, which Avro's
+    encoder does not range-check) between good ones: every good one is in SQL within seconds,
+    the poison is in dead_letters, and no partition stops."""
+    cfg = sink_config(kafka_cfg, unique)
+    enc = make_encoder(cfg, "RequestAccounting", cfg.topics.timelines)
+    poison = f.accounting(f"{f.EID}/poison", tenant="t0", finished_ts_ns=1_700_000_000 * 10**9)
+    poison["timeline"]["segments"][0]["end"] = 2**31 - 1 + 2**31  # beyond Int32
+    items = [
+        *accounting_items(cfg, 6),
+        (cfg.topics.timelines, poison["request_uid"].encode(), enc.encode(poison)),
+        *accounting_items(cfg, 6, start=6),
+    ]
+    last = produce(cfg, items)
+    sink = sink_process()
+    started = time.monotonic()
+
+    def committed_past_the_poison() -> bool:
+        assert sink.alive(), sink.tail()
+        return all_committed(cfg, last)
+
+    # committed = written (offsets are committed only after their rows are stored)
+    wait_for(committed_past_the_poison, 60, 0.5, "every offset committed, the poison's included")
+    assert time.monotonic() - started < 60
+    log = sink.tail(400)
+    sink.stop()
+    assert "dead-lettered" in log and "until their writes succeed" not in log
+
+    with open_store(cfg) as store:  # chDB: one process per path, so after the sink stopped
+        uids = {r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")}
+        assert uids >= {f"{f.EID}/r{i}" for i in range(12)}
+        segs = store.query(
+            f"SELECT request_uid, count() AS n FROM {store.database}.token_segments_v GROUP BY request_uid"
+        )
+        assert {r["request_uid"]: r["n"] for r in segs if r["request_uid"] != poison["request_uid"]} == {
+            f"{f.EID}/r{i}": 3 for i in range(12)
+        }
+        (letter,) = store.query(
+            "SELECT dlq_topic, topic, partition, offset, error_type, reason, value "
+            f"FROM {store.table('dead_letters')} FINAL WHERE component = 'sink'"
+        )
+        assert letter["dlq_topic"] == f"sink:{cfg.topics.timelines}:token_segments"
+        assert letter["topic"] == cfg.topics.timelines and letter["error_type"] == "SinkDataError"
+        assert (cfg.topics.timelines, letter["partition"]) in last and letter["offset"] >= 0
+        assert poison["request_uid"] in letter["value"] and "end" in letter["reason"]

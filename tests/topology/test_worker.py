@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
+from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.kafka import make_encoder
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
+from tests import factories as f
 from tests.helpers import ComponentProcess, latest_by_key, produce_events, produce_raw, read_topic, wait_for
 from tests.sim import SimEngine, workload
 
@@ -70,7 +72,15 @@ def test_worker_matches_the_pure_fold_and_dead_letters_bad_input(worker_factory:
     events = sim_events(20, seed=11)
     produce_events(cfg, events)
     truncated = make_encoder(cfg, "EngineEvent", cfg.topics.engine_events).encode(events[-1])[:-4]
-    produce_raw(cfg, cfg.topics.engine_events, [(b"engine-0", b"\x00garbage"), (b"engine-0", truncated)])
+    # issue 12: schema-valid but negative counts are dead-lettered, never billed
+    negative = make_encoder(cfg, "EngineEvent", cfg.topics.engine_events).encode(
+        f.wrap(0, ev.REQUEST_FINISHED, f.request_finished("neg", output=-5, cached=-3))
+    )
+    produce_raw(
+        cfg,
+        cfg.topics.engine_events,
+        [(b"engine-0", b"\x00garbage"), (b"engine-0", truncated), (b"engine-0", negative)],
+    )
     want_t, want_u = expected_outputs(cfg, events)
     worker = start()
 
@@ -85,8 +95,13 @@ def test_worker_matches_the_pure_fold_and_dead_letters_bad_input(worker_factory:
     wait_for(lambda: len(latest_by_key(read_topic(cfg, cfg.topics.usage))) >= len(want_u), 60, 1, "usage")
     assert latest_by_key(read_topic(cfg, cfg.topics.usage)) == want_u
     dead = [r[3] for r in read_topic(cfg, cfg.topics.dlq)]
-    assert sorted(d["error_type"] for d in dead) == ["BadMagicError", "TruncatedPayloadError"]
-    assert {d["value"] for d in dead} == {b"\x00garbage", truncated}
+    assert sorted(d["error_type"] for d in dead) == [
+        "BadMagicError",
+        "InvalidEventError",
+        "TruncatedPayloadError",
+    ]
+    assert {d["value"] for d in dead} == {b"\x00garbage", truncated, negative}
+    assert any("num_output_tokens = -5" in d["reason"] for d in dead)
     assert all(
         d["topic"] == cfg.topics.engine_events and d["offset"] >= 0 and d["key"] == b"engine-0" for d in dead
     )

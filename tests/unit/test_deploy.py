@@ -127,12 +127,18 @@ def host_port(url: str) -> tuple[str, int]:
 
 def metric_names() -> set[str]:
     """Sample names every SparSEEty metric can have (producers, workers, API)."""
+    from types import SimpleNamespace
+
     import sparseety.producers.metrics
     import sparseety.streams.metrics  # noqa: F401  (registers the worker metrics)
-    from sparseety.api.metrics import ApiMetrics
+    from sparseety.api.metrics import ApiMetrics, SinkCollector
+    from sparseety.sinks.base import FlushResult
 
+    sink = CollectorRegistry()
+    worker = SimpleNamespace(records=0, dead_letters=0, writes=0, totals=FlushResult(), held={})
+    sink.register(SinkCollector(worker))
     names: set[str] = set()
-    registries: list[CollectorRegistry] = [REGISTRY, ApiMetrics().registry]
+    registries: list[CollectorRegistry] = [REGISTRY, ApiMetrics().registry, sink]
     for registry in registries:
         for family in registry.collect():
             if not family.name.startswith("sparseety:"):

@@ -256,3 +256,74 @@ def test_from_config_shares_an_open_store(store: Store) -> None:
     sink.flush()
     sink.close()  # not its store: still open
     assert store.query(f"SELECT count() AS n FROM {store.table('usage_1m')}") == [{"n": 1}]
+
+
+def test_a_poison_record_is_dead_lettered_and_every_good_one_is_written(store: Store) -> None:
+    """Issue 12: a value a column cannot hold never stops the partition."""
+    sink = ClickHouseSink(store, max_retries=3, retry_backoff_s=0, sleep=lambda s: None)
+    for o in range(7):
+        over = {"prompt_tokens": 2**63} if o == 3 else {}  # beyond Int64
+        sink.add(ev.REQUEST_ACCOUNTING, rich(f"r{o}", **over), topic="acc", partition=1, offset=o)
+    sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="u0"), topic="u", partition=0, offset=0)
+    result = sink.flush()
+    assert result.failed == [] and result.rejected == 1 and sink.pending_rows() == 0
+    uids = {r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.table('requests')} FINAL")}
+    assert uids == {f"r{o}" for o in range(7)} - {"r3"}
+    dead = store.query(
+        f"SELECT dlq_topic, component, topic, partition, offset, reason, value "
+        f"FROM {store.table('dead_letters')} FINAL"
+    )
+    assert len(dead) == 1
+    d = dead[0]
+    assert (d["dlq_topic"], d["component"], d["topic"], d["partition"], d["offset"]) == (
+        "sink:acc:requests",
+        "sink",
+        "acc",
+        1,
+        3,
+    )
+    assert "prompt_tokens" in d["reason"] and '"request_uid": "r3"' in d["value"]
+    # the child rows of the good records landed too
+    n = store.query(f"SELECT count() AS n FROM {store.table('kv_blocks')} FINAL")[0]["n"]
+    assert n == 2 * 7  # the poison's block rows fit their columns: only its requests row is lost
+
+
+def test_an_unclassified_error_while_the_store_answers_is_a_data_error(store: Store) -> None:
+    class Picky(FlakyStore):
+        def query(self, sql: str) -> Any:
+            return self.store.query(sql)
+
+        def insert(self, table: str, columns: Any, names: Any, *, settings: dict[str, Any]) -> None:
+            if self.fail(table, columns, names, 0):
+                raise StoreError("refused (injected, no code)", code=None, cause="OSError")
+            self.store.insert(table, columns, names, settings=settings)
+
+    def fail(table: str, cols: Any, names: Any, call: int) -> bool:
+        return "usage_1m" in table and "bad" in cols[names.index("usage_id")]
+
+    picky = Picky(store, fail)
+    sink = ClickHouseSink(picky, max_retries=1, retry_backoff_s=0, sleep=lambda s: None)  # type: ignore[arg-type]
+    for o, uid in enumerate(["a", "bad", "c"]):
+        sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id=uid), topic="u", partition=0, offset=o)
+    result = sink.flush()
+    assert result.rejected == 1 and result.failed == []
+    ids = {r["usage_id"] for r in store.query(f"SELECT usage_id FROM {store.table('usage_1m')} FINAL")}
+    assert ids == {"a", "c"}
+
+
+def test_an_error_every_row_gets_is_not_a_data_error_even_if_the_store_answers(store: Store) -> None:
+    class Overloaded(FlakyStore):
+        def query(self, sql: str) -> Any:
+            return self.store.query(sql)
+
+        def insert(self, table: str, columns: Any, names: Any, *, settings: dict[str, Any]) -> None:
+            self.calls.append((table, len(columns[0]), settings))
+            raise StoreError("something odd (injected)", code=None, cause="OSError")
+
+    sink = ClickHouseSink(Overloaded(store, None), max_retries=0, retry_backoff_s=0, sleep=lambda s: None)  # type: ignore[arg-type]
+    for o in range(3):
+        sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id=f"x{o}"), topic="u", partition=0, offset=o)
+    with pytest.raises(SinkWriteError):
+        sink.flush()
+    assert sink.pending_rows() == 3 and sink.totals.rejected == 0
+    assert store.query(f"SELECT count() AS n FROM {store.table('dead_letters')}") == [{"n": 0}]

@@ -1,0 +1,54 @@
+"""The contract's count bounds (issue 12): one check, applied by validate_engine_event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.errors import InvalidEventError
+from sparseety.validate import MAX_TOKENS, count_error
+from tests import factories as f
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"output": -5}, "num_output_tokens"),
+        ({"cached": -3}, "num_cached_tokens"),
+        ({"prompt": 2**31 - 1}, "num_prompt_tokens"),
+        ({"output": MAX_TOKENS + 1}, "num_output_tokens"),
+        ({"num_preemptions": -1}, "num_preemptions"),
+    ],
+)
+def test_out_of_range_counts_are_invalid_events(over: dict[str, Any], field: str) -> None:
+    event = f.wrap(0, ev.REQUEST_FINISHED, f.request_finished(**over))
+    with pytest.raises(InvalidEventError) as info:
+        ev.validate_engine_event(event, raw=b"raw")
+    assert info.value.fields["field"] == field and info.value.raw == b"raw"
+    assert "outside 0.." in str(info.value)
+
+
+def test_counts_at_the_bounds_are_valid() -> None:
+    body = f.request_finished(prompt=MAX_TOKENS, output=MAX_TOKENS, cached=0)
+    assert count_error("RequestFinished", body) is None
+    assert ev.validate_engine_event(f.wrap(0, ev.REQUEST_FINISHED, body)) is not None
+    for event in f.one_of_each():
+        ev.validate_engine_event(event)
+
+
+def test_array_counts_are_checked_element_by_element() -> None:
+    step = f.step_batch(0, [("r1", 3, 0, [1])])
+    step["num_computed_before"] = [-1]
+    assert count_error("StepBatch", step) == (
+        "num_computed_before",
+        f"StepBatch.num_computed_before[0] = -1 is outside 0..{MAX_TOKENS}",
+    )
+
+
+def test_the_started_prompt_and_max_tokens_are_bounded() -> None:
+    started = f.request_started("r1", cached=0)
+    assert count_error("RequestStarted", {**started, "max_tokens": None}) is None
+    assert count_error("RequestStarted", {**started, "max_tokens": 2**31 - 1}) is not None
+    assert count_error("RequestStarted", {**started, "prompt_len": -1}) is not None
