@@ -62,12 +62,7 @@ REQUESTS = Table(
         "expert_num_layers",
         "expert_num_experts",
         # Added by migration 003 (issue 11: the two-axis position model).
-        "recomputed_preemption_tokens",
-        "recomputed_eviction_tokens",
-        "draft_cut_tokens",
-        "window_released_tokens",
-        "evicted_blocks_recomputed",
-        "waste_tokens",
+        *POSITION_COUNTS,
         "attention_window",
         "segment_count",
         "block_use_count",
