@@ -207,6 +207,7 @@ class Assembler:
         seq = event["seq"]
         if kind == ev.STEP_BATCH:
             self._on_step(epoch, seq, ts, body)
+            epoch.step_seq = seq
         elif kind == ev.KV_STORED:
             self._on_kv(epoch, seq, body, stored=True)
         elif kind == ev.KV_REMOVED:
@@ -334,7 +335,13 @@ class Assembler:
                 if block is None:
                     block = pidx.new_block()
                     epoch.block_count += 1
-                recompute = pidx.evicted_before(block, seq, cleared)
+                # Recomputed after eviction: a lifetime of the hash ended before admission and no
+                # copy was live when vLLM looked the request up. Copies stored in this step (after
+                # the previous StepBatch) by an earlier admission of the step were live then: a
+                # hybrid model's request misses them when its sliding-window groups lack them.
+                recompute = pidx.evicted_before(block, seq, cleared) and not pidx.live_at_lookup(
+                    block, r.request_id, seq, epoch.step_seq, cleared
+                )
                 sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED_EVICTION if recompute else sg.COMPUTED)
                 if recompute:
                     _add_span(r.eviction_spans, start, end)
@@ -823,8 +830,22 @@ class Assembler:
         epoch.block_count = count - min(drop, len(history))
 
 
+#: KV-cache group kinds that cache every full block of a request (vLLM's KVCacheSpecKind values;
+#: older producers sent the spec class name).
+_FULL_KINDS = frozenset(
+    {"full_attention", "mla_attention", "sink_full_attention", "FullAttentionSpec", "MLAAttentionSpec"}
+)
+
+
 def _primary_group_kind(config: dict[str, Any] | None) -> str | None:
+    """The KV-cache group whose block lifetimes the prefix index follows: the first full-attention
+    group. Sliding-window groups of a hybrid model cache only the blocks a later hit can reach
+    (vLLM's sparse retention, ``reachable_block_mask``), so their lifetimes are not the prefix
+    cache's; the first group stands in only for a model without a full-attention group."""
     groups = (config or {}).get("kv_cache_groups") or []
+    for g in groups:
+        if g["kind"] in _FULL_KINDS:
+            return str(g["kind"])
     return groups[0]["kind"] if groups else None
 
 

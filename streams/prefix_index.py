@@ -69,6 +69,22 @@ def evicted_before(block: BlockState, seq: int, cleared: list[int]) -> bool:
     return any(lt[STORED] < seq and _end(lt, cleared, seq) is not None for lt in block["l"])
 
 
+def live_at_lookup(block: BlockState, uid: str, seq: int, step_seq: int, cleared: list[int]) -> bool:
+    """Whether a copy of the hash was cached when vLLM looked request ``uid`` up (admitted at
+    ``seq``, in the step after the StepBatch at ``step_seq``).
+
+    A step's KV events precede its admissions, so a lifetime alive at ``seq`` that began after
+    ``step_seq`` was begun by an allocation of this step: the request's own (nobody else claims
+    it) or an earlier admission's of the same step, which vLLM had cached before this lookup.
+    """
+    live = live_as_of(block, seq, cleared)
+    if live is None:
+        return False
+    if live[STORED] <= step_seq:
+        return True
+    return live[COMPUTED_BY] not in (None, uid)
+
+
 def _copies(lifetime: list[Any]) -> list[list[int]]:
     if len(lifetime) <= COPIES:  # persisted before copies were counted
         lifetime.append([[], []])

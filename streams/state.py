@@ -167,6 +167,7 @@ class EpochState(_Record):
     superseded: bool = False  # a newer epoch of the same engine started
     producer_stats: dict[str, int] = field(default_factory=dict)
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
+    step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
 
 
 @dataclass(slots=True)

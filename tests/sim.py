@@ -199,6 +199,7 @@ class SimEngine:
                 budget -= row[1]
                 rows.append(row)
                 spec.append(sp)
+                self._allocate(r, row, held)
             for r in list(waiting):
                 if len(running) >= self.max_batch or budget <= 1 or arrivals.get(r.rid, 0) > self.step_no:
                     continue
@@ -211,6 +212,13 @@ class SimEngine:
                     r.admitted = True
                     r.cached_at_admission = hit
                     r.hashes = block_hashes(r.prompt, self.bs)
+                    # Blocks past the hit whose cache lifetime had ended at this lookup: removed
+                    # before, and no copy cached now (vLLM's truth, tests/e2e/ground_truth.py).
+                    r.evicted_blocks = {
+                        i
+                        for i, h in enumerate(r.hashes)
+                        if i * self.bs >= hit and h in self.removed and h not in self.cache
+                    }
                     started.append(r)
                 else:
                     resumed.append(r.rid)
@@ -225,21 +233,9 @@ class SimEngine:
                 budget -= row[1]
                 rows.append(row)
                 spec.append(sp)
-            # Blocks that become full this step are stored (KV events precede the step's output).
-            for rid, n, c, _new in rows:
-                r = next(x for x in running if x.rid == rid)
-                full = block_hashes(r.tokens[: c + n], self.bs)
-                new_blocks = full[len(held.get(rid, [])) :]
-                if new_blocks:
-                    held.setdefault(rid, []).extend(new_blocks)
-                    self._store(new_blocks)
+                self._allocate(r, row, held)
+            # KV events precede the step's admissions and output.
             for r in started:
-                # What the request finds evicted once this step's KV events are out.
-                r.evicted_blocks = {
-                    i
-                    for i, h in enumerate(r.hashes)
-                    if i * self.bs >= r.cached_at_admission and h in self.removed
-                }
                 self._emit(
                     ev.REQUEST_STARTED,
                     f.request_started(
@@ -289,6 +285,18 @@ class SimEngine:
             self._evict()
         self._emit(ev.ENGINE_STOPPED, {"reason": "shutdown"})
         return self.events
+
+    def _allocate(
+        self, r: SimRequest, row: tuple[str, int, int, list[int]], held: dict[str, list[bytes]]
+    ) -> None:
+        """Blocks that become full with this row are cached at once, as vLLM's ``allocate_slots``
+        does: a later admission of the same step hits them."""
+        _rid, n, c, _new = row
+        full = block_hashes(r.tokens[: c + n], self.bs)
+        new_blocks = full[len(held.get(r.rid, [])) :]
+        if new_blocks:
+            held.setdefault(r.rid, []).extend(new_blocks)
+            self._store(new_blocks)
 
     def _count_truth(self, r: SimRequest, start: int, valid_end: int, k: int, a: int) -> None:
         t = r.truth

@@ -793,3 +793,67 @@ def test_a_request_state_persisted_before_the_two_axis_model_still_loads() -> No
     data[i] = 4  # the old recompute_until high-water mark
     back = decode_state(encode_state(data))
     assert back.eviction_spans == [[0, 4]] and back.segments[0][sg.FATE] == sg.KEPT
+
+
+def test_same_step_admissions_recompute_an_evicted_block_once_on_a_hybrid_model() -> None:
+    # gemma3-style groups: sliding first, full attention last. vLLM's sliding groups cache only
+    # the blocks a later hit can reach, so the index follows the full-attention group. r3 and r4
+    # are admitted in one step and both miss h0/h1 (a sliding group lacks them): r3's lookup found
+    # no copy (evicted: recompute), r4's found r3's copies, cached at r3's allocation (computed).
+    groups = [
+        {"kind": "sliding_window", "sliding_window": 8, "block_size": 4, "num_layers": 1},
+        {"kind": "full_attention", "sliding_window": None, "block_size": 4, "num_layers": 1},
+    ]
+
+    def kv(seq: int, kind: str, group: str, *hashes: bytes) -> dict[str, Any]:
+        if kind == "stored":
+            return f.wrap(seq, ev.KV_STORED, {**KV, "group_kind": group, "block_hashes": list(hashes)})
+        body = {"block_hashes": list(hashes), "medium": "GPU", "group_kind": group}
+        return f.wrap(seq, ev.KV_REMOVED, body)
+
+    prompt = list(range(9))
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(kv_cache_groups=groups)),
+        kv(1, "stored", "full_attention", b"h0", b"h1"),
+        kv(2, "stored", "sliding_window", b"h1"),
+        f.wrap(3, ev.REQUEST_STARTED, f.request_started("r1", prompt, hashes=[b"h0", b"h1"])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(0, [("r1", 9, 0, [1])])),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=9, output=1)),
+        kv(6, "removed", "full_attention", b"h0", b"h1"),
+        kv(7, "removed", "sliding_window", b"h1"),
+        f.wrap(8, ev.STEP_BATCH, f.step_batch(1, [])),
+        # One step: r3's allocation stores h0/h1, r4's stores second copies; then admissions.
+        kv(9, "stored", "full_attention", b"h0", b"h1"),
+        kv(10, "stored", "sliding_window", b"h1"),
+        kv(11, "stored", "full_attention", b"h0", b"h1"),
+        kv(12, "stored", "sliding_window", b"h1"),
+        f.wrap(13, ev.REQUEST_STARTED, f.request_started("r3", prompt, hashes=[b"h0", b"h1"])),
+        f.wrap(14, ev.REQUEST_STARTED, f.request_started("r4", prompt, hashes=[b"h0", b"h1"])),
+        f.wrap(15, ev.STEP_BATCH, f.step_batch(2, [("r3", 9, 0, [1]), ("r4", 9, 0, [1])])),
+        f.wrap(16, ev.REQUEST_FINISHED, f.request_finished("r3", prompt=9, output=1)),
+        f.wrap(17, ev.REQUEST_FINISHED, f.request_finished("r4", prompt=9, output=1)),
+    ]
+    accs = accounts(run(events)[0])
+    r3, r4 = accs[f"{f.EID}/r3"], accs[f"{f.EID}/r4"]
+    assert (r3["recomputed_eviction_tokens"], r3["uncached_computed_tokens"]) == (8, 1)
+    assert (r4["recomputed_eviction_tokens"], r4["uncached_computed_tokens"]) == (0, 9)
+    assert r3["evicted_blocks_recomputed"] == 2 and r4["evicted_blocks_recomputed"] == 0
+    assert r3["consistent"] and r4["consistent"]
+
+
+def test_a_block_still_cached_past_a_miss_is_computed_not_recomputed() -> None:
+    # h0 was evicted, h1 is still cached: the lookup stops at h0, so h1 is computed again although
+    # a copy is live. Its lifetime did not end: computed, not recomputed after eviction.
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        stored(1, b"h0", b"h1"),
+        removed(2, b"h1"),
+        stored(3, b"h1"),  # a new lifetime of h1 (another request computed it again)
+        removed(4, b"h0"),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(0, [])),
+        f.wrap(6, ev.REQUEST_STARTED, f.request_started("r1", list(range(9)), hashes=[b"h0", b"h1"])),
+        f.wrap(7, ev.STEP_BATCH, f.step_batch(1, [("r1", 9, 0, [1])])),
+        f.wrap(8, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=9, output=1)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (acc["recomputed_eviction_tokens"], acc["uncached_computed_tokens"]) == (4, 5)
