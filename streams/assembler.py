@@ -406,9 +406,10 @@ class Assembler:
                 continue
             computed_before = before[i]
             n = n_sched[i]
-            attended = n * computed_before + n * (n + 1) // 2  # causal pairs; limits are rare
+            causal = n * computed_before + n * (n + 1) // 2
+            attended: float = causal  # limits (windows, chunks) are rare
             if limited:
-                req.pairs_full += attended
+                req.pairs_full += causal
                 attended = shape.pairs(computed_before, n)[0]
             req.pairs += attended
             f = n * per_token + attended * per_pair
@@ -729,8 +730,8 @@ class Assembler:
             "scheduled_tokens": r.scheduled,
             "preemptions": r.preemptions,
             "steps": r.steps,
-            "attention_pairs": r.pairs,
-            "attention_pairs_skipped": (r.pairs_full - r.pairs) if window else 0,
+            "attention_pairs": round(r.pairs),
+            "attention_pairs_skipped": (r.pairs_full - round(r.pairs)) if window else 0,
             "gpu_time_ns": gpu_ns,
             "est_flops": float(r.flops),
             "engine_prompt_tokens": engine_prompt,

@@ -70,18 +70,18 @@ class ModelShape:
         mlp = 3 * self.hidden * self.intermediate * (self.top_k if self.experts else 1)
         return self.num_layers * (attn + mlp) + self.hidden * self.vocab
 
-    def pairs(self, start: int, n: int) -> tuple[int, int]:
+    def pairs(self, start: int, n: int) -> tuple[float, int]:
         """(attended pairs, pairs a full-attention model would attend) for queries [start, start+n).
 
         With sliding-window or chunked layers, attended pairs blend each group's pairs by its
-        fraction of the layers.
+        fraction of the layers: the mean over layers, not rounded (the request's sum is rounded
+        once, when it is reported).
         """
         full = causal_pairs(start, n)
         if not self.limited:
             return full, full
         rest = 1.0 - sum(f for f, _ in self.limited)
-        attended = rest * full + sum(f * g.pairs(start, n) for f, g in self.limited)
-        return round(attended), full
+        return rest * full + sum(f * g.pairs(start, n) for f, g in self.limited), full
 
     def flops(self, tokens: int, attended_pairs: int) -> float:
         """Estimated FLOPs of ``tokens`` new positions attending ``attended_pairs`` pairs."""

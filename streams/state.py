@@ -100,7 +100,7 @@ class RequestState(_Record):
     steps: int = 0
     last_step: int = -1
     last_computed_before: int = 0
-    pairs: int = 0
+    pairs: float = 0  # attended query-key pairs, mean over layers (rounded when reported)
     pairs_full: int = 0
     gpu_ns: float = 0.0
     flops: float = 0.0

@@ -18,7 +18,13 @@ Per request it records:
   output, cut by the stop condition, and never verified because the request finished between
   schedule and update (vLLM skips those in its counters);
 * window release: the blocks vLLM replaced with the null block in each KV-cache group, read when
-  the request's blocks are freed at its end.
+  the request's blocks are freed at its end;
+* sources: for every block of the first admission's prefix-cache hit, the request whose
+  allocation began the cache lifetime of the copy that was live at the lookup (vLLM caches a
+  block's hash in ``cache_full_blocks`` when it allocates it for a request);
+* attention pairs: per step, the query-key pairs each layer attends, from the model's KV-cache
+  groups (full: ``q + 1`` keys for query ``q``; sliding window ``W``: ``min(q + 1, W)``; chunked
+  local attention ``C``: ``q % C + 1``), summed over the layers of each group.
 
 Hashes evicted from the prefix cache (all copies of a hash gone) are kept per KV-cache group.
 """
@@ -57,7 +63,10 @@ class RequestTruth:
     high: int = 0  # positions whose KV this request has computed at some point
     evicted_idx: set[int] = field(default_factory=set)  # block indices of the last lookup
     recomputed_idx: set[int] = field(default_factory=set)
-    lookup: tuple[int, set[int]] | None = None
+    lookup: tuple[int, set[int], list[str | None]] | None = None
+    sources: list[str | None] = field(default_factory=list)  # per hit block at first admission
+    layer_pairs: int = 0  # query-key pairs attended, summed over every layer
+    full_pairs: int = 0  # pairs full causal attention would attend (per layer)
 
     @property
     def drafts_cut(self) -> int:
@@ -97,6 +106,9 @@ class EngineTruth:
         self.requests: dict[str, RequestTruth] = defaultdict(RequestTruth)
         self.ever_cached: dict[int, set[bytes]] = defaultdict(set)
         self.evicted: dict[int, set[bytes]] = defaultdict(set)  # hashes whose every copy was removed
+        #: The request whose allocation began each live lifetime of the lifetime group's hashes.
+        self.owner: dict[bytes, str | None] = {}
+        self._caching: str | None = None  # request of the cache_full_blocks call in progress
         self.steps = 0
         self._finished: dict[str, Any] = {}  # freed inside update_from_output, read after it
         self._wrap()
@@ -108,6 +120,14 @@ class EngineTruth:
         schedule, update = sched.schedule, sched.update_from_output
         lookup, free = kv.get_computed_blocks, kv.free
         insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
+        cache_full = pool.cache_full_blocks
+
+        def cache_full_blocks(request: Any, *a: Any, **k: Any) -> Any:
+            self._caching = request.request_id
+            try:
+                return cache_full(request, *a, **k)
+            finally:
+                self._caching = None
 
         def get_computed_blocks(request: Any) -> Any:
             out = lookup(request)
@@ -115,7 +135,10 @@ class EngineTruth:
             return out
 
         def insert_block_hash(key: Any, block: Any, *a: Any, **k: Any) -> Any:
-            self.ever_cached[self._get_group_id(key)].add(bytes(self._get_block_hash(key)))
+            group, h = self._get_group_id(key), bytes(self._get_block_hash(key))
+            self.ever_cached[group].add(h)
+            if group == self.lifetime_group and pool.cached_block_hash_to_block.get_one_block(key) is None:
+                self.owner[h] = self._caching  # a new lifetime begins with this copy
             return insert(key, block, *a, **k)
 
         def remove_cached_block_hashes(block: Any) -> Any:
@@ -143,6 +166,7 @@ class EngineTruth:
         kv.get_computed_blocks = get_computed_blocks
         kv.free = free_
         pool._insert_block_hash = insert_block_hash
+        pool.cache_full_blocks = cache_full_blocks
         pool._remove_cached_block_hashes = remove_cached_block_hashes
         sched.schedule = schedule_
         sched.update_from_output = update_
@@ -160,13 +184,15 @@ class EngineTruth:
         g = self.lifetime_group
         bs = self.block_size
         evicted: set[int] = set()
+        sources: list[str | None] = []
         for i, h in enumerate(request.block_hashes or ()):
-            if (i + 1) * bs <= hit:
-                continue
             hb = bytes(h)
+            if (i + 1) * bs <= hit:
+                sources.append(self.owner.get(hb))
+                continue
             if hb in self.evicted[g] and not self._live(g, hb):
                 evicted.add(i)
-        self.requests[request.request_id].lookup = (hit, evicted)
+        self.requests[request.request_id].lookup = (hit, evicted, sources)
 
     def _on_schedule(self, so: Any) -> None:
         if not so.total_num_scheduled_tokens:
@@ -192,6 +218,16 @@ class EngineTruth:
             end = c + n - k  # drafts are the last k positions
             rt.scheduled += n
             rt.drafts_scheduled += k
+            for q in range(c, c + n):
+                rt.full_pairs += q + 1
+                for grp in self.groups:
+                    if grp["attention_chunk_size"]:
+                        keys = q % grp["attention_chunk_size"] + 1
+                    elif grp["sliding_window"]:
+                        keys = min(q + 1, grp["sliding_window"])
+                    else:
+                        keys = q + 1
+                    rt.layer_pairs += grp["layers"] * keys
             pre = max(0, min(end, rt.high) - c)
             evict = 0
             for p in range(max(c, rt.high), end):
@@ -206,12 +242,13 @@ class EngineTruth:
 
     def _admit(self, rid: str, request: Any, *, first: bool) -> None:
         rt = self.requests[rid]
-        hit, evicted = rt.lookup or (0, set())
+        hit, evicted, sources = rt.lookup or (0, set(), [])
         rt.lookup = None
         rt.cache_read += hit
         rt.evicted_idx = evicted
         if first:
             rt.admission_hit = hit
+            rt.sources = sources
             rt.prompt_len = int(getattr(request, "num_prompt_tokens", 0) or 0)
         else:
             rt.resumes += 1
@@ -366,6 +403,9 @@ def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]
             "resumes": rt.resumes,
             "output_tokens": rt.output_tokens,
             "kv_end": rt.high,
+            "sources": rt.sources,
+            "layer_pairs": rt.layer_pairs,
+            "full_pairs": rt.full_pairs,
         }
     metrics: dict[str, float] = {}
     for m in llm.get_metrics():

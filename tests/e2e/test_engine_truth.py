@@ -5,13 +5,16 @@ model, a hybrid full + sliding-window model and a chunked-local-attention model.
 Each engine kind runs once per session, in a child process with the engine core in-process, so
 ``tests/e2e/ground_truth.py`` can wrap vLLM's scheduler, KV-cache manager and block pool there.
 The ground truth itself is anchored to vLLM's own counters (``prompt_tokens_by_source``, spec
-decode, preemptions, ``num_cached_tokens``) before the fold is held against it.
+decode, preemptions, ``num_cached_tokens``) before the fold is held against it. Beyond the token
+classes, the ``source_request_uid`` of every admission-cached block and the attention pairs
+(per layer, from each KV-cache group's window or chunk) are held against it too.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -136,19 +139,7 @@ def test_ground_truth_equals_vllm_counters(kind: str, broker: Config, workdir: P
         assert run.total("window_released_tokens") > 0
 
 
-#: Known disagreement (issue 11, open): on the hybrid model two requests of one step re-need the
-#: same evicted document blocks. vLLM caches a block's hash when it allocates it, so the second
-#: request's lookup finds a live copy (the first request's, not computed yet) and still misses:
-#: the engine truth calls those positions first-time computed for the second request and eviction
-#: recompute for the first; the fold splits the same total (192 tokens) 3 blocks / 3 blocks.
-HYBRID_SAME_STEP = pytest.mark.xfail(
-    reason="hybrid: eviction recompute attributed differently between two same-step requests", strict=True
-)
-
-
-@pytest.mark.parametrize(
-    "kind", [k if k != "hybrid" else pytest.param(k, marks=HYBRID_SAME_STEP) for k in KINDS]
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_fold_class_equals_engine_truth(kind: str, broker: Config, workdir: Path) -> None:
     run = engine_run(kind, broker, workdir)
     mismatches = []
@@ -228,3 +219,54 @@ def test_skipped_tokens_follow_the_groups_window_and_chunk_arithmetic(
         unattended = _majority(groups, [_unattended(g, t["kv_end"]) for g in groups])
         released = t["window_released_tokens"]
         assert acc["skipped_tokens"] == max(0, unattended - released), r["engine_request_id"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_blocks_name_the_request_that_computed_them(kind: str, broker: Config, workdir: Path) -> None:
+    """Each block of an admission hit names, as ``source_request_uid``, the request whose
+    allocation began the cache lifetime vLLM served it from."""
+    run = engine_run(kind, broker, workdir)
+    bs = run.result["block_size"]
+    compared = expected = 0
+    mismatches = []
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        t = r["truth"]
+        sources = t["sources"]
+        assert len(sources) == t["admission_hit"] // bs, r["engine_request_id"]
+        if not t["preemptions"]:
+            expected += len(sources)
+        segments = acc["timeline"]["segments"]
+        for i, src in enumerate(sources):
+            seg = next(s for s in segments if s["start"] <= i * bs < s["end"])
+            if seg["status"] != "cached":
+                continue  # re-prefilled after a preemption: the admission's source is gone
+            compared += 1
+            truth = f"{acc['engine_id']}/{src}" if src is not None else None
+            if seg["source_request_uid"] != truth:
+                mismatches.append(
+                    f"{r['engine_request_id']} block {i}: {seg['source_request_uid']} != {truth}"
+                )
+    assert expected > 0 and compared >= expected
+    assert not mismatches, "\n".join(mismatches)
+    assert all(src is not None for r in run.requests for src in r["truth"]["sources"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_pairs_follow_each_layers_window_and_chunk(
+    kind: str, broker: Config, workdir: Path
+) -> None:
+    """``attention_pairs`` is the mean over layers of the query-key pairs vLLM's attention
+    attends (the truth counts them per layer from the groups' window and chunk), and
+    ``attention_pairs_skipped`` what full attention would have attended beyond that."""
+    run = engine_run(kind, broker, workdir)
+    layers = sum(g["layers"] for g in run.result["kv_cache_groups"])
+    limited = any(g["sliding_window"] or g["attention_chunk_size"] for g in run.result["kv_cache_groups"])
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        t = r["truth"]
+        pairs = round(Fraction(t["layer_pairs"], layers))
+        assert acc["attention_pairs"] == pairs, r["engine_request_id"]
+        assert acc["attention_pairs_skipped"] == (t["full_pairs"] - pairs if limited else 0)
+    if limited:
+        assert sum(run.accounts[r["engine_request_id"]]["attention_pairs_skipped"] for r in run.requests) > 0
