@@ -291,6 +291,7 @@ class Assembler:
         r.started = True
         r.admission_seq = seq
         r.tenant = body["tenant"]
+        r.session_id = body.get("session_id", "")
         r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
@@ -741,6 +742,7 @@ class Assembler:
             "window_released_tokens": by_fate.get(sg.WINDOW_RELEASED, 0),
             "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
             "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,
+            "session_id": r.session_id,
         }
 
     def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:

@@ -43,11 +43,13 @@ class Exchange:
         arrival_ts_ns: Wall clock when the proxy received it.
         body: The parsed request body (a dict, or {} when not JSON).
         tenant: Who it is billed to.
+        session: The conversation the client named (:func:`session_of`); '' when none.
     """
 
     arrival_ts_ns: int
     body: dict[str, Any]
     tenant: str
+    session: str = ""
     response_id: str = ""
     usage: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""
@@ -139,6 +141,7 @@ class Exchange:
                     "priority": int(self.body.get("priority") or 0)
                     if isinstance(self.body.get("priority"), int)
                     else 0,
+                    "session_id": self.session,
                 },
             ),
             (
@@ -220,3 +223,22 @@ def tenant_of(
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
     return api_keys.get(key) if key else None
+
+
+#: Header naming the conversation a request belongs to (as the vLLM middleware reads it).
+SESSION_HEADER = "x-sparseety-session"
+
+
+def session_of(headers: dict[str, str], body: dict[str, Any]) -> str:
+    """The session the client named: the session header, else ``vllm_xargs.session``, else ''.
+
+    Unlike the tenant it needs no trust: sessions group requests within their tenant only
+    (docs/sessions.md), so a client naming a session can only group its own requests.
+    """
+    value = headers.get(SESSION_HEADER)
+    if value:
+        return value
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and isinstance(xargs.get("session"), str):
+        return str(xargs["session"])
+    return ""

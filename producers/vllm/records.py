@@ -89,6 +89,7 @@ class RecordBuilder:
         sp = req.sampling_params
         extra = getattr(sp, "extra_args", None) if sp is not None else None
         tenant = extra.get("tenant", "") if isinstance(extra, dict) else ""
+        session = extra.get("session", "") if isinstance(extra, dict) else ""
         lora = getattr(req, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         return ev.REQUEST_STARTED, {
@@ -104,6 +105,7 @@ class RecordBuilder:
             "model": lora_name or self.served,
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
+            "session_id": str(session) if session is not None else "",
         }
 
     def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:

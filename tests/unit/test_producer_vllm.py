@@ -79,7 +79,9 @@ def test_request_started_payload() -> None:
     _, p = b.request_started(
         _req("r2", [1, 2], extra_args=None, lora_request=SimpleNamespace(lora_name="ad")), 0
     )
-    assert (p["tenant"], p["model"], p["lora_name"]) == ("", "ad", "ad")
+    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == ("", "ad", "ad", "")
+    _, p = b.request_started(_req("r3", [1, 2], extra_args={"tenant": "acme", "session": "conv-1"}), 0)
+    assert (p["tenant"], p["session_id"]) == ("acme", "conv-1")
 
 
 def test_privacy_modes() -> None:
@@ -334,6 +336,25 @@ def test_tenant_header_middleware_rewrites_the_body() -> None:
     asyncio.run(mw(scope, receive, None))
     assert json.loads(seen["body"]) == {"model": "m", "vllm_xargs": {"tenant": "gw"}}
     assert seen["length"] == str(len(seen["body"])).encode()
+
+
+def test_session_header_middleware_sets_the_session_beside_the_tenant() -> None:
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen["body"] = (await receive())["body"]
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"vllm_xargs": {"session": "old", "k": 1}}'}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"X-Sparseety-Session", b"conv-7"), (b"x-sparseety-tenant", b"gw")],
+    }
+    asyncio.run(TenantHeaderMiddleware(app)(scope, receive, None))
+    assert json.loads(seen["body"]) == {"vllm_xargs": {"session": "conv-7", "k": 1, "tenant": "gw"}}
 
 
 def test_routing_counts_top_k_per_request_and_layer() -> None:
