@@ -776,11 +776,13 @@ class Assembler:
             hexh = h.hex()
             key = block_key(epoch.engine_id, hexh)
             block = self.store.get(key)
-            if block is None:
-                block = pidx.new_block()
-                epoch.block_count += 1
-            pidx.claim(block, r.request_id, r.seq, cleared)
-            self.store.put(key, block)
+            # Credit only a block already stored: every block the request computed was stored
+            # before its RequestFinished (vLLM publishes a step's KV events first). A block not
+            # stored ends with the last output token, whose KV nobody computed; a pending claim
+            # on it would credit this request with the next turn's computation of that block.
+            if block is not None and pidx.live_as_of(block, r.seq, cleared) is not None:
+                pidx.claim(block, r.request_id, r.seq, cleared)
+                self.store.put(key, block)
             lifetime = pidx.lifetime_of(block, r.request_id, r.seq, cleared)
             uses.append({"block_hash": h, "lifetime_seq": lifetime, "role": "computed", "tokens": bs})
         return uses

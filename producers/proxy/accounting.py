@@ -225,20 +225,26 @@ def tenant_of(
     return api_keys.get(key) if key else None
 
 
-#: Header naming the conversation a request belongs to (as the vLLM middleware reads it).
-SESSION_HEADER = "x-sparseety-session"
+#: Headers naming the conversation a request belongs to: ours, then vLLM's own.
+SESSION_HEADERS = ("x-sparseety-session", "x-session-id")
 
 
 def session_of(headers: dict[str, str], body: dict[str, Any]) -> str:
-    """The session the client named: the session header, else ``vllm_xargs.session``, else ''.
+    """The session the client named, as the vLLM plugin reads it: a session header
+    (``X-Sparseety-Session``, vLLM's ``X-Session-ID``), else the body's ``session_id`` (vLLM's
+    field), else ``vllm_xargs.session`` / ``vllm_xargs.session_id``, else ''.
 
     Unlike the tenant it needs no trust: sessions group requests within their tenant only
     (docs/sessions.md), so a client naming a session can only group its own requests.
     """
-    value = headers.get(SESSION_HEADER)
-    if value:
-        return value
+    for header in SESSION_HEADERS:
+        if value := headers.get(header):
+            return value
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and isinstance(xargs.get("session"), str):
-        return str(xargs["session"])
+    for value in (
+        body.get("session_id"),
+        *((xargs.get("session"), xargs.get("session_id")) if isinstance(xargs, dict) else ()),
+    ):
+        if isinstance(value, str) and value:
+            return value
     return ""

@@ -89,7 +89,10 @@ class RecordBuilder:
         sp = req.sampling_params
         extra = getattr(sp, "extra_args", None) if sp is not None else None
         tenant = extra.get("tenant", "") if isinstance(extra, dict) else ""
-        session = extra.get("session", "") if isinstance(extra, dict) else ""
+        # vLLM's own session id (body ``session_id``, ``X-Session-ID``, ``vllm_xargs.session_id``;
+        # vLLM >= 0.32), else ours (``vllm_xargs.session``, the X-Sparseety-Session middleware)
+        ours = extra.get("session") if isinstance(extra, dict) else ""
+        session = getattr(req, "session_id", None) or ours
         lora = getattr(req, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         return ev.REQUEST_STARTED, {
@@ -105,7 +108,7 @@ class RecordBuilder:
             "model": lora_name or self.served,
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
-            "session_id": str(session) if session is not None else "",
+            "session_id": str(session) if session else "",
         }
 
     def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:

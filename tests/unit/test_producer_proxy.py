@@ -98,6 +98,9 @@ def test_session_comes_from_the_header_else_vllm_xargs_and_rides_on_request_star
     body = {"vllm_xargs": {"session": "from-body"}}
     assert session_of({"x-sparseety-session": "h"}, body) == "h"
     assert session_of({}, body) == "from-body"
+    assert session_of({"x-session-id": "vllm-header"}, body) == "vllm-header"  # vLLM's own header
+    assert session_of({}, {"session_id": "field", **body}) == "field"  # vLLM's own body field
+    assert session_of({}, {"vllm_xargs": {"session_id": "x"}}) == "x"
     assert session_of({}, {"vllm_xargs": {"session": 3}}) == session_of({}, {}) == ""
     x = Exchange(arrival_ts_ns=1, body={"model": "m"}, tenant="acme", session="conv-1")
     x.on_json(200, {"id": "c", "usage": {"prompt_tokens": 3, "completion_tokens": 2}})

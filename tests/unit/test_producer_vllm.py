@@ -82,6 +82,9 @@ def test_request_started_payload() -> None:
     assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == ("", "ad", "ad", "")
     _, p = b.request_started(_req("r3", [1, 2], extra_args={"tenant": "acme", "session": "conv-1"}), 0)
     assert (p["tenant"], p["session_id"]) == ("acme", "conv-1")
+    # vLLM's own session id (body session_id, X-Session-ID header) comes first
+    _, p = b.request_started(_req("r4", [1, 2], extra_args={"session": "ours"}, session_id="vllm"), 0)
+    assert p["session_id"] == "vllm"
 
 
 def test_privacy_modes() -> None:
