@@ -299,14 +299,28 @@ def test_modules_are_patched_when_imported(tmp_path: Path, monkeypatch: pytest.M
     seen: list[Any] = []
     plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE))
     assert seen == []  # nothing is imported eagerly
-    import sparseety_fake_vllm_mod  # noqa: F401
+    import sparseety_fake_vllm_mod
 
     assert seen == [1]
     plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE + 1))
     assert seen == [1, 2]  # already imported: at once
-    assert not any(
-        isinstance(f, plugin._AfterImport) and f.name == "sparseety_fake_vllm_mod" for f in sys.meta_path
-    )
+    del sys.modules["sparseety_fake_vllm_mod"]
+    import sparseety_fake_vllm_mod  # noqa: F401, F811
+
+    assert seen == [1, 2]  # each hook fired once, then stepped aside
+
+
+def test_a_failing_hook_does_not_break_the_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "sparseety_fake_vllm_mod2.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.after_import("sparseety_fake_vllm_mod2", lambda m: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="sparseety"):
+        import sparseety_fake_vllm_mod2
+
+    assert sparseety_fake_vllm_mod2.VALUE == 1
+    assert "could not hook sparseety_fake_vllm_mod2" in caplog.text
 
 
 def test_tenant_header_middleware_rewrites_the_body() -> None:
