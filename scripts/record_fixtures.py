@@ -107,6 +107,21 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "enforce_eager": True,
         },
     },
+    "sessions": {
+        "model": "llama",
+        "doc": (
+            "Issue 14 sessions: three-turn conversations sent as token ids (turn N = turn N-1's prompt"
+            " and answer + a new message) under one system prompt, with session ids (tenant"
+            " sessions-a) and without (sessions-b); truth.json names each request's conversation."
+        ),
+        "engine": {
+            "enable_prefix_caching": True,
+            "block_size": 32,
+            "max_model_len": 1024,
+            "enforce_eager": True,
+        },
+        "multi_turn": True,
+    },
     "sparsity_truth": {
         "model": "gemma3-hybrid",
         "doc": (
@@ -176,7 +191,7 @@ def _metrics(llm: Any) -> dict[str, Any]:
 
 
 def child(name: str, truth_path: Path) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     spec = SCENARIOS[name]
     model = MODEL_CACHE / spec["model"]
@@ -185,6 +200,26 @@ def child(name: str, truth_path: Path) -> None:
         return
     kv = {"enable_kv_cache_events": True, "publisher": "null"}  # our tee publishes them
     llm = LLM(model=str(model), seed=0, disable_log_stats=False, kv_events_config=kv, **spec["engine"])
+    requests = _multi_turn(llm) if spec.get("multi_turn") else _phases(llm, name)
+    import vllm
+
+    truth = {
+        "scenario": name,
+        "doc": spec["doc"],
+        "model": spec["model"],
+        "engine_args": spec["engine"],
+        "vllm_version": vllm.__version__,
+        "requests": requests,
+        "metrics": _metrics(llm),
+    }
+    truth_path.write_text(json.dumps(truth))
+    llm.llm_engine.engine_core.shutdown()  # EngineStopped + flush
+
+
+def _phases(llm: Any, name: str) -> list[dict[str, Any]]:
+    """Each phase of ``workload(name)`` as one ``generate`` call; vLLM's view of every request."""
+    from vllm import SamplingParams
+
     requests = []
     answers: list[str] = []
     for phase in workload(name):
@@ -210,19 +245,61 @@ def child(name: str, truth_path: Path) -> None:
                     "max_tokens": sp.max_tokens,
                 }
             )
-    import vllm
+    return requests
 
-    truth = {
-        "scenario": name,
-        "doc": spec["doc"],
-        "model": spec["model"],
-        "engine_args": spec["engine"],
-        "vllm_version": vllm.__version__,
-        "requests": requests,
-        "metrics": _metrics(llm),
-    }
-    truth_path.write_text(json.dumps(truth))
-    llm.llm_engine.engine_core.shutdown()  # EngineStopped + flush
+
+SESSION_SYSTEM = "You are the assistant of the serving fleet; answer each question from the report. " * 5
+SESSION_OPENERS = {
+    "sessions-a": ["Who runs it?", "What is a block?", "Name a GPU."],
+    "sessions-b": ["Why cache?", "How big is it?", "Is it fast?"],
+}
+
+
+def _multi_turn(llm: Any) -> list[dict[str, Any]]:
+    """Three turns of each conversation, turn by turn, as a client that sends the exact transcript
+    back: turn N's prompt ids are turn N-1's prompt and output ids plus a new message. Tenant
+    sessions-a names its sessions (``extra_args["session"]``), sessions-b does not. An answer of 32
+    tokens (the block size) puts output in every turn's last full block (docs/sessions.md)."""
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    requests = []
+    for tenant, openers in SESSION_OPENERS.items():
+        prompts = [tok.encode(SESSION_SYSTEM + o, add_special_tokens=False) for o in openers]
+        for turn in range(1, 4):
+            params = [
+                SamplingParams(
+                    max_tokens=32,
+                    temperature=0,
+                    ignore_eos=True,
+                    extra_args={
+                        "tenant": tenant,
+                        **({"session": f"{tenant}-{i}"} if tenant.endswith("a") else {}),
+                    },
+                )
+                for i in range(len(openers))
+            ]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for i, (o, sp) in enumerate(zip(outs, params, strict=True)):
+                requests.append(
+                    {
+                        "request_id": o.request_id,
+                        "prompt_token_ids": list(o.prompt_token_ids),
+                        "output_token_ids": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": o.num_cached_tokens,
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "tenant": tenant,
+                        "max_tokens": sp.max_tokens,
+                        "session": (sp.extra_args or {}).get("session", ""),
+                        "conversation": f"{tenant}-{i}",
+                        "turn": turn,
+                    }
+                )
+            follow = tok.encode(
+                f" Thanks. Now question {turn + 1}, please: why is that so?", add_special_tokens=False
+            )
+            prompts = [p + list(o.outputs[0].token_ids) + follow for p, o in zip(prompts, outs, strict=True)]
+    return requests
 
 
 def _child_with_truth(name: str, spec: dict[str, Any], model: Path, truth_path: Path) -> None:

@@ -292,6 +292,7 @@ class Assembler:
         r.started = True
         r.admission_seq = seq
         r.tenant = body["tenant"]
+        r.session_id = body.get("session_id", "")
         r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
@@ -749,6 +750,7 @@ class Assembler:
             "window_released_tokens": by_fate.get(sg.WINDOW_RELEASED, 0),
             "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
             "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,
+            "session_id": r.session_id,
         }
 
     def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:
@@ -782,11 +784,13 @@ class Assembler:
             hexh = h.hex()
             key = block_key(epoch.engine_id, hexh)
             block = self.store.get(key)
-            if block is None:
-                block = pidx.new_block()
-                epoch.block_count += 1
-            pidx.claim(block, r.request_id, r.seq, cleared)
-            self.store.put(key, block)
+            # Credit only a block already stored: every block the request computed was stored
+            # before its RequestFinished (vLLM publishes a step's KV events first). A block not
+            # stored ends with the last output token, whose KV nobody computed; a pending claim
+            # on it would credit this request with the next turn's computation of that block.
+            if block is not None and pidx.live_as_of(block, r.seq, cleared) is not None:
+                pidx.claim(block, r.request_id, r.seq, cleared)
+                self.store.put(key, block)
             lifetime = pidx.lifetime_of(block, r.request_id, r.seq, cleared)
             uses.append({"block_hash": h, "lifetime_seq": lifetime, "role": "computed", "tokens": bs})
         return uses

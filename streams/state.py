@@ -124,6 +124,8 @@ class RequestState(_Record):
     evicted_blocks_recomputed: int = 0
     draft_cut: int = 0  # drafts computed, then thrown away because the request stopped
     reopened: dict[str, Any] | None = None  # the record emitted by an idle-timeout close, if reopened
+    # Added with sessions (appended: older persisted states still load).
+    session_id: str = ""  # the session the client named (RequestStarted.session_id)
 
     @property
     def uid(self) -> str:

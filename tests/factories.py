@@ -99,6 +99,7 @@ def request_started(
         "model": "tiny",
         "lora_name": None,
         "priority": 0,
+        "session_id": "",
         **over,
     }
 
@@ -314,6 +315,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "window_released_tokens": 0,
         "evicted_blocks_recomputed": 0,
         "waste_tokens": 0,
+        "session_id": "",
     }
     rec.update(over)
     return rec

@@ -43,11 +43,13 @@ class Exchange:
         arrival_ts_ns: Wall clock when the proxy received it.
         body: The parsed request body (a dict, or {} when not JSON).
         tenant: Who it is billed to.
+        session: The conversation the client named (:func:`session_of`); '' when none.
     """
 
     arrival_ts_ns: int
     body: dict[str, Any]
     tenant: str
+    session: str = ""
     response_id: str = ""
     usage: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""
@@ -139,6 +141,7 @@ class Exchange:
                     "priority": int(self.body.get("priority") or 0)
                     if isinstance(self.body.get("priority"), int)
                     else 0,
+                    "session_id": self.session,
                 },
             ),
             (
@@ -220,3 +223,28 @@ def tenant_of(
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
     return api_keys.get(key) if key else None
+
+
+#: Headers naming the conversation a request belongs to: ours, then vLLM's own.
+SESSION_HEADERS = ("x-sparseety-session", "x-session-id")
+
+
+def session_of(headers: dict[str, str], body: dict[str, Any]) -> str:
+    """The session the client named, as the vLLM plugin reads it: a session header
+    (``X-Sparseety-Session``, vLLM's ``X-Session-ID``), else the body's ``session_id`` (vLLM's
+    field), else ``vllm_xargs.session`` / ``vllm_xargs.session_id``, else ''.
+
+    Unlike the tenant it needs no trust: sessions group requests within their tenant only
+    (docs/sessions.md), so a client naming a session can only group its own requests.
+    """
+    for header in SESSION_HEADERS:
+        if value := headers.get(header):
+            return value
+    xargs = body.get("vllm_xargs")
+    for value in (
+        body.get("session_id"),
+        *((xargs.get("session"), xargs.get("session_id")) if isinstance(xargs, dict) else ()),
+    ):
+        if isinstance(value, str) and value:
+            return value
+    return ""

@@ -46,6 +46,7 @@ from sparseety.producers.proxy.accounting import (
     Exchange,
     UnaccountableResponseError,
     event_data,
+    session_of,
     split_events,
     tenant_of,
 )
@@ -254,7 +255,9 @@ class ProxyProducer:
             return error_response(401, *_UNAUTHORIZED)
         if not isinstance(parsed, dict):
             return await self._plain(request, body)
-        exchange = Exchange(arrival_ts_ns=time.time_ns(), body=parsed, tenant=tenant)
+        exchange = Exchange(
+            arrival_ts_ns=time.time_ns(), body=parsed, tenant=tenant, session=session_of(headers, parsed)
+        )
         if exchange.prepare_stream_usage():
             body = json.dumps(exchange.body).encode()
         try:

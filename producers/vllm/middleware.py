@@ -1,16 +1,18 @@
-"""Tenant from an HTTP header, for vLLM's OpenAI API server.
+"""Tenant and session from HTTP headers, for vLLM's OpenAI API server.
 
 Only the request body reaches vLLM's engine core (``vllm_xargs`` becomes
 ``SamplingParams.extra_args``); headers stay in the API server process. This ASGI middleware
-copies the ``X-Sparseety-Tenant`` header into the JSON body as ``vllm_xargs.tenant`` (the header
-wins over a tenant already in the body) for POSTs to ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/responses``. Enable it with::
+copies the ``X-Sparseety-Tenant`` header into the JSON body as ``vllm_xargs.tenant`` and the
+``X-Sparseety-Session`` header as ``vllm_xargs.session`` (a header wins over the same key already
+in the body) for POSTs to ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``.
+Enable it with::
 
     python -m vllm.entrypoints.openai.api_server ... \\
         --middleware sparseety.producers.vllm.middleware.TenantHeaderMiddleware
 
-Put it behind a gateway that sets (or strips) the header: a client that can set it can bill
-another tenant.
+Put it behind a gateway that sets (or strips) the tenant header: a client that can set it can
+bill another tenant. The session header needs no such care: sessions are grouped within a tenant
+(docs/sessions.md), so a client naming a session only groups its own requests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 HEADER = b"x-sparseety-tenant"
+SESSION_HEADER = b"x-sparseety-session"
+#: Header -> the ``vllm_xargs`` key it sets.
+HEADERS = {HEADER: "tenant", SESSION_HEADER: "session"}
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 Scope = MutableMapping[str, Any]
@@ -30,6 +35,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 def with_tenant(body: bytes, tenant: str) -> bytes:
     """``body`` with ``vllm_xargs.tenant`` set; unchanged when it is not a JSON object."""
+    return with_xargs(body, {"tenant": tenant})
+
+
+def with_xargs(body: bytes, values: dict[str, str]) -> bytes:
+    """``body`` with these ``vllm_xargs`` keys set; unchanged when it is not a JSON object."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -37,7 +47,7 @@ def with_tenant(body: bytes, tenant: str) -> bytes:
     if not isinstance(data, dict):
         return body
     xargs = data.get("vllm_xargs")
-    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), "tenant": tenant}
+    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **values}
     return json.dumps(data).encode()
 
 
@@ -51,8 +61,12 @@ class TenantHeaderMiddleware:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
             await self.app(scope, receive, send)
             return
-        tenant = next((v for k, v in scope.get("headers", []) if k.lower() == HEADER), None)
-        if not tenant:
+        values = {
+            HEADERS[k.lower()]: v.decode("latin-1")
+            for k, v in scope.get("headers", [])
+            if k.lower() in HEADERS and v
+        }
+        if not values:
             await self.app(scope, receive, send)
             return
         chunks = []
@@ -64,7 +78,7 @@ class TenantHeaderMiddleware:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body = with_tenant(b"".join(chunks), tenant.decode("latin-1"))
+        body = with_xargs(b"".join(chunks), values)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = dict(scope, headers=headers)

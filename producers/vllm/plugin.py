@@ -22,13 +22,9 @@ engine keeps serving. ``register()`` never raises.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -111,43 +107,6 @@ def _on_engine_core_module(module: Any) -> list[str]:
     return _patch_engine_core(module.EngineCore)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` right after ``name`` is imported, then steps aside."""
-
-    def __init__(self, name: str, callback: Callable[[Any], Any]) -> None:
-        self.name = name
-        self.callback = callback
-        self._finding = False
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name or self._finding:
-            return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _CallbackLoader(spec.loader, self)
-        return spec
-
-
-class _CallbackLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, hook: _AfterImport) -> None:
-        self.inner = inner
-        self.hook = hook
-
-    def create_module(self, spec: Any) -> Any:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self.hook)
-        _run_callback(self.hook.name, self.hook.callback, module)
-
-
 def _run_callback(name: str, callback: Callable[[Any], Any], module: Any) -> None:
     try:
         patched = callback(module)
@@ -157,12 +116,15 @@ def _run_callback(name: str, callback: Callable[[Any], Any], module: Any) -> Non
 
 
 def after_import(name: str, callback: Callable[[Any], Any]) -> None:
-    """``callback(module)`` once ``name`` is imported: now if it already is, else right after."""
-    module = sys.modules.get(name)
-    if module is not None:
-        _run_callback(name, callback, module)
-        return
-    sys.meta_path.insert(0, _AfterImport(name, callback))
+    """``callback(module)`` once ``name`` is imported: now if it already is, else right after.
+
+    wrapt's post-import hooks (PEP 369 style): one finder on ``sys.meta_path`` that wraps the
+    target module's loader and fires each hook once; ``_run_callback`` keeps a failing hook from
+    breaking vLLM's import.
+    """
+    import wrapt
+
+    wrapt.register_post_import_hook(functools.partial(_run_callback, name, callback), name)
 
 
 def _ensure_log_handler() -> None:
@@ -231,48 +193,48 @@ def _patch_scheduler(cls: Any) -> list[str]:
 
     @functools.wraps(orig_schedule)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        s = self._sparseety
-        if s is None:
+        session = self._sparseety
+        if session is None:
             return orig_schedule(self, *args, **kwargs)
         t0 = time.monotonic_ns()
-        so = orig_schedule(self, *args, **kwargs)
+        scheduler_output = orig_schedule(self, *args, **kwargs)
         try:
-            s.on_schedule(so, t0)
+            session.on_schedule(scheduler_output, t0)
         except Exception as exc:
-            _disable(self, s, exc)
-        return so
+            _disable(self, session, exc)
+        return scheduler_output
 
     @functools.wraps(orig_update)
     def update_from_output(
-        self: Any, scheduler_output: Any, model_runner_output: Any, *a: Any, **k: Any
+        self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        s = self._sparseety
-        if s is None:
-            return orig_update(self, scheduler_output, model_runner_output, *a, **k)
+        session = self._sparseety
+        if session is None:
+            return orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
         try:
-            spec = s.before_update(scheduler_output, model_runner_output)
+            spec = session.before_update(scheduler_output, model_runner_output)
         except Exception as exc:
-            _disable(self, s, exc)
-            return orig_update(self, scheduler_output, model_runner_output, *a, **k)
+            _disable(self, session, exc)
+            return orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
         try:
-            out = orig_update(self, scheduler_output, model_runner_output, *a, **k)
+            out = orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
         except BaseException:
-            s.update_aborted()
+            session.update_aborted()
             raise
         try:
-            s.after_update(scheduler_output, out, spec, time.monotonic_ns())
+            session.after_update(scheduler_output, out, spec, time.monotonic_ns())
         except Exception as exc:
-            _disable(self, s, exc)
+            _disable(self, session, exc)
         return out
 
     @functools.wraps(orig_free)
     def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        s = self._sparseety
-        if s is not None:
+        session = self._sparseety
+        if session is not None:
             try:
-                s.on_free(request)
+                session.on_free(request)
             except Exception as exc:
-                _disable(self, s, exc)
+                _disable(self, session, exc)
         return orig_free(self, request, *args, **kwargs)
 
     @functools.wraps(orig_shutdown)
@@ -288,17 +250,17 @@ def _patch_scheduler(cls: Any) -> list[str]:
     cls.update_from_output = update_from_output
     cls._free_request = _free_request
     cls.shutdown = shutdown
-    for fn in (schedule, update_from_output, _free_request, shutdown, __init__):
-        fn.__dict__["_sparseety"] = True
-    return [f"Scheduler.{m}" for m in SCHEDULER_SEAMS]
+    for hook in (schedule, update_from_output, _free_request, shutdown, __init__):
+        hook.__dict__["_sparseety"] = True
+    return [f"Scheduler.{seam}" for seam in SCHEDULER_SEAMS]
 
 
 def _stop(scheduler: Any) -> None:
-    s = getattr(scheduler, "_sparseety", None)
-    if s is None:
+    session = getattr(scheduler, "_sparseety", None)
+    if session is None:
         return
     try:
-        s.stop("shutdown")
+        session.stop("shutdown")
     except Exception as exc:
         log.warning("sparseety: flush at shutdown failed: %r", exc)
 
@@ -312,9 +274,9 @@ def _patch_engine_core(engine_core: Any) -> list[str]:
 
     @functools.wraps(orig)
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
-        sched = getattr(self, "scheduler", None)
-        if sched is not None:
-            _stop(sched)
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            _stop(scheduler)
         return orig(self, *args, **kwargs)
 
     shutdown.__dict__["_sparseety"] = True

@@ -86,9 +86,13 @@ class RecordBuilder:
         prompt_len = int(req.num_prompt_tokens)
         self._admitted_cached[rid] = num_cached
         ids, hashes = self.policy.fields(req.prompt_token_ids)
-        sp = req.sampling_params
-        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        sampling = req.sampling_params
+        extra = getattr(sampling, "extra_args", None) if sampling is not None else None
         tenant = extra.get("tenant", "") if isinstance(extra, dict) else ""
+        # vLLM's own session id (body ``session_id``, ``X-Session-ID``, ``vllm_xargs.session_id``;
+        # vLLM >= 0.32), else ours (``vllm_xargs.session``, the X-Sparseety-Session middleware)
+        ours = extra.get("session") if isinstance(extra, dict) else ""
+        session = getattr(req, "session_id", None) or ours
         lora = getattr(req, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         return ev.REQUEST_STARTED, {
@@ -99,11 +103,12 @@ class RecordBuilder:
             "prompt_token_hashes": hashes,
             "num_cached_tokens": int(num_cached),
             "block_hashes": self._block_hashes(req, 0, prompt_len),
-            "max_tokens": getattr(sp, "max_tokens", None) if sp is not None else None,
+            "max_tokens": getattr(sampling, "max_tokens", None) if sampling is not None else None,
             "tenant": str(tenant) if tenant is not None else "",
             "model": lora_name or self.served,
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
+            "session_id": str(session) if session else "",
         }
 
     def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:
@@ -143,7 +148,7 @@ class RecordBuilder:
 
     def step(
         self,
-        so: Any,
+        scheduler_output: Any,
         outputs: Any,
         spec: dict[str, tuple[int, int]] | None,
         step: int,
@@ -151,27 +156,30 @@ class RecordBuilder:
         end_mono_ns: int,
         preempted_before: frozenset[str],
     ) -> tuple[str, dict[str, Any]]:
-        nst = so.num_scheduled_tokens
-        rids = list(nst)
-        before: dict[str, int] = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
-        cached_reqs = so.scheduled_cached_reqs
+        scheduled_tokens = scheduler_output.num_scheduled_tokens
+        rids = list(scheduled_tokens)
+        before: dict[str, int] = {
+            new_request.req_id: new_request.num_computed_tokens
+            for new_request in scheduler_output.scheduled_new_reqs
+        }
+        cached_reqs = scheduler_output.scheduled_cached_reqs
         before.update(zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens, strict=False))
         new_tokens: dict[str, list[int]] = {}
         reported = self._reported_cached
-        for eco in (outputs or {}).values():
-            for o in eco.outputs:
-                if o.new_token_ids:
-                    new_tokens[o.request_id] = o.new_token_ids
-                ps = o.prefill_stats
-                if ps is not None:
-                    reported[o.request_id] = int(ps.num_cached_tokens)
+        for core_outputs in (outputs or {}).values():
+            for output in core_outputs.outputs:
+                if output.new_token_ids:
+                    new_tokens[output.request_id] = output.new_token_ids
+                prefill_stats = output.prefill_stats
+                if prefill_stats is not None:
+                    reported[output.request_id] = int(prefill_stats.num_cached_tokens)
         num_new: list[int] = []
         token_ids: list[int] = []
         for rid in rids:
-            toks = new_tokens.get(rid)
-            if toks:
-                num_new.append(len(toks))
-                token_ids.extend(toks)
+            tokens = new_tokens.get(rid)
+            if tokens:
+                num_new.append(len(tokens))
+                token_ids.extend(tokens)
             else:
                 num_new.append(0)
         if self.spec_enabled:
@@ -180,7 +188,7 @@ class RecordBuilder:
             accepted = [spec[r][1] if r in spec else 0 for r in rids]
         else:
             proposed, accepted = [], []
-        preempted = set(so.preempted_req_ids or ()) | preempted_before
+        preempted = set(scheduler_output.preempted_req_ids or ()) | preempted_before
         resumed = getattr(cached_reqs, "resumed_req_ids", None)
         if resumed is None:  # vLLM < 0.11: a flag per cached request
             flags = getattr(cached_reqs, "resumed_from_preemption", [])
@@ -190,7 +198,7 @@ class RecordBuilder:
             "start_mono_ns": start_mono_ns,
             "duration_ns": max(0, end_mono_ns - start_mono_ns),
             "req_ids": rids,
-            "num_scheduled_tokens": list(nst.values()),
+            "num_scheduled_tokens": list(scheduled_tokens.values()),
             "num_computed_before": [before.get(r, 0) for r in rids],
             "num_new_tokens": num_new,
             "new_token_ids": token_ids,
@@ -206,29 +214,29 @@ class RecordBuilder:
         """One payload per vLLM KV event of a published batch."""
         return [self.kv_event(e) for e in events]
 
-    def kv_event(self, e: Any) -> tuple[str, dict[str, Any]]:
-        name = type(e).__name__
+    def kv_event(self, event: Any) -> tuple[str, dict[str, Any]]:
+        name = type(event).__name__
         if name == "BlockStored":
-            parent = e.parent_block_hash
-            kind = getattr(e, "kv_cache_spec_kind", None) or self._kind(getattr(e, "group_idx", None))
+            parent = event.parent_block_hash
+            kind = getattr(event, "kv_cache_spec_kind", None) or self._kind(getattr(event, "group_idx", None))
             return ev.KV_STORED, {
-                "block_hashes": [block_hash_bytes(h) for h in e.block_hashes],
+                "block_hashes": [block_hash_bytes(h) for h in event.block_hashes],
                 "parent_block_hash": None if parent is None else block_hash_bytes(parent),
-                "block_size": int(e.block_size),
-                "num_tokens": len(e.token_ids or ()),
-                "lora_id": e.lora_id,
-                "medium": e.medium,
+                "block_size": int(event.block_size),
+                "num_tokens": len(event.token_ids or ()),
+                "lora_id": event.lora_id,
+                "medium": event.medium,
                 "group_kind": str(kind),
-                "sliding_window": getattr(e, "kv_cache_spec_sliding_window", None),
+                "sliding_window": getattr(event, "kv_cache_spec_sliding_window", None),
             }
         if name == "BlockRemoved":
             return ev.KV_REMOVED, {
-                "block_hashes": [block_hash_bytes(h) for h in e.block_hashes],
-                "medium": e.medium,
-                "group_kind": self._kind(getattr(e, "group_idx", None)),
+                "block_hashes": [block_hash_bytes(h) for h in event.block_hashes],
+                "medium": event.medium,
+                "group_kind": self._kind(getattr(event, "group_idx", None)),
             }
         if name == "AllBlocksCleared":
-            return ev.KV_CLEARED, {"medium": getattr(e, "medium", None)}
+            return ev.KV_CLEARED, {"medium": getattr(event, "medium", None)}
         raise TypeError(f"unknown KV event {name}")
 
     def _kind(self, group_idx: int | None) -> str:

@@ -46,14 +46,14 @@ def routing_enabled(cfg: Config, vllm_config: Any) -> bool:
     """Whether MoE routing is captured for this engine (both processes decide the same way)."""
     if not cfg.producer.routing_capture:
         return False
-    mc = vllm_config.model_config
+    model_config = vllm_config.model_config
     try:
-        is_moe = bool(getattr(mc, "is_moe", False)) or mc.get_num_experts() > 0
+        is_moe = bool(getattr(model_config, "is_moe", False)) or model_config.get_num_experts() > 0
     except Exception:
         is_moe = False
     if not is_moe:
         return False
-    if getattr(mc, "enforce_eager", False):
+    if getattr(model_config, "enforce_eager", False):
         return True
     try:
         from vllm.platforms import current_platform
@@ -103,17 +103,17 @@ class EngineSession:
     @classmethod
     def start(cls, cfg: Config, scheduler: Any) -> EngineSession:
         """Create the emitter, send EngineStarted and attach to ``scheduler``."""
-        vc = scheduler.vllm_config
-        routing = routing_enabled(cfg, vc)
+        vllm_config = scheduler.vllm_config
+        routing = routing_enabled(cfg, vllm_config)
         started = facts.engine_started(
-            vc,
+            vllm_config,
             scheduler.kv_cache_config,
             block_size=int(getattr(scheduler, "block_size", 0) or 0),
             privacy_mode=cfg.privacy.mode,
             routing_capture=routing,
             engine_version=vllm_version(),
         )
-        name = default_engine_name(cfg, vc, started["served_model_name"])
+        name = default_engine_name(cfg, vllm_config, started["served_model_name"])
         emitter = Emitter(cfg, engine_name=name, epoch=new_epoch())
         builder = RecordBuilder(
             policy=PromptPolicy(cfg.privacy),
@@ -128,9 +128,9 @@ class EngineSession:
         ref = weakref.ref(session)
 
         def at_exit() -> None:
-            s = ref()
-            if s is not None:
-                s.stop("exit")
+            live_session = ref()
+            if live_session is not None:
+                live_session.stop("exit")
 
         atexit.register(at_exit)
         log.info(
@@ -145,66 +145,77 @@ class EngineSession:
 
     # --- hot path ----------------------------------------------------------------------------
 
-    def on_schedule(self, so: Any, start_mono_ns: int) -> None:
+    def on_schedule(self, scheduler_output: Any, start_mono_ns: int) -> None:
         """After ``Scheduler.schedule()``: number the step, stamp it, note admissions."""
-        if not so.total_num_scheduled_tokens:
-            if so.preempted_req_ids:
-                self._carry.update(so.preempted_req_ids)
+        if not scheduler_output.total_num_scheduled_tokens:
+            if scheduler_output.preempted_req_ids:
+                self._carry.update(scheduler_output.preempted_req_ids)
             return
         step = self._step
         self._step = step + 1
-        setattr(so, STEP_STAMP, (self.engine_name, self.epoch, step))
+        setattr(scheduler_output, STEP_STAMP, (self.engine_name, self.epoch, step))
         new: list[tuple[Any, int]] = []
-        if so.scheduled_new_reqs:
-            reqs = self._requests
+        if scheduler_output.scheduled_new_reqs:
+            requests = self._requests
             live = self._live
-            for nr in so.scheduled_new_reqs:
-                req = reqs.get(nr.req_id)
+            for new_request in scheduler_output.scheduled_new_reqs:
+                req = requests.get(new_request.req_id)
                 if req is None:
                     continue
                 # RequestOutput.num_cached_tokens is PrefillStats.num_cached_tokens, set by
                 # this schedule() call; the scheduler hands it out (and drops it) later.
-                ps = req.prefill_stats
-                new.append((req, ps.num_cached_tokens if ps is not None else nr.num_computed_tokens))
-                live.add(nr.req_id)
+                prefill_stats = req.prefill_stats
+                new.append(
+                    (
+                        req,
+                        prefill_stats.num_cached_tokens
+                        if prefill_stats is not None
+                        else new_request.num_computed_tokens,
+                    )
+                )
+                live.add(new_request.req_id)
         carried = frozenset(self._carry) if self._carry else frozenset()
         self._carry.clear()
         self._pending[step] = (start_mono_ns, new, carried)
 
-    def before_update(self, so: Any, mro: Any) -> dict[str, tuple[int, int]] | None:
+    def before_update(
+        self, scheduler_output: Any, model_runner_output: Any
+    ) -> dict[str, tuple[int, int]] | None:
         """Before ``update_from_output``: draft counts, read before vLLM trims the token lists."""
         self._in_update = True
-        drafts = so.scheduled_spec_decode_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         if not drafts:
             return None
-        sampled = mro.sampled_token_ids
-        index = mro.req_id_to_index
-        reqs = self._requests
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        requests = self._requests
         out: dict[str, tuple[int, int]] = {}
-        for rid, ids in drafts.items():
-            req = reqs.get(rid)
-            i = index.get(rid)
-            if req is None or i is None or not sampled or req.is_finished():
-                out[rid] = (len(ids), 0)  # vLLM does not count these either
+        for rid, draft_ids in drafts.items():
+            req = requests.get(rid)
+            row = index.get(rid)
+            if req is None or row is None or not sampled or req.is_finished():
+                out[rid] = (len(draft_ids), 0)  # vLLM does not count these either
                 continue
-            n = len(sampled[i])
-            out[rid] = (len(ids), n - 1 if n > 1 else 0)
+            tokens_sampled = len(sampled[row])
+            out[rid] = (len(draft_ids), tokens_sampled - 1 if tokens_sampled > 1 else 0)
         return out
 
     def after_update(
-        self, so: Any, outputs: Any, spec: dict[str, tuple[int, int]] | None, end_mono_ns: int
+        self, scheduler_output: Any, outputs: Any, spec: dict[str, tuple[int, int]] | None, end_mono_ns: int
     ) -> None:
         """After ``update_from_output``: admissions, the StepBatch, then this step's finishes."""
         self._in_update = False
-        stamp: tuple[str, str, int] | None = getattr(so, STEP_STAMP, None)
+        stamp: tuple[str, str, int] | None = getattr(scheduler_output, STEP_STAMP, None)
         step = stamp[2] if stamp is not None else -1
         pending = self._pending.pop(step, None)
         if pending is not None:
             start, new, carried = pending
-            b = self.builder
+            builder = self.builder
             if new:
-                self.emitter.emit_many(len(new), b.requests_started, new)
-            self.emitter.emit(b.step, so, outputs, spec, step, start, end_mono_ns, carried)
+                self.emitter.emit_many(len(new), builder.requests_started, new)
+            self.emitter.emit(
+                builder.step, scheduler_output, outputs, spec, step, start, end_mono_ns, carried
+            )
         if self._deferred:
             self._flush_deferred()
 

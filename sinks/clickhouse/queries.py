@@ -20,6 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
+from sparseety.sinks.clickhouse import sessions
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -770,6 +771,31 @@ QUERIES: tuple[QuerySpec, ...] = (
             ),
         ),
         selected_by="limit",
+    ),
+    QuerySpec(
+        "sessions",
+        sessions.sessions_sql,
+        "Sessions (multi-turn conversations): the client's session id, else inferred from prefix "
+        "chains within a tenant (docs/sessions.md).\n\n"
+        "Rows: tenant, session_id, explicit (the id came from the client), turns, the token counts "
+        "of every class summed over the turns, cache_from_previous_turn_tokens and "
+        "cache_from_earlier_turns_tokens (cache reads of positions turn N-1, or an earlier turn, "
+        "computed), cross_turn_reuse_share (both over the prompt tokens of turns 2..N) and the cost "
+        "in each mode (actual_usd, amortized_usd, list_usd, gpu_usd). With --session, one row per "
+        "turn of that session instead.",
+        route="sessions",
+        params=(
+            Param(
+                "source",
+                str,
+                "auto",
+                "auto (the client's id, else inferred), explicit or inferred.",
+                choices=sessions.SOURCES,
+                what="session source",
+            ),
+            Param("session", str, None, "List the turns of this session instead."),
+            Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
+        ),
     ),
 )
 #: The registry by method name.

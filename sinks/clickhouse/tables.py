@@ -63,6 +63,7 @@ REQUESTS = Table(
         "expert_num_experts",
         # Added by migration 003 (issue 11: the two-axis position model).
         *POSITION_COUNTS,
+        "session_id",  # added by migration 005 (issue 14: sessions)
         "attention_window",
         "segment_count",
         "block_use_count",

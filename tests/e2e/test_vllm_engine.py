@@ -163,3 +163,130 @@ def test_kv_events_equal_vllm_zmq_publisher_and_seqs_are_gap_free(llama: Offline
     first = min(events, key=lambda e: e["seq"])
     assert ev.payload_type(first) == ev.ENGINE_STARTED
     assert {e["engine_id"] for e in events} == {first["engine_id"]}
+
+
+# --- sessions (issue 14 part 2) -------------------------------------------------------------------
+
+#: Every conversation opens with the same system prompt (3 blocks): sharing it must link nothing.
+SESSION_SYSTEM = "You are the assistant of the serving fleet; answer each question from the report. " * 5
+
+
+def _conversations(
+    engine: OfflineEngine, tenant: str, openers: list[str], explicit: bool
+) -> list[list[tuple[Any, list[int]]]]:
+    """Three turns of each conversation, turn by turn: turn N's prompt is turn N-1's prompt and
+    output token ids (as a client sends the exact transcript back) plus a new user message.
+    Returns, per conversation, (vLLM's output, prompt ids) per turn."""
+    from vllm import SamplingParams
+
+    tok = engine.llm.get_tokenizer()
+    prompts = [tok.encode(SESSION_SYSTEM + o, add_special_tokens=False) for o in openers]
+    convs: list[list[tuple[Any, list[int]]]] = [[] for _ in openers]
+    for n in range(3):
+        # max_tokens >= the block size: the last full block of every turn holds output
+        params = [
+            SamplingParams(
+                max_tokens=32,
+                temperature=0,
+                ignore_eos=True,
+                extra_args={"tenant": tenant, **({"session": f"{tenant}-{i}"} if explicit else {})},
+            )
+            for i in range(len(openers))
+        ]
+        outs, _ = _generate(engine, [{"prompt_token_ids": p} for p in prompts], params)
+        for i, out in enumerate(outs):
+            convs[i].append((out, prompts[i]))
+        follow = f" Thanks. Now question {n + 2}, please: why is that so?"
+        prompts = [
+            p + list(o.outputs[0].token_ids) + tok.encode(follow, add_special_tokens=False)
+            for p, o in zip(prompts, outs, strict=True)
+        ]
+    return convs
+
+
+def test_inferred_sessions_equal_the_explicit_ids_on_a_multi_turn_workload(
+    llama: OfflineEngine, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from sparseety.config import WorkerConfig
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from sparseety.streams.assembler import TIMELINES, Assembler
+    from sparseety.streams.state import MemoryStore
+    from tests.helpers import chdb_config, throwaway_store
+
+    with_ids = _conversations(llama, "sessions-a", ["Who runs it?", "What is a block?", "Name a GPU."], True)
+    without = _conversations(llama, "sessions-b", ["Why cache?", "How big is it?", "Is it fast?"], False)
+    events = engine_events(llama.cfg)
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    out = [o for e in sorted(events, key=lambda e: (e["stream"], e["seq"])) for o in asm.apply(e)]
+    records = [o.record for o in out if o.topic == TIMELINES]
+
+    def uids(convs: list[list[tuple[Any, list[int]]]]) -> set[tuple[str, ...]]:
+        return {
+            tuple(f"{records[0]['engine_id']}/{engine_rid(events, o.request_id)}" for o, _ in c)
+            for c in convs
+        }
+
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        migrate(store)
+        sink = ClickHouseSink(store)
+        for i, rec in enumerate(records):
+            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        q = Queries(store)
+
+        def partition(tenant: str, source: str) -> set[tuple[str, ...]]:
+            scope = Scope(tenants=(tenant,))
+            found = set()
+            for row in q.sessions(source=source, scope=scope):
+                turns = q.sessions(source=source, session=row["session_id"], scope=scope)
+                assert [t["turn"] for t in turns] == list(range(1, row["turns"] + 1))
+                found.add(tuple(t["request_uid"] for t in turns))
+            return found
+
+        truth_a, truth_b = uids(with_ids), uids(without)
+        assert all(len(c) == 3 for c in truth_a | truth_b)
+        explicit = partition("sessions-a", "explicit")
+        assert explicit == truth_a
+        assert partition("sessions-a", "inferred") == explicit  # same workload, ids ignored
+        assert partition("sessions-b", "inferred") == truth_b  # no ids sent at all
+        assert partition("sessions-b", "explicit") == {(u,) for c in truth_b for u in c}
+
+        # Cache reuse across turns, against vLLM's own num_cached_tokens per turn: turn N read
+        # what turn N-1 computed (cached_N - cached_N-1) and, before that, what the earlier
+        # turns computed (cached_N-1 - cached_1; turn 1 read the system prompt another
+        # conversation computed, if any).
+        for convs, tenant, source in (
+            (with_ids, "sessions-a", "explicit"),
+            (without, "sessions-b", "inferred"),
+        ):
+            for i, conv in enumerate(convs):
+                cached = [o.num_cached_tokens for o, _ in conv]
+                key = (
+                    f"{tenant}-{i}" if source == "explicit" else next(u for c in uids([conv]) for u in c[:1])
+                )
+                turns = q.sessions(source=source, session=key, scope=Scope(tenants=(tenant,)))
+                assert [t["cache_read_tokens"] for t in turns] == cached
+                assert [t["prompt_tokens"] for t in turns] == [len(p) for _, p in conv]
+                assert [t["output_tokens"] for t in turns] == [len(o.outputs[0].token_ids) for o, _ in conv]
+                for n in (1, 2):
+                    assert cached[n] > cached[n - 1]
+                    assert turns[n]["cache_from_previous_turn_tokens"] == cached[n] - cached[n - 1], (
+                        tenant,
+                        i,
+                        n,
+                    )
+                    assert turns[n]["cache_from_earlier_turns_tokens"] == cached[n - 1] - cached[0], (
+                        tenant,
+                        i,
+                        n,
+                    )
+                (row,) = (
+                    r
+                    for r in q.sessions(source=source, scope=Scope(tenants=(tenant,)))
+                    if r["session_id"] == key
+                )
+                assert row["explicit"] == (source == "explicit")
+                assert row["cache_read_tokens"] == sum(cached)
+                assert row["cache_from_previous_turn_tokens"] == cached[2] - cached[0]

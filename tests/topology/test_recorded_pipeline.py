@@ -176,3 +176,62 @@ def test_sliding_window_statuses(pipeline: dict[str, Any]) -> None:
         kv = a["prompt_tokens"] + a["output_tokens"] - 1
         assert a["window_released_tokens"] + a["skipped_tokens"] == max(0, kv - 64)
         assert a["evicted_tokens"] == 0  # deprecated: window release is window_released_tokens
+
+
+def test_sessions_from_the_worker_equal_the_conversations(
+    pipeline: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The worker's accounting in chDB: sessions inferred from prefix chains equal the
+    conversations vLLM ran, and equal the client's ids where it sent them; cache reuse across
+    turns equals the differences of vLLM's num_cached_tokens."""
+    from sparseety import events as ev
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from tests.helpers import chdb_config, throwaway_store
+
+    data = pipeline["sessions"]
+    accounts, truth = data["accounts"], data["truth"]
+    conversations: dict[str, list[dict[str, Any]]] = {}
+    for req in sorted(truth["requests"], key=lambda r: r["turn"]):
+        conversations.setdefault(req["conversation"], []).append(req)
+    uid = {r["engine_request_id"]: accounts[r["engine_request_id"]]["request_uid"] for r in truth["requests"]}
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        migrate(store)
+        sink = ClickHouseSink(store)
+        for i, acc in enumerate(accounts.values()):
+            sink.add(ev.REQUEST_ACCOUNTING, acc, topic="rec.tl", partition=0, offset=i)
+        sink.flush()
+        q = Queries(store)
+
+        def sessions(tenant: str, source: str) -> dict[str, list[dict[str, Any]]]:
+            scope = Scope(tenants=(tenant,))
+            return {
+                row["session_id"]: q.sessions(source=source, session=row["session_id"], scope=scope)
+                for row in q.sessions(source=source, scope=scope)
+            }
+
+        for tenant in ("sessions-a", "sessions-b"):
+            expected = {
+                tuple(uid[r["engine_request_id"]] for r in turns)
+                for name, turns in conversations.items()
+                if name.startswith(tenant)
+            }
+            inferred = sessions(tenant, "inferred")
+            assert {tuple(t["request_uid"] for t in turns) for turns in inferred.values()} == expected
+            if tenant == "sessions-a":
+                explicit = sessions(tenant, "explicit")
+                assert set(explicit) == {f"{tenant}-{i}" for i in range(3)}
+                assert {tuple(t["request_uid"] for t in turns) for turns in explicit.values()} == expected
+            for turns in inferred.values():
+                conv = next(
+                    c
+                    for c in conversations.values()
+                    if uid[c[0]["engine_request_id"]] == turns[0]["request_uid"]
+                )
+                cached = [r["num_cached_tokens"] for r in conv]
+                assert [t["cache_read_tokens"] for t in turns] == cached
+                for n in (1, 2):
+                    assert turns[n]["continues_uid"] == turns[n - 1]["request_uid"]
+                    assert turns[n]["cache_from_previous_turn_tokens"] == cached[n] - cached[n - 1] > 0
+                    assert turns[n]["cache_from_earlier_turns_tokens"] == cached[n - 1] - cached[0]

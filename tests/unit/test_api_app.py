@@ -502,3 +502,25 @@ def test_timeline_figure_shows_both_axes() -> None:
     assert (traces["KV window released"]["base"], traces["KV window released"]["x"]) == ([0], [8])
     assert traces["KV skipped"]["marker"]["pattern"]["shape"] == "."
     assert traces["cached"]["customdata"][0][3] == "another tenant"
+
+
+def test_sessions_route_command_and_remote_client_are_tenant_scoped(
+    cfg: Config, client: TestClient, local: ApiQueries
+) -> None:
+    acme = get(client, "/api/v1/sessions", ACME)
+    assert acme["rows"] == jsonable(local.sessions(scope=Scope(tenants=("acme",))))
+    assert acme["rows"] and {r["tenant"] for r in acme["rows"]} == {"acme"}
+    first = acme["rows"][0]
+    turns = get(client, "/api/v1/sessions", ACME, session=first["session_id"], source="explicit")["rows"]
+    assert [t["turn"] for t in turns] == list(range(1, first["turns"] + 1))
+    assert get(client, "/api/v1/sessions", GI, session=first["session_id"])["rows"] == []  # not theirs
+    assert "session source" in error(client, "/api/v1/sessions", 400, source="guess")
+    remote = RemoteQueries("http://testserver", "tok-acme", client=client)
+    assert remote.sessions() == local.sessions(scope=Scope(tenants=("acme",)))
+    env = {
+        "SPARSEETY_CLICKHOUSE_DSN": cfg.clickhouse.dsn,
+        "SPARSEETY_CLICKHOUSE_DATABASE": cfg.clickhouse.database,
+    }
+    result = CliRunner().invoke(main, ["query", "sessions", "--tenant", "acme", "--format", "json"], env=env)
+    assert result.exit_code == 0, result.output
+    assert first["session_id"] in result.output and "globex" not in result.output

@@ -593,6 +593,47 @@ def test_a_hash_with_two_copies_lives_until_its_last_copy_goes() -> None:
     assert (r3["recomputed_eviction_tokens"], r3["uncached_computed_tokens"]) == (4, 1)
 
 
+def test_an_output_block_never_stored_is_credited_to_the_turn_that_computes_it() -> None:
+    # r1's output fills block "c" with its last token, whose KV is never computed: vLLM never
+    # stores "c" for r1. r2 (the next turn) computes it; vLLM publishes the BlockStored before
+    # r2's admission (same step). r3 reads it: its source is r2, not r1.
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
+        stored(2, b"a", b"b"),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 8, [2])])),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(2, [("r1", 1, 9, [3])])),
+        f.wrap(6, ev.STEP_BATCH, f.step_batch(3, [("r1", 1, 10, [4])])),
+        f.wrap(
+            7, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=4, output_block_hashes=[b"c"])
+        ),
+        stored(8, b"c"),
+        f.wrap(
+            9,
+            ev.REQUEST_STARTED,
+            f.request_started("r2", list(range(14)), cached=8, hashes=[b"a", b"b", b"c"]),
+        ),
+        f.wrap(10, ev.STEP_BATCH, f.step_batch(4, [("r2", 6, 8, [1])])),
+        f.wrap(11, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=14, output=1, cached=8)),
+        f.wrap(
+            12,
+            ev.REQUEST_STARTED,
+            f.request_started("r3", list(range(13)), cached=12, hashes=[b"a", b"b", b"c"]),
+        ),
+        f.wrap(13, ev.STEP_BATCH, f.step_batch(5, [("r3", 1, 12, [1])])),
+        f.wrap(14, ev.REQUEST_FINISHED, f.request_finished("r3", prompt=13, output=1, cached=12)),
+    ]
+    accs = accounts(run(events)[0])
+    sources = [
+        (s["start"], s["end"], s["source_request_uid"]) for s in accs[f"{f.EID}/r3"]["timeline"]["segments"]
+    ]
+    assert sources[:2] == [(0, 8, f"{f.EID}/r1"), (8, 12, f"{f.EID}/r2")]
+    r1_uses = {(u["block_hash"], u["lifetime_seq"]) for u in accs[f"{f.EID}/r1"]["block_uses"]}
+    assert r1_uses == {(b"a", 2), (b"b", 2), (b"c", -1)}  # "c" stays its chain tail, shares no cost
+    assert accs[f"{f.EID}/r3"]["consistent"]
+
+
 def test_drafts_cut_by_stop_are_not_accepted() -> None:
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started(spec_method="ngram", spec_num_tokens=3)),

@@ -269,3 +269,20 @@ def test_usage_window_written_with_schema_v1_decodes_with_defaults() -> None:
     data = Encoder(with_reader(STORE, old), "UsageWindow").encode(rec)
     _, back = Decoder(STORE).decode(data)
     assert back == f.usage_window()
+
+
+def test_records_written_before_sessions_decode_with_no_session() -> None:
+    """EngineEvent and RequestAccounting v2 (before session_id) resolve from schemas/history."""
+    old_events = json.loads((schema_dir() / "history" / "EngineEvent.v2.avsc").read_text())
+    started = {k: v for k, v in f.request_started("r1", list(range(6))).items() if k != "session_id"}
+    data = Encoder(with_reader(STORE, old_events), "EngineEvent").encode(
+        f.wrap(1, ev.REQUEST_STARTED, started)
+    )
+    assert data[2:10] != STORE.wire("EngineEvent").fingerprint_bytes
+    _, back = Decoder(STORE).decode(data)
+    assert ev.payload(back)["session_id"] == "" and ev.payload(back)["tenant"] == "acme"
+    old_accounting = json.loads((schema_dir() / "history" / "RequestAccounting.v2.avsc").read_text())
+    rec = {k: v for k, v in f.accounting().items() if k != "session_id"}
+    data = Encoder(with_reader(STORE, old_accounting), "RequestAccounting").encode(rec)
+    _, back = Decoder(STORE).decode(data)
+    assert back == f.accounting()

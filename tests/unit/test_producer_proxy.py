@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from sparseety import events as ev
-from sparseety.producers.proxy.accounting import Exchange, event_data, split_events, tenant_of
+from sparseety.producers.proxy.accounting import Exchange, event_data, session_of, split_events, tenant_of
 
 
 def _chunk(**body: object) -> bytes:
@@ -92,6 +92,20 @@ def test_tenant_precedence() -> None:
     assert tenant_of({}, {}, keys, "X-Tenant") is None
     # no keys and no gateway: forwarded, billed to nobody
     assert tenant_of({"x-tenant": "h"}, body, {}, "X-Tenant") == ""
+
+
+def test_session_comes_from_the_header_else_vllm_xargs_and_rides_on_request_started() -> None:
+    body = {"vllm_xargs": {"session": "from-body"}}
+    assert session_of({"x-sparseety-session": "h"}, body) == "h"
+    assert session_of({}, body) == "from-body"
+    assert session_of({"x-session-id": "vllm-header"}, body) == "vllm-header"  # vLLM's own header
+    assert session_of({}, {"session_id": "field", **body}) == "field"  # vLLM's own body field
+    assert session_of({}, {"vllm_xargs": {"session_id": "x"}}) == "x"
+    assert session_of({}, {"vllm_xargs": {"session": 3}}) == session_of({}, {}) == ""
+    x = Exchange(arrival_ts_ns=1, body={"model": "m"}, tenant="acme", session="conv-1")
+    x.on_json(200, {"id": "c", "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    started = x.payloads("r")[0][1]
+    assert (started["tenant"], started["session_id"]) == ("acme", "conv-1")
 
 
 def test_proxy_command_is_mounted() -> None:

@@ -79,7 +79,12 @@ def test_request_started_payload() -> None:
     _, p = b.request_started(
         _req("r2", [1, 2], extra_args=None, lora_request=SimpleNamespace(lora_name="ad")), 0
     )
-    assert (p["tenant"], p["model"], p["lora_name"]) == ("", "ad", "ad")
+    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == ("", "ad", "ad", "")
+    _, p = b.request_started(_req("r3", [1, 2], extra_args={"tenant": "acme", "session": "conv-1"}), 0)
+    assert (p["tenant"], p["session_id"]) == ("acme", "conv-1")
+    # vLLM's own session id (body session_id, X-Session-ID header) comes first
+    _, p = b.request_started(_req("r4", [1, 2], extra_args={"session": "ours"}, session_id="vllm"), 0)
+    assert p["session_id"] == "vllm"
 
 
 def test_privacy_modes() -> None:
@@ -294,14 +299,28 @@ def test_modules_are_patched_when_imported(tmp_path: Path, monkeypatch: pytest.M
     seen: list[Any] = []
     plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE))
     assert seen == []  # nothing is imported eagerly
-    import sparseety_fake_vllm_mod  # noqa: F401
+    import sparseety_fake_vllm_mod
 
     assert seen == [1]
     plugin.after_import("sparseety_fake_vllm_mod", lambda m: seen.append(m.VALUE + 1))
     assert seen == [1, 2]  # already imported: at once
-    assert not any(
-        isinstance(f, plugin._AfterImport) and f.name == "sparseety_fake_vllm_mod" for f in sys.meta_path
-    )
+    del sys.modules["sparseety_fake_vllm_mod"]
+    import sparseety_fake_vllm_mod  # noqa: F401, F811
+
+    assert seen == [1, 2]  # each hook fired once, then stepped aside
+
+
+def test_a_failing_hook_does_not_break_the_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "sparseety_fake_vllm_mod2.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.after_import("sparseety_fake_vllm_mod2", lambda m: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="sparseety"):
+        import sparseety_fake_vllm_mod2
+
+    assert sparseety_fake_vllm_mod2.VALUE == 1
+    assert "could not hook sparseety_fake_vllm_mod2" in caplog.text
 
 
 def test_tenant_header_middleware_rewrites_the_body() -> None:
@@ -334,6 +353,25 @@ def test_tenant_header_middleware_rewrites_the_body() -> None:
     asyncio.run(mw(scope, receive, None))
     assert json.loads(seen["body"]) == {"model": "m", "vllm_xargs": {"tenant": "gw"}}
     assert seen["length"] == str(len(seen["body"])).encode()
+
+
+def test_session_header_middleware_sets_the_session_beside_the_tenant() -> None:
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen["body"] = (await receive())["body"]
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b'{"vllm_xargs": {"session": "old", "k": 1}}'}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"X-Sparseety-Session", b"conv-7"), (b"x-sparseety-tenant", b"gw")],
+    }
+    asyncio.run(TenantHeaderMiddleware(app)(scope, receive, None))
+    assert json.loads(seen["body"]) == {"vllm_xargs": {"session": "conv-7", "k": 1, "tenant": "gw"}}
 
 
 def test_routing_counts_top_k_per_request_and_layer() -> None:

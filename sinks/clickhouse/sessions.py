@@ -1,0 +1,172 @@
+"""Sessions (multi-turn conversations): the SQL that groups stored requests into them.
+
+A request's session is the id its client sent (``requests.session_id``, from
+``vllm_xargs.session`` or the ``X-Sparseety-Session`` header) or, when it sent none, one inferred
+from prefix chains within its tenant (docs/sessions.md):
+
+    request B continues request A  iff  A arrived before B, both belong to one tenant, A's last
+    full KV block holds output positions of A, and B's prompt has that same block hash at the same
+    block index.
+
+Block hashes are chained (each covers every token before it), so a match means B's prompt
+starts with A's whole prompt and A's output up to that block. Turn N's prompt then also holds the
+chain tail of every earlier turn, so the earliest request B continues is the first turn of its
+conversation (the session key of an inferred session: that request's uid) and the latest is turn
+N - 1. The rule needs no recursion and no state in the worker; it reads the block hashes the sink
+already stores for amortized attribution (``kv_blocks``: the prompt's full blocks at idx 0..P-1,
+then the output's, so idx is the block index).
+
+Cache reuse across turns comes from the timeline: a cached segment names the request that
+computed it (``source_request_uid``). Positions a turn read from the cache are split by who
+computed them: turn N - 1, an earlier turn of the same session, or anyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from sparseety.errors import QueryError
+
+if TYPE_CHECKING:  # queries.py imports this module for its registry
+    from sparseety.sinks.clickhouse.queries import Scope
+
+#: How a request's session is chosen: the client's id, else inferred (auto); only the client's
+#: (explicit: requests without one are sessions of one turn); or only inferred (ids ignored).
+SOURCES = ("auto", "explicit", "inferred")
+
+#: The per-request counts a session sums (request_costs_v columns; old rows read as there).
+COUNTS = (
+    "prompt_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_preemption_tokens",
+    "recomputed_eviction_tokens",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "draft_cut_tokens",
+    "waste_tokens",
+    "scheduled_tokens",
+    "gpu_time_ns",
+)
+
+#: Attribution modes with a per-request cost (docs/cost-model.md), as ``<mode>_pico`` columns.
+COST_MODES = ("actual", "amortized", "list", "gpu")
+
+
+def _turns(db: str, *, source: str, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """WITH clauses ending in ``per_turn``: one row per request in scope with its session, its
+    turn number in the session, what it read from earlier turns, its counts and its costs.
+
+    The session is settled on the narrow ``requests`` columns first; the cost views (FINAL, ASOF
+    price joins, amortized shares) are read once, for the requests in scope, at the end.
+    """
+    if source not in SOURCES:
+        raise QueryError(f"unknown session source {source!r}: choose from {', '.join(SOURCES)}")
+    where, params = scope.where()
+    clauses = [
+        "scoped AS (SELECT request_uid, tenant, arrival_ts_ns, finished_ts_ns, prompt_tokens, "
+        f"session_id AS client_session FROM {db}.requests_v WHERE {where})"
+    ]
+    if source == "explicit":
+        session = "if(s.client_session != '', s.client_session, s.request_uid)"
+        link = "''"
+        joins = ""
+    else:
+        # Earlier turns may have finished before the range: any time before its end, same tenants.
+        parents_where, parents_params = replace(scope, since_ns=None).where("b")
+        params.update(parents_params)
+        clauses += [
+            # Each request's chain tail: its last full block, kept only when it holds output.
+            "tails AS ("
+            "SELECT b.request_uid AS parent_uid, b.tenant AS tenant, any(p.arrival_ts_ns) AS parent_arrival, "
+            "max(b.idx) AS idx, argMax(b.block_hash, b.idx) AS block_hash "
+            f"FROM {db}.kv_blocks_v AS b "
+            f"INNER JOIN (SELECT request_uid, arrival_ts_ns, prompt_tokens FROM {db}.requests_v) AS p "
+            "ON b.request_uid = p.request_uid "
+            f"WHERE {parents_where} GROUP BY b.request_uid, b.tenant "
+            "HAVING (idx + 1) * argMax(b.tokens, b.idx) > any(p.prompt_tokens))",
+            # Earliest request each prompt continues = the first turn; latest = the previous turn.
+            "links AS ("
+            "SELECT s.request_uid AS request_uid, "
+            "argMin(t.parent_uid, (t.parent_arrival, t.parent_uid)) AS root_uid, "
+            "argMax(t.parent_uid, (t.parent_arrival, t.parent_uid)) AS parent_uid "
+            f"FROM {db}.kv_blocks_v AS q INNER JOIN scoped AS s ON q.request_uid = s.request_uid "
+            "INNER JOIN tails AS t ON q.block_hash = t.block_hash AND q.idx = t.idx AND s.tenant = t.tenant "
+            "WHERE (q.idx + 1) * q.tokens <= s.prompt_tokens AND t.parent_arrival < s.arrival_ts_ns "
+            "GROUP BY s.request_uid)",
+        ]
+        inferred = "if(l.root_uid != '', l.root_uid, s.request_uid)"
+        session = (
+            inferred if source == "inferred" else f"if(s.client_session != '', s.client_session, {inferred})"
+        )
+        link = "l.parent_uid"
+        joins = "LEFT JOIN links AS l ON s.request_uid = l.request_uid"
+    explicit = "0" if source == "inferred" else "s.client_session != ''"
+    counts = ", ".join(f"c.{n} AS {n}" for n in COUNTS)
+    clauses += [
+        "numbered AS ("
+        f"SELECT s.request_uid AS request_uid, s.tenant AS tenant, {session} AS session_id, "
+        f"toBool({explicit}) AS explicit, {link} AS continues_uid, s.arrival_ts_ns AS arrival_ts_ns, "
+        "s.finished_ts_ns AS finished_ts_ns, toUInt32(row_number() OVER "
+        "(PARTITION BY s.tenant, session_id ORDER BY s.arrival_ts_ns, s.request_uid)) AS turn "
+        f"FROM scoped AS s {joins})",
+        # Cached positions of each turn, by the turn of the same session that computed them.
+        "reuse AS ("
+        "SELECT g.request_uid AS request_uid, "
+        "sumIf(g.end - g.start, src.session_id = n.session_id AND src.turn + 1 = n.turn) AS from_previous, "
+        "sumIf(g.end - g.start, src.session_id = n.session_id AND src.turn + 1 < n.turn) AS from_earlier "
+        f"FROM {db}.token_segments_v AS g INNER JOIN numbered AS n ON g.request_uid = n.request_uid "
+        "LEFT JOIN (SELECT request_uid, tenant, session_id, turn FROM numbered) AS src "
+        "ON g.source_request_uid = src.request_uid AND n.tenant = src.tenant "
+        "WHERE g.status = 'cached' GROUP BY g.request_uid)",
+        "per_turn AS ("
+        "SELECT n.request_uid AS request_uid, n.tenant AS tenant, n.session_id AS session_id, "
+        "n.explicit AS explicit, n.continues_uid AS continues_uid, n.arrival_ts_ns AS arrival_ts_ns, "
+        f"n.finished_ts_ns AS finished_ts_ns, n.turn AS turn, {counts}, "
+        "toInt64(ifNull(u.from_previous, 0)) AS cache_from_previous_turn_tokens, "
+        "toInt64(ifNull(u.from_earlier, 0)) AS cache_from_earlier_turns_tokens, "
+        "c.actual_pico AS actual_pico, c.actual_pico + ifNull(d.delta_pico, 0) AS amortized_pico, "
+        "c.list_pico AS list_pico, c.gpu_pico AS gpu_pico, c.tokens_priced AS tokens_priced "
+        f"FROM numbered AS n INNER JOIN {db}.request_costs_v AS c ON n.request_uid = c.request_uid "
+        f"LEFT JOIN {db}.amortized_delta_v AS d ON n.request_uid = d.request_uid "
+        "LEFT JOIN reuse AS u ON n.request_uid = u.request_uid)",
+    ]
+    return "WITH " + ", ".join(clauses), params
+
+
+def sessions_sql(
+    db: str, *, source: str, session: str | None, limit: int, scope: Scope
+) -> tuple[str, dict[str, Any]]:
+    """One row per session (first turn first), or, given ``session``, one row per turn of it."""
+    with_, params = _turns(db, source=source, scope=scope)
+    params["limit"] = limit
+    if session is not None:
+        params["session"] = session
+        counts = ", ".join(COUNTS)
+        costs = ", ".join(f"{m}_pico" for m in COST_MODES)
+        sql = (
+            f"{with_} SELECT tenant, session_id, turn, request_uid, continues_uid, explicit, "
+            f"arrival_ts_ns, finished_ts_ns, {counts}, cache_from_previous_turn_tokens, "
+            f"cache_from_earlier_turns_tokens, {costs}, tokens_priced "
+            "FROM per_turn WHERE session_id = {session:String} "
+            "ORDER BY tenant, turn LIMIT {limit:UInt32}"
+        )
+        return sql, params
+    sums = ", ".join(f"sum(p.{n}) AS {n}" for n in COUNTS)
+    costs = ", ".join(f"sum(p.{m}_pico) AS {m}_pico" for m in COST_MODES)
+    sql = (
+        f"{with_} SELECT p.tenant AS tenant, p.session_id AS session_id, max(p.explicit) AS explicit, "
+        "count() AS turns, min(p.arrival_ts_ns) AS first_arrival_ts_ns, "
+        f"max(p.finished_ts_ns) AS last_finished_ts_ns, {sums}, "
+        "sum(p.cache_from_previous_turn_tokens) AS cache_from_previous_turn_tokens, "
+        "sum(p.cache_from_earlier_turns_tokens) AS cache_from_earlier_turns_tokens, "
+        "sumIf(p.prompt_tokens, p.turn > 1) AS later_turns_prompt_tokens, "
+        "if(later_turns_prompt_tokens = 0, 0, "
+        "(cache_from_previous_turn_tokens + cache_from_earlier_turns_tokens) / later_turns_prompt_tokens) "
+        f"AS cross_turn_reuse_share, {costs}, countIf(NOT p.tokens_priced) AS unpriced_turns "
+        "FROM per_turn AS p GROUP BY p.tenant, p.session_id "
+        "ORDER BY first_arrival_ts_ns, tenant, session_id LIMIT {limit:UInt32}"
+    )
+    return sql, params
