@@ -20,6 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
+from sparseety.sinks.clickhouse import whatif
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -750,6 +751,17 @@ QUERIES: tuple[QuerySpec, ...] = (
         "Tokens routed to each (layer, expert) and each expert's share of its layer.",
         route="experts",
         params=(Param("model", str, None, "Only this model."),),
+    ),
+    QuerySpec(
+        "whatif",
+        whatif.whatif_sql,
+        "Counterfactual cost (modelled, docs/cost-model.md 'What if'): actual and cf_ computed "
+        "tokens, GPU time, token cost and GPU cost per group under one scenario, and delta_ = "
+        "counterfactual - actual.",
+        route="whatif",
+        group_by="tenant",
+        bucket=True,
+        params=(Param("scenario", str, "no-cache", whatif.SCENARIO_HELP + "."),),
     ),
     QuerySpec(
         "duplication",

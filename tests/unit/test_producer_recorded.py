@@ -10,7 +10,18 @@ import pytest
 from sparseety import events as ev
 from tests.recorded import by_type, load_scenario, reconstruct, scenarios, seq_gaps
 
-ALL = ["moe_routing", "preemption_eviction", "prefix_reuse", "sliding_window", "sparsity_truth", "spec_ngram"]
+ALL = [
+    "moe_routing",
+    "preemption_eviction",
+    "prefix_reuse",
+    "prefix_reuse_again",
+    "prefix_reuse_nocache",
+    "sliding_window",
+    "sparsity_truth",
+    "spec_ngram",
+    "spec_ngram_again",
+    "spec_ngram_off",
+]
 
 
 def test_every_scenario_is_recorded() -> None:
