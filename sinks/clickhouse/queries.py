@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import whatif
+from sparseety.sinks.clickhouse import regressions, whatif
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -762,6 +762,21 @@ QUERIES: tuple[QuerySpec, ...] = (
         group_by="tenant",
         bucket=True,
         params=(Param("scenario", str, "no-cache", whatif.SCENARIO_HELP + "."),),
+    ),
+    QuerySpec(
+        "regressions",
+        regressions.regressions_sql,
+        "Sparsity regressions per engine and model: each signal (prefix hit rate, spec acceptance "
+        "and drafts per output, window skip share, expert-load entropy, eviction recompute share) over "
+        "the current window (since..until, or the last --window) against the engine's own baseline "
+        "(the --baseline before it), with the rule, and evidence (request uids, window bounds).",
+        route="regressions",
+        params=(
+            Param("window", str, "15m", "Current window when no since is given (15m, 1h)."),
+            Param("baseline", str, "1d", "Baseline: this long before the current window."),
+            Param("min_requests", int, 5, "Requests each window needs before a signal is judged.", ge=1),
+            Param("all_signals", int, 0, "1: every evaluated signal, firing or not.", http="all", ge=0, le=1),
+        ),
     ),
     QuerySpec(
         "duplication",
