@@ -195,3 +195,21 @@ def test_bad_windows_are_refused(crafted: Queries) -> None:
         crafted.regressions(window="soon")
     with pytest.raises(QueryError, match="empty current window"):
         crafted.regressions(scope=Scope(since_ns=T0 + 5, until_ns=T0))
+
+
+def test_prometheus_gauges_carry_every_judged_signal(crafted: Queries) -> None:
+    from sparseety.api.metrics import ApiMetrics
+
+    m = ApiMetrics()
+    scope = Scope(until_ns=T0 + 70 * MIN)
+    m.set_regressions(crafted.regressions(scope=scope, all_signals=1, **WINDOW))
+    text = m.render().decode()
+    labels = 'engine="e9",model="mx",signal="expert_load_entropy"'
+    assert f"sparseety:sparsity_regression_findings{{{labels}}} 1.0" in text
+    assert (
+        'sparseety:sparsity_regression_findings{engine="e9",model="mx",signal="spec_acceptance_rate"} 0.0'
+        in text
+    )
+    assert f'sparseety:sparsity_signal_ratio{{{labels},window="baseline"}} 1.0' in text
+    m.set_regressions([])  # signals no longer judged disappear
+    assert "sparsity_regression_findings{" not in m.render().decode()
