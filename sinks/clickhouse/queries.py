@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import regressions, whatif
+from sparseety.sinks.clickhouse import regressions, routing, whatif
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -776,6 +776,25 @@ QUERIES: tuple[QuerySpec, ...] = (
             Param("baseline", str, "1d", "Baseline: this long before the current window."),
             Param("min_requests", int, 5, "Requests each window needs before a signal is judged.", ge=1),
             Param("all_signals", int, 0, "1: every evaluated signal, firing or not.", http="all", ge=0, le=1),
+        ),
+    ),
+    QuerySpec(
+        "routing_advice",
+        routing.routing_advice_sql,
+        "Prefix-routing advice: prefixes (root block hash + tenant, with their duplicated block-hash "
+        "chain) computed on several engines, the duplicated compute and its cost per hour, a suggested "
+        "affinity engine and the saving if it were followed (docs/cost-model.md, Prefix routing advice).",
+        route="routing",
+        params=(
+            Param(
+                "limit",
+                int,
+                100,
+                "The N prefixes with the most duplicated compute.",
+                http="top",
+                ge=1,
+                le=10_000,
+            ),
         ),
     ),
     QuerySpec(
