@@ -29,10 +29,13 @@ sees signals computed over its own tenants' requests only.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparseety.errors import QueryError
 from sparseety.times import parse_bucket
+
+if TYPE_CHECKING:  # queries.py imports this module
+    from sparseety.sinks.clickhouse.queries import Scope
 
 #: Rule constants (docs/operations.md "Sparsity regressions" states them too).
 HIT_MIN, HIT_FACTOR = 0.05, 0.5
@@ -73,7 +76,7 @@ def _evidence(value: str, cond: str, desc: bool = False) -> str:
 
 
 def regressions_sql(
-    db: str, *, scope: Any, window: str, baseline: str, min_requests: int, all_signals: int
+    db: str, *, scope: Scope, window: str, baseline: str, min_requests: int, all_signals: int
 ) -> tuple[str, dict[str, Any]]:
     """Current findings (or, with ``all_signals``, every evaluated signal) per engine and model."""
     win_s, base_s = _seconds(window, "window"), _seconds(baseline, "baseline")

@@ -15,10 +15,13 @@ routing advice"; how it maps onto llm-d's KV-cache indexer and Dynamo's KV route
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # queries.py imports this module
+    from sparseety.sinks.clickhouse.queries import Scope
 
 
-def routing_advice_sql(db: str, *, scope: Any, limit: int) -> tuple[str, dict[str, Any]]:
+def routing_advice_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:
     """Prefixes recomputed on several engines, their cost per hour, affinity and saving."""
     where, params = scope.where("b")
     params["limit"] = limit

@@ -25,9 +25,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparseety.errors import QueryError
+
+if TYPE_CHECKING:  # queries.py imports this module
+    from sparseety.sinks.clickhouse.queries import Scope
 
 #: The cache sizes ``kv-curve`` shows (the issue's 1.5x, 2x and 4x).
 KV_CURVE = (1.5, 2.0, 4.0)
@@ -133,7 +136,7 @@ def _kv_avoided(db: str) -> str:
 
 
 def whatif_sql(
-    db: str, *, scenario: str, by: Sequence[str], bucket: str | None, scope: Any
+    db: str, *, scenario: str, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
     """Actual and counterfactual compute, GPU time and cost per group under one scenario."""
     # queries.py imports this module for its registry entry; its helpers are taken at call time
