@@ -122,6 +122,64 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         },
         "multi_turn": True,
     },
+    # Issue 15: counterfactual and regression checks. Each reruns an earlier scenario's workload
+    # ("workload") on the same engine name ("engine_name"), later, with one setting changed, so the
+    # no-cache what-if can be compared with a real no-cache run and a regression against the
+    # engine's own earlier baseline.
+    "prefix_reuse_nocache": {
+        "model": "llama",
+        "doc": "prefix_reuse's workload again with prefix caching disabled (the no-cache what-if's truth).",
+        "workload": "prefix_reuse",
+        "engine_name": "fixture-prefix_reuse",
+        "engine": {
+            "enable_prefix_caching": False,
+            "block_size": 32,
+            "max_model_len": 1024,
+            "enforce_eager": True,
+        },
+    },
+    "prefix_reuse_again": {
+        "model": "llama",
+        "doc": "prefix_reuse unchanged, a second run on the same engine name (no regression expected).",
+        "workload": "prefix_reuse",
+        "engine_name": "fixture-prefix_reuse",
+        "engine": {
+            "enable_prefix_caching": True,
+            "block_size": 32,
+            "max_model_len": 1024,
+            "enforce_eager": True,
+        },
+    },
+    "spec_ngram_again": {
+        "model": "llama",
+        "doc": "spec_ngram unchanged, a second run on the same engine name (no regression expected).",
+        "workload": "spec_ngram",
+        "engine_name": "fixture-spec_ngram",
+        "engine": {
+            "enable_prefix_caching": True,
+            "block_size": 32,
+            "max_model_len": 512,
+            "enforce_eager": True,
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            },
+        },
+    },
+    "spec_ngram_off": {
+        "model": "llama",
+        "doc": "spec_ngram's workload with speculative decoding off, same engine name (drafts stop).",
+        "workload": "spec_ngram",
+        "engine_name": "fixture-spec_ngram",
+        "engine": {
+            "enable_prefix_caching": True,
+            "block_size": 32,
+            "max_model_len": 512,
+            "enforce_eager": True,
+        },
+    },
     "sparsity_truth": {
         "model": "gemma3-hybrid",
         "doc": (
@@ -137,6 +195,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 def workload(name: str) -> list[Workload]:
     """Phases of (prompt, sampling parameters); each phase is one ``generate`` call."""
+    name = SCENARIOS.get(name, {}).get("workload", name)
     if name == "prefix_reuse":
         first = [
             (SYSTEMS[s] + f"Question {q}: what does line {q} of the invoice mean?", {"tenant": f"tenant-{s}"})
@@ -340,7 +399,11 @@ def record(name: str, cfg: Any, work: Path) -> None:
     ecfg = cfg.replace(
         data_dir=str(work / name),
         topics={**cfg.topics.model_dump(), "engine_events": topic, "partitions": 1},
-        producer={"engine_name": f"fixture-{name}", "heartbeat_interval_s": 1.0, **spec.get("producer", {})},
+        producer={
+            "engine_name": spec.get("engine_name", f"fixture-{name}"),
+            "heartbeat_interval_s": 1.0,
+            **spec.get("producer", {}),
+        },
     )
     ensure_topics(ecfg, [topic])
     truth_path = work / f"{name}.truth.json"

@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import sessions
+from sparseety.sinks.clickhouse import regressions, routing, sessions, whatif
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -751,6 +751,51 @@ QUERIES: tuple[QuerySpec, ...] = (
         "Tokens routed to each (layer, expert) and each expert's share of its layer.",
         route="experts",
         params=(Param("model", str, None, "Only this model."),),
+    ),
+    QuerySpec(
+        "whatif",
+        whatif.whatif_sql,
+        "Counterfactual cost (modelled, docs/cost-model.md 'What if'): actual and cf_ computed "
+        "tokens, GPU time, token cost and GPU cost per group under one scenario, and delta_ = "
+        "counterfactual - actual.",
+        route="whatif",
+        group_by="tenant",
+        bucket=True,
+        params=(Param("scenario", str, "no-cache", whatif.SCENARIO_HELP + "."),),
+    ),
+    QuerySpec(
+        "regressions",
+        regressions.regressions_sql,
+        "Sparsity regressions per engine and model: each signal (prefix hit rate, spec acceptance "
+        "and drafts per output, window skip share, expert-load entropy, eviction recompute share) over "
+        "the current window (since..until, or the last --window) against the engine's own baseline "
+        "(the --baseline before it), with the rule, and evidence (request uids, window bounds).",
+        route="regressions",
+        params=(
+            Param("window", str, "15m", "Current window when no since is given (15m, 1h)."),
+            Param("baseline", str, "1d", "Baseline: this long before the current window."),
+            Param("min_requests", int, 5, "Requests each window needs before a signal is judged.", ge=1),
+            Param("all_signals", int, 0, "1: every evaluated signal, firing or not.", http="all", ge=0, le=1),
+        ),
+    ),
+    QuerySpec(
+        "routing_advice",
+        routing.routing_advice_sql,
+        "Prefix-routing advice: prefixes (root block hash + tenant, with their duplicated block-hash "
+        "chain) computed on several engines, the duplicated compute and its cost per hour, a suggested "
+        "affinity engine and the saving if it were followed (docs/cost-model.md, Prefix routing advice).",
+        route="routing",
+        params=(
+            Param(
+                "limit",
+                int,
+                100,
+                "The N prefixes with the most duplicated compute.",
+                http="top",
+                ge=1,
+                le=10_000,
+            ),
+        ),
     ),
     QuerySpec(
         "duplication",

@@ -302,6 +302,10 @@ def _ops(app: FastAPI) -> None:
             await back.health(Scope())
         except StoreError:
             log.warning("metrics: the store did not answer the health query")
+        try:
+            await back.regressions()
+        except StoreError:
+            log.warning("metrics: the store did not answer the regressions query")
         back.metrics.set_jobs_active(back.jobs.running(), JOB_KINDS)
         from prometheus_client import CONTENT_TYPE_LATEST
 

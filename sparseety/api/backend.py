@@ -117,6 +117,13 @@ class Backend:
             self.metrics.set_health(health)
         return health
 
+    async def regressions(self) -> None:
+        """Refresh the sparsity-regression gauges (every signal, default windows, all tenants)."""
+        rows = await self.query(
+            "regressions", self.queries.regressions, all_signals=1, scope=Scope(until_ns=self.clock())
+        )
+        self.metrics.set_regressions(rows)
+
     def close(self) -> None:
         """Stop the jobs (running ones at their next progress report)."""
         self.jobs.shutdown(wait=True)

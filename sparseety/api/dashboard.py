@@ -26,6 +26,9 @@ from sparseety.api.queries import EVERYTHING
 from sparseety.sinks.clickhouse.queries import MODES, Scope
 
 MAX_EXPERT_MODELS = 4
+MAX_ROUTING_ROWS = 10
+#: The what-if scenarios the page compares (kv-curve gives the 1.5x, 2x and 4x rows).
+WHATIF_SCENARIOS = ("no-cache", "kv-curve", "no-spec")
 
 
 @dataclass
@@ -40,6 +43,9 @@ class DashboardData:
     timelines: list[dict[str, Any]]
     health: dict[str, Any]
     pipeline: dict[str, Any] = field(default_factory=dict)
+    whatif: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    regressions: list[dict[str, Any]] = field(default_factory=list)
+    routing: list[dict[str, Any]] = field(default_factory=list)
 
 
 def collect(
@@ -76,6 +82,10 @@ def collect(
         timelines=[r for r in found if r is not None],
         health=queries.health(scope=scope, now_ns=now),
         pipeline=dict(pipeline or {}),
+        whatif={sc: queries.whatif(scenario=sc, by=("tenant",), scope=scope) for sc in WHATIF_SCENARIOS},
+        # regressions judge the last 15 minutes against the day before, whatever the page's range
+        regressions=queries.regressions(scope=Scope(until_ns=now, tenants=scope.tenants)),
+        routing=queries.routing_advice(limit=MAX_ROUTING_ROWS, scope=scope),
     )
 
 
@@ -95,6 +105,9 @@ def build_figures(data: DashboardData) -> dict[str, figs.Figure]:
         "cost": figs.cost_figure(data.cost),
         "savings": figs.savings_figure(data.savings),
         "timeline": figs.timeline_figure(data.timelines),
+        "whatif": figs.whatif_figure([r for rows in data.whatif.values() for r in rows]),
+        "regressions": figs.regressions_figure(data.regressions),
+        "routing": figs.routing_figure(data.routing),
     }
     models = list(dict.fromkeys(r["model"] for r in data.experts))[:MAX_EXPERT_MODELS] or [""]
     for i, model in enumerate(models):

@@ -271,6 +271,104 @@ def cost_figure(by_mode: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
     }
 
 
+def whatif_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Modelled cost change per what-if scenario (``Queries.whatif`` rows, summed per scenario).
+
+    Bars: token cost (actual mode) change in USD; the hover adds computed tokens and GPU time.
+    """
+    title = "What if (modelled): token cost change per scenario (USD)"
+    if not rows or not any(int(r["requests"]) for r in rows):
+        return _empty(title, "no requests in scope")
+    totals: dict[str, dict[str, Any]] = {}
+    for r in rows:  # whatever the grouping, one bar per scenario
+        t = totals.setdefault(str(r["scenario"]), {"scenario": r["scenario"]})
+        for k in (
+            "requests",
+            "delta_computed_tokens",
+            "delta_gpu_time_ns",
+            "cost_usd",
+            "cf_cost_usd",
+            "delta_cost_usd",
+        ):
+            t[k] = t.get(k, 0) + r[k]
+    rows = list(totals.values())
+    names = [str(r["scenario"]) for r in rows]
+    hover = [
+        f"{int(r['delta_computed_tokens']):+d} computed tokens, "
+        f"{int(r['delta_gpu_time_ns']) / 1e9:+.3f} s GPU, cost ${r['cost_usd']} -> ${r['cf_cost_usd']}"
+        for r in rows
+    ]
+    return {
+        "data": [
+            {
+                "type": "bar",
+                "name": "cost change",
+                "x": names,
+                "y": [_usd(r["delta_cost_usd"]) for r in rows],
+                "text": hover,
+                "textposition": "none",
+                "marker": {
+                    "color": ["#c0392b" if _usd(r["delta_cost_usd"]) > 0 else "#27ae60" for r in rows]
+                },
+                "hovertemplate": "%{x}: %{y:$.6f}<br>%{text}<extra></extra>",
+            }
+        ],
+        "layout": _layout(title, yaxis={"title": {"text": "USD"}}),
+    }
+
+
+def _table(title: str, header: list[str], columns: list[list[Any]]) -> Figure:
+    return {
+        "data": [
+            {
+                "type": "table",
+                "header": {"values": header, "align": "left", "fill": {"color": "#eeeeee"}},
+                "cells": {"values": columns, "align": "left"},
+            }
+        ],
+        "layout": _layout(title),
+    }
+
+
+def regressions_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Current sparsity-regression findings (``Queries.regressions``) as a table."""
+    title = "Sparsity regressions (last 15 min vs the day before)"
+    if not rows:
+        return _empty(title, "regressions: none")
+    return _table(
+        title,
+        ["engine", "model", "signal", "baseline", "current", "evidence"],
+        [
+            [str(r["engine"]) for r in rows],
+            [str(r["model"]) for r in rows],
+            [str(r["signal"]) for r in rows],
+            [f"{float(r['baseline']):.3g}" for r in rows],
+            [f"{float(r['current']):.3g}" for r in rows],
+            [", ".join(r["evidence_request_uids"][:2]) for r in rows],
+        ],
+    )
+
+
+def routing_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Prefix-routing advice (``Queries.routing_advice``) as a table."""
+    title = "Prefix routing advice: prefixes computed on several engines"
+    if not rows:
+        return _empty(title, "no prefix computed on more than one engine")
+    return _table(
+        title,
+        ["model", "tenant", "prefix", "blocks", "engines", "route to", "saving per hour"],
+        [
+            [str(r["model"]) for r in rows],
+            [str(r["tenant"]) for r in rows],
+            [str(r["prefix_hash"])[:16] for r in rows],
+            [int(r["duplicated_blocks"]) for r in rows],
+            [", ".join(r["engines"]) for r in rows],
+            [str(r["affinity_engine"]) for r in rows],
+            [f"${r['saving_per_hour_usd']}" for r in rows],
+        ],
+    )
+
+
 def human_duration(seconds: float) -> tuple[float, str]:
     """A duration as (value, unit suffix) in the largest unit that keeps it readable."""
     for limit, div, unit in ((120, 1, " s"), (7200, 60, " min"), (172_800, 3600, " h")):

@@ -97,6 +97,19 @@ class ApiMetrics:
             registry=r,
         )
         self.dead_letters = Gauge("sparseety:store_dead_letters", "Dead letters stored.", registry=r)
+        self.regression_findings = Gauge(
+            "sparseety:sparsity_regression_findings",
+            "1 when a sparsity signal of an engine and model is a regression finding now, else 0 "
+            "(/api/v1/regressions; docs/operations.md, Sparsity regressions).",
+            ["engine", "model", "signal"],
+            registry=r,
+        )
+        self.signal_ratio = Gauge(
+            "sparseety:sparsity_signal_ratio",
+            "A sparsity signal's rate over the current window and the engine's baseline window.",
+            ["engine", "model", "signal", "window"],
+            registry=r,
+        )
 
     def watch_sink(self, worker: Any) -> None:
         """Export an in-process sink worker's counters."""
@@ -124,6 +137,16 @@ class ApiMetrics:
         self.stored.labels("seq_gap").set(health["seq_gap_requests"])
         if "dead_letters" in health:
             self.dead_letters.set(health["dead_letters"])
+
+    def set_regressions(self, rows: list[dict[str, Any]]) -> None:
+        """Every evaluated sparsity signal (``regressions`` with ``all_signals``); stale ones go."""
+        self.regression_findings.clear()
+        self.signal_ratio.clear()
+        for r in rows:
+            key = (r["engine"], r["model"], r["signal"])
+            self.regression_findings.labels(*key).set(1 if r["firing"] else 0)
+            self.signal_ratio.labels(*key, "baseline").set(r["baseline"])
+            self.signal_ratio.labels(*key, "current").set(r["current"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,8 @@
    small KV cache) under a workload that makes every token status happen;
 4. wait until every request the engine served is visible in SQL;
 5. print the report — per tenant: requests, token classes, cost in each attribution mode;
-   prefix-cache savings, waste, speculative efficiency, expert load — and check it: per-tenant
+   prefix-cache savings, waste, speculative efficiency, expert load, a short modelled "what if"
+   and the current sparsity regressions ("regressions: none") — and check it: per-tenant
    totals equal the sum over requests, and request and token counts equal what vLLM returned;
 6. write the HTML dashboard and stop the stack.
 """
@@ -311,12 +312,40 @@ def build_report(
         for layer, rows_ in sorted(by_layer.items(), key=lambda kv: str(kv[0])):
             counts = ", ".join(f"e{r.get('expert')}={r.get('tokens', r.get('count', '?'))}" for r in rows_)
             lines.append(f"  layer {layer}: {counts}")
+    lines += _whatif_and_regressions(api)
     lines += [
         "",
         f"{CHECK_LINE}: " + ("OK" if not problems else "MISMATCH"),
     ]
     lines += [f"  - {p}" for p in problems]
     return "\n".join(lines), tenants, problems
+
+
+def _whatif_and_regressions(api: Api) -> list[str]:
+    """The report's "what if" (modelled, docs/cost-model.md) and "regressions" lines."""
+    lines = ["", "What if (modelled; docs/cost-model.md, What if):", ""]
+    rows = []
+    for scenario in ("no-cache", "kv-x2", "no-spec"):
+        try:
+            got = api.get("/api/v1/whatif", scenario=scenario, group_by="model", since="1d")["rows"]
+        except DemoError as exc:
+            got = [{"scenario": scenario, "error": str(exc)}]
+        rows += [
+            {
+                k: r.get(k, "")
+                for k in ("scenario", "model", "delta_computed_tokens", "delta_cost_usd", "error")
+            }
+            for r in got
+        ]
+    errors = ["error"] if any(r["error"] for r in rows) else []
+    lines.append(_table(rows, ["scenario", "model", "delta_computed_tokens", "delta_cost_usd", *errors]))
+    try:
+        found = api.get("/api/v1/regressions")["rows"]
+        lines += ["", "regressions: none" if not found else "regressions:"]
+        lines += [f"  {r['engine']} {r['signal']}: {r['baseline']:.3g} -> {r['current']:.3g}" for r in found]
+    except DemoError as exc:
+        lines += ["", f"regressions: not known ({exc})"]
+    return lines
 
 
 #: The report's check line; every engine counter the report prints is compared (see below).

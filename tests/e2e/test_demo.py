@@ -23,6 +23,9 @@ def test_demo(tmp_path: Path) -> None:
     result = run_demo(cfg, quick=False, say=lines.append)
     assert not result.problems, result.report
     assert f"{CHECK_LINE}: OK" in result.report
+    # the short what-if and the regressions (a fresh store has no baseline: none)
+    assert "What if (modelled" in result.report and "\nregressions: none\n" in result.report
+    assert "error" not in result.report.split("What if (modelled", 1)[1].split("regressions:", 1)[0]
     engine = result.engine["requests"]
     assert len(result.requests) == len(engine) > 0
     # Per-tenant totals in the report are sums over the stored requests.

@@ -44,7 +44,16 @@ CHROMIUM_ARGS = [
     "--mute-audio",
 ]
 STATUSES = ["computed", "cached", "recomputed", "skipped", "evicted", "draft accepted"]
-CHARTS = ["health", "cost", "savings", "timeline", "experts-0"]  # one MoE model in the data set
+CHARTS = [
+    "health",
+    "cost",
+    "savings",
+    "timeline",
+    "experts-0",
+    "whatif",
+    "regressions",
+    "routing",
+]  # one MoE model
 
 
 @pytest.fixture(scope="module")

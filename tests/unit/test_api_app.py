@@ -339,6 +339,26 @@ def test_aggregates_see_only_the_tokens_tenants(client: TestClient, local: ApiQu
     assert "tenants: acme" in page and "globex" not in page
 
 
+def test_whatif_is_modelled_tenant_scoped_and_checks_its_scenario(
+    client: TestClient, local: ApiQueries
+) -> None:
+    for scenario in ("no-cache", "kv-curve", "no-spec", "window=32"):
+        rows = get(client, "/api/v1/whatif", ACME, scenario=scenario)["rows"]
+        assert rows == jsonable(local.whatif(scenario=scenario, scope=Scope(tenants=("acme",))))
+        assert rows and {r["tenant"] for r in rows} == {"acme"} and {r["basis"] for r in rows} == {"modelled"}
+    assert "unknown scenario 'cheaper'" in error(client, "/api/v1/whatif", 400, scenario="cheaper")
+
+
+def test_regressions_route_is_the_library_query(client: TestClient, local: ApiQueries) -> None:
+    until_ns = NOW
+    body = get(client, "/api/v1/regressions", ACME, until_ns=until_ns, baseline="30d", all=1, min_requests=1)
+    want = local.regressions(
+        scope=Scope(until_ns=until_ns, tenants=("acme",)), baseline="30d", all_signals=1, min_requests=1
+    )
+    assert body["rows"] == jsonable(want)
+    assert "bad window 'soon'" in error(client, "/api/v1/regressions", 400, window="soon")
+
+
 def test_cross_tenant_operations_need_an_all_tenant_token(client: TestClient) -> None:
     assert "all tenants" in error(client, "/metrics", 403, ACME)
     assert "all tenants" in error(client, "/api/v1/jobs", 403, ACME)

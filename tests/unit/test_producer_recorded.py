@@ -14,10 +14,14 @@ ALL = [
     "moe_routing",
     "preemption_eviction",
     "prefix_reuse",
+    "prefix_reuse_again",
+    "prefix_reuse_nocache",
     "sessions",
     "sliding_window",
     "sparsity_truth",
     "spec_ngram",
+    "spec_ngram_again",
+    "spec_ngram_off",
 ]
 
 
