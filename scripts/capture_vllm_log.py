@@ -61,7 +61,10 @@ def main() -> None:
     ]
     system = "You answer questions about invoices, tenants and token prices, in one short paragraph. " * 3
     truth: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="sparseety-vllm-log-") as tmp, running_broker(Path(tmp) / "b") as broker:
+    with (
+        tempfile.TemporaryDirectory(prefix="sparseety-vllm-log-") as tmp,
+        running_broker(Path(tmp) / "b") as broker,
+    ):
         cfg = engine_config(broker.client_config(), Path(tmp) / "engine", "vllm-log")
         log = Path(tmp) / "server.log"
         srv = ServerEngine(cfg, args, log)
@@ -72,7 +75,10 @@ def main() -> None:
                         "model": "tiny",
                         "messages": [
                             {"role": "system", "content": system},
-                            {"role": "user", "content": f"Question {i}: what is the price of " + "a token, " * i},
+                            {
+                                "role": "user",
+                                "content": f"Question {i}: what is the price of " + "a token, " * i,
+                            },
                         ],
                         "max_tokens": 5 + 3 * i,
                         "temperature": 0,
@@ -96,8 +102,13 @@ def main() -> None:
                 # a completion (not chat) and a streamed chat: the other two logging paths
                 r = client.post(
                     "/v1/completions",
-                    json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
-                          "return_token_ids": True},
+                    json={
+                        "model": "tiny",
+                        "prompt": "Once upon a time",
+                        "max_tokens": 7,
+                        "temperature": 0,
+                        "return_token_ids": True,
+                    },
                     headers={"X-Request-Id": "log-cmpl"},
                 )
                 r.raise_for_status()

@@ -13,15 +13,16 @@ What vLLM 0.32 writes, one record per line (``(<process> pid=<pid>) LEVEL MM-DD 
   and ``(streaming complete)`` at the end;
 * ``Aborted request(s) <engine ids>.`` (INFO).
 
-What is observed and what is modelled (each :class:`LogRequest` lists its modelled fields in
-``modelled``):
+What is observed and what is modelled (each :class:`LogRequest` lists the accounting columns
+that are modelled in ``modelled``; ``sparseety analyze`` reports them per request):
 
 * observed: request id, engine id, prompt token ids (DEBUG), output token ids of a non-streamed
   response (DEBUG), finish reason of a non-streamed response, ``max_tokens``, LoRA name;
-* ``times``: always modelled. The log's clock has one-second resolution, no year and no zone:
-  arrival is the ``Received`` line's second, finish the last ``Generated`` line's, in the year and
-  UTC offset given to the parser;
-* ``cached_tokens``: always modelled (vLLM logs no prefix-cache hits): 0;
+* ``arrival_ts_ns``, ``finished_ts_ns``: always modelled. The log's clock has one-second
+  resolution, no year and no zone: arrival is the ``Received`` line's second, finish the last
+  ``Generated`` line's, in the year and UTC offset given to the parser;
+* ``cache_read_tokens``, ``engine_cached_tokens``: always modelled (vLLM logs no prefix-cache
+  hits): 0, so ``uncached_computed_tokens`` (prompt − cached + output − 1) is modelled too;
 * ``output_tokens``: modelled for streamed responses, whose deltas without text are not logged
   (the logged ids are a lower bound), and without DEBUG (0);
 * ``prompt_tokens``: modelled without DEBUG (0) or when the ids may be cut by ``--max-log-len``;
@@ -65,14 +66,30 @@ _UVICORN = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s{2,}\S")
 _PROCESS = re.compile(r"^\((?:APIServer|EngineCore|Worker)[\w-]* pid=\d+\) ")
 _IDS = r"(?P<ids>None|\[[0-9, ]*\])"
 _STREAM = r"(?: \(streaming (?P<stream>delta|complete)\))?"
-_RECEIVED = re.compile(r"^Received request (?P<rid>\S+): params: (?P<params>.*), lora_request: (?P<lora>.*)\.$")
-_DETAILS = re.compile(r"^Request (?P<rid>\S+) details: prompt: .*, prompt_token_ids: " + _IDS + r", prompt_embeds")
+_RECEIVED = re.compile(
+    r"^Received request (?P<rid>\S+): params: (?P<params>.*), lora_request: (?P<lora>.*)\.$"
+)
+_DETAILS = re.compile(
+    r"^Request (?P<rid>\S+) details: prompt: .*, prompt_token_ids: " + _IDS + r", prompt_embeds"
+)
 _BODY = re.compile(r"^Request \S+ JSON body: ")
 _ADDED = re.compile(r"^Added request (?P<erid>\S+)\.$")
-_OUT_IDS = re.compile(r"^Generated response (?P<rid>\S+?)" + _STREAM + r" details: output_token_ids: " + _IDS + "$")
-_OUTPUT = re.compile(r"^Generated response (?P<rid>\S+?)" + _STREAM + r": output: .*, finish_reason: (?P<reason>\S+)$")
+_OUT_IDS = re.compile(
+    r"^Generated response (?P<rid>\S+?)" + _STREAM + r" details: output_token_ids: " + _IDS + "$"
+)
+_OUTPUT = re.compile(
+    r"^Generated response (?P<rid>\S+?)" + _STREAM + r": output: .*, finish_reason: (?P<reason>\S+)$"
+)
 _ABORTED = re.compile(r"^Aborted request\(s\) (?P<ids>.+)\.$")
 _REQUEST_WORDS = ("Received request", "Request ", "Added request", "Generated response", "Aborted request")
+#: Accounting columns a log never observes (names as in the requests table).
+ALWAYS_MODELLED = (
+    "arrival_ts_ns",
+    "finished_ts_ns",
+    "cache_read_tokens",
+    "engine_cached_tokens",
+    "uncached_computed_tokens",
+)
 _MAX_TOKENS = re.compile(r"\bmax_tokens=(\d+)")
 _LORA = re.compile(r"lora_name='([^']*)'")
 
@@ -93,7 +110,7 @@ class LogRequest:
     max_tokens: int | None = None
     lora_name: str | None = None
     streamed: bool = False
-    modelled: set[str] = field(default_factory=lambda: {"times", "cached_tokens"})
+    modelled: set[str] = field(default_factory=lambda: set(ALWAYS_MODELLED))
 
     @property
     def prompt_tokens(self) -> int:
