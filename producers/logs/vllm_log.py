@@ -22,7 +22,7 @@ that are modelled in ``modelled``; ``sparseety analyze`` reports them per reques
   resolution, no year and no zone: arrival is the ``Received`` line's second, finish the last
   ``Generated`` line's, in the year and UTC offset given to the parser;
 * ``cache_read_tokens``, ``engine_cached_tokens``: always modelled (vLLM logs no prefix-cache
-  hits): 0, so ``uncached_computed_tokens`` (prompt − cached + output − 1) is modelled too;
+  hits): 0, so ``uncached_computed_tokens`` (prompt - cached + output - 1) is modelled too;
 * ``output_tokens``: modelled for streamed responses, whose deltas without text are not logged
   (the logged ids are a lower bound), and without DEBUG (0);
 * ``prompt_tokens``: modelled without DEBUG (0) or when the ids may be cut by ``--max-log-len``;
@@ -44,8 +44,9 @@ when it parses and reported as partial otherwise, never dead-lettered.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -349,6 +350,8 @@ def iter_segments(paths: list[Path]) -> Iterator[tuple[Path, int, str, bool]]:
 class LogEpoch(TraceEpoch):
     """A trace epoch of a vLLM log: ``engine_kind = vllm_log``, prompt ids where the log has them."""
 
+    started: bool
+
     def __init__(self, engine_name: str, epoch: str, source: str, *, with_ids: bool) -> None:
         super().__init__(engine_name, epoch, source)
         self.with_ids = with_ids
@@ -370,3 +373,40 @@ class LogEpoch(TraceEpoch):
             yield self._wrap(trace.finished_ns, ev.ENGINE_STARTED, self.engine_started_payload())
         for payload_type, payload in payloads:
             yield self._wrap(trace.finished_ns, payload_type, payload)
+
+
+def log_epoch(paths: list[Path], engine_name: str | None = None, *, with_ids: bool = True) -> LogEpoch:
+    """The trace epoch of a log's segments: named ``vllm-log-<log name>``, its epoch the SHA-256 of
+    the segments (the same log read again, by ``ingest`` or ``analyze``, gives the same uids)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with p.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    base = log_base(paths[-1])
+    return LogEpoch(engine_name or f"vllm-log-{base}", h.hexdigest()[:16], base, with_ids=with_ids)
+
+
+def read_log(
+    paths: list[Path],
+    parser: VllmLogParser,
+    on_bad: Callable[[Path, BadTraceLineError], None],
+) -> Iterator[LogRequest]:
+    """The finished requests of a log's segments (oldest first), in finishing order.
+
+    Bad lines go to ``on_bad`` with their segment (the exception has the line number and bytes);
+    a cut last line that does not parse is recorded in ``parser.result.partial``. Call
+    ``parser.finish()`` afterwards for the unfinished requests.
+    """
+    for path, n, text, cut in iter_segments(paths):
+        try:
+            done = parser.line(text, n)
+        except BadTraceLineError as exc:
+            if cut:  # the server may still be writing it: not bad, not there yet
+                parser.result.partial.append((str(path), n))
+                continue
+            exc.raw = text.encode("utf-8", "replace")
+            on_bad(path, exc)
+            continue
+        if done is not None:
+            yield done

@@ -44,7 +44,7 @@ from sparseety.kafka import make_decoder
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import detect_format, iter_recording
 from sparseety.producers.logs.jsonl import TraceEpoch, parse_line
-from sparseety.producers.logs.vllm_log import LogEpoch, VllmLogParser, iter_segments, log_base, rotation_order
+from sparseety.producers.logs.vllm_log import VllmLogParser, log_base, log_epoch, read_log, rotation_order
 from sparseety.streams.replay import FoldProcessor
 from sparseety.streams.source_dedup import DedupState, dedup_step
 
@@ -192,7 +192,7 @@ def _detect(path: Path) -> str:
     with path.open("rb") as fh:
         head = fh.read(4096)
     try:
-        return detect_format(head[:64])
+        return detect_format(head)
     except TraceError:
         if b" pid=" in head or path.suffix == ".log" or log_base(path) != path.name:
             return "vllm-log"
@@ -206,7 +206,8 @@ def plan(paths: list[str | Path], input_format: str = "auto") -> list[AnalyzeInp
     Raises:
         TraceError: a file is missing or of no known format.
     """
-    files, logs = [], {}
+    files: list[AnalyzeInput] = []
+    logs: dict[str, list[Path]] = {}
     for raw in paths:
         p = Path(raw)
         if not p.is_file():
@@ -285,29 +286,16 @@ def _jsonl_events(path: Path, result: InputResult, opts: Options) -> Iterator[di
 
 
 def _log_events(inp: AnalyzeInput, result: InputResult, opts: Options) -> Iterator[dict[str, Any]]:
-    first = inp.paths[0]
-    year = opts.log_year or datetime.fromtimestamp(first.stat().st_mtime, UTC).year
+    year = opts.log_year or datetime.fromtimestamp(inp.paths[0].stat().st_mtime, UTC).year
     parser = VllmLogParser(year=year, utc_offset_s=opts.log_utc_offset_s, max_log_len=opts.max_log_len)
-    h = hashlib.sha256()
-    for p in inp.paths:
-        h.update(p.read_bytes())
-    epoch = LogEpoch(f"vllm-log-{inp.name}", h.hexdigest()[:16], inp.name, with_ids=True)
+    epoch = log_epoch(inp.paths)
     model = opts.model or "vllm-log"
-    for path, n, text, cut in iter_segments(inp.paths):
-        try:
-            done = parser.line(text, n)
-        except BadTraceLineError as exc:
-            if cut:  # the server may still be writing it: not bad, just not there yet
-                result.partial_lines.append({"file": str(path), "line": n, "reason": exc.reason})
-                continue
-            exc.raw = text.encode("utf-8", "replace")
-            result.bad_line(path, exc)
-            continue
-        if done is not None:
-            yield from epoch.log_request(done, opts.tenant, model)
-            result.rows_modelled[done.engine_request_id or done.request_id] = sorted(done.modelled)
+    for req in read_log(inp.paths, parser, result.bad_line):
+        result.rows_modelled[req.engine_request_id or req.request_id] = sorted(req.modelled)
+        yield from epoch.log_request(req, opts.tenant, model)
     parsed = parser.finish()
     result.ignored_lines = parsed.ignored_lines
+    result.partial_lines = [{"file": f, "line": n} for f, n in parsed.partial]
     result.unfinished = [
         {"request_id": r.request_id, "engine_request_id": r.engine_request_id, "line": r.line}
         for r in parsed.unfinished
