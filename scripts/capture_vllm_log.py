@@ -5,7 +5,7 @@ Writes ``tests/data/vllm_log/``:
 * ``server.log`` — the API server's stdout/stderr with ``--enable-log-requests
   --enable-log-outputs`` at ``VLLM_LOGGING_LEVEL=DEBUG`` (DEBUG adds the prompt and output token
   ids), exactly as vLLM wrote it;
-* ``events.bin`` — the SparSEEty plugin's engine events of the same run (the same requests
+* ``plugin-events.bin`` — the SparSEEty plugin's engine events of the same run (the same requests
   accounted twice: the dedup fixture);
 * ``truth.json`` — what the HTTP API answered per request (ids, usage, token ids, finish reason),
   the vLLM version and the server arguments.
@@ -156,7 +156,7 @@ def main() -> None:
         values = [r[3] for r in read_topic(cfg, cfg.topics.engine_events, decode=False, quiet_s=3.0)]
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "server.log").write_bytes(log.read_bytes())
-        (OUT / "events.bin").write_bytes(pack(values))
+        (OUT / "plugin-events.bin").write_bytes(pack(values))
         (OUT / "truth.json").write_text(
             json.dumps(
                 {

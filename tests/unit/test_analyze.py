@@ -18,7 +18,7 @@ from sparseety.config import Config, load_config
 from sparseety.stack.analyze import AnalyzeInput, InputResult, Options, analyze, fold_input, plan
 from tests.recorded import DATA, load_scenario
 
-RECORDING = DATA / "vllm_log" / "events.bin"
+RECORDING = DATA / "vllm_log" / "plugin-events.bin"
 LOG = DATA / "vllm_log" / "server.log"
 TRUTH = json.loads((DATA / "vllm_log" / "truth.json").read_text())
 
@@ -31,8 +31,8 @@ def cfg(tmp_path: Path) -> Config:
 def test_recording_and_its_log_report_each_and_count_each_request_once(cfg: Config, tmp_path: Path) -> None:
     out = tmp_path / "out"
     summary = analyze(cfg, [LOG, RECORDING], out, opts=Options(model="tiny"))
-    assert [i["input"] for i in summary.inputs] == ["vllm_log-events.bin", "server.log"]  # recordings first
-    rec = json.loads((out / "vllm_log-events.bin.json").read_text())
+    assert [i["input"] for i in summary.inputs] == ["plugin-events.bin", "server.log"]  # recordings first
+    rec = json.loads((out / "plugin-events.bin.json").read_text())
     log = json.loads((out / "server.log.json").read_text())
     by_external = {r["request_id"].rsplit("-", 1)[0]: r for r in rec["requests"]}
     for t in TRUTH["requests"]:  # the recording's accounting equals the HTTP answers
@@ -108,7 +108,7 @@ def test_tables_read_back(cfg: Config, tmp_path: Path, fmt: str) -> None:
     out = tmp_path / "out"
     analyze(cfg, [RECORDING, LOG], out, fmt=fmt)
     if fmt == "csv":
-        with (out / "vllm_log-events.bin.csv").open() as fh:
+        with (out / "plugin-events.bin.csv").open() as fh:
             rows = list(csv.DictReader(fh))
         with (out / "summary.csv").open() as fh:
             summary = list(csv.DictReader(fh))
@@ -116,7 +116,7 @@ def test_tables_read_back(cfg: Config, tmp_path: Path, fmt: str) -> None:
     else:
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(out / "vllm_log-events.bin.parquet").to_pylist()
+        rows = pq.read_table(out / "plugin-events.bin.parquet").to_pylist()
         summary = pq.read_table(out / "summary.parquet").to_pylist()
         prompt = sum(r["prompt_tokens"] for r in rows)
     assert len(rows) == 8

@@ -48,7 +48,7 @@ def plugin_request_ids() -> dict[str, str]:
     """External id -> engine request id, from the plugin's RequestStarted events of the same run."""
     dec = make_decoder(load_config())
     out = {}
-    for value in unpack((DATA / "vllm_log" / "events.bin").read_bytes()):
+    for value in unpack((DATA / "vllm_log" / "plugin-events.bin").read_bytes()):
         _, e = dec.decode(value)
         if ev.payload_type(e) == ev.REQUEST_STARTED:
             rid = e["payload"][1]["request_id"]
