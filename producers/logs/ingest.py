@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,7 +31,7 @@ from sparseety.kafka import make_decoder, make_encoder, make_producer
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import Format, detect_format, iter_recording
 from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
-from sparseety.producers.logs.vllm_log import VllmLogParser, log_epoch, read_log, rotation_order
+from sparseety.producers.logs.vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
 
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]
@@ -307,6 +307,8 @@ def ingest(
     segments: list[str | Path] | None = None,
     log_year: int | None = None,
     log_utc_offset_s: int = 0,
+    log_select: Callable[[LogRequest], bool] | None = None,
+    log_window_s: float | None = None,
 ) -> IngestReport:
     """Publish a trace file to ``cfg.topics.engine_events``.
 
@@ -324,6 +326,9 @@ def ingest(
         segments: ``vllm-log``: older rotated segments of the same log, read before ``path``.
         log_year, log_utc_offset_s: ``vllm-log``: the year and UTC offset of the log's clock
             (default: the year of the oldest segment's modification time, UTC).
+        log_select: ``vllm-log``: publish only the requests this accepts.
+        log_window_s: ``vllm-log``: publish only the requests that finished within this many
+            seconds of the log's last finished request (the log's own clock).
 
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
@@ -397,7 +402,14 @@ def ingest(
             report.records_read += 1
             report.bad_line(exc)
 
-        for req in read_log(paths, parser, bad_log_line):
+        requests: Iterable[LogRequest] = read_log(paths, parser, bad_log_line)
+        if log_select is not None:
+            requests = filter(log_select, requests)
+        if log_window_s is not None:
+            held = list(requests)
+            end = max((r.finished_ns for r in held), default=0)
+            requests = [r for r in held if r.finished_ns >= end - int(log_window_s * 1e9)]
+        for req in requests:
             report.records_read += 1
             for event in epoch.log_request(req, default_tenant, default_model or "vllm-log"):
                 publisher.send(key, encoder.encode(event))

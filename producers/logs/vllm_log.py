@@ -17,7 +17,8 @@ What is observed and what is modelled (each :class:`LogRequest` lists the accoun
 that are modelled in ``modelled``; ``sparseety analyze`` reports them per request):
 
 * observed: request id, engine id, prompt token ids (DEBUG), output token ids of a non-streamed
-  response (DEBUG), finish reason of a non-streamed response, ``max_tokens``, LoRA name;
+  response (DEBUG), finish reason of a non-streamed response, ``max_tokens``, LoRA name, the
+  served model name (the server's ``non-default args`` startup line; a default otherwise);
 * ``arrival_ts_ns``, ``finished_ts_ns``: always modelled. The log's clock has one-second
   resolution, no year and no zone: arrival is the ``Received`` line's second, finish the last
   ``Generated`` line's, in the year and UTC offset given to the parser;
@@ -91,6 +92,10 @@ ALWAYS_MODELLED = (
     "engine_cached_tokens",
     "uncached_computed_tokens",
 )
+#: The server's startup line that names the served model (``--served-model-name``, else ``--model``).
+_ARGS = re.compile(r"^non-default args: ")
+_SERVED = re.compile(r"'served_model_name': \['([^']*)'")
+_MODEL = re.compile(r"'model': '([^']*)'")
 _MAX_TOKENS = re.compile(r"\bmax_tokens=(\d+)")
 _LORA = re.compile(r"lora_name='([^']*)'")
 
@@ -110,6 +115,7 @@ class LogRequest:
     finish_reason: str = ""
     max_tokens: int | None = None
     lora_name: str | None = None
+    model: str = ""
     streamed: bool = False
     modelled: set[str] = field(default_factory=lambda: set(ALWAYS_MODELLED))
 
@@ -193,6 +199,8 @@ class VllmLogParser:
         self._open: dict[str, LogRequest] = {}  # request id -> request
         self._by_engine: dict[str, str] = {}  # engine request id -> request id
         self._last_month = 0
+        #: The served model name, from the server's ``non-default args`` line ("" until seen).
+        self.model = ""
 
     def _ns(self, ts: str) -> int:
         month = int(ts[:2])
@@ -218,6 +226,8 @@ class VllmLogParser:
             raise BadTraceLineError(n, "not a vLLM log line")
         msg = m.group("msg")
         if not msg.startswith(_REQUEST_WORDS):
+            if _ARGS.match(msg) and (found := _SERVED.search(msg) or _MODEL.search(msg)):
+                self.model = found.group(1)
             self.result.ignored_lines += 1
             return None
         ts = self._ns(m.group("ts"))
@@ -301,6 +311,7 @@ class VllmLogParser:
 
     def _finish(self, req: LogRequest) -> LogRequest:
         del self._open[req.request_id]
+        req.model = self.model
         self._by_engine.pop(req.engine_request_id, None)
         if req.prompt_token_ids is None:
             req.modelled.add("prompt_tokens")
@@ -363,8 +374,9 @@ class LogEpoch(TraceEpoch):
         return payload
 
     def log_request(self, req: LogRequest, tenant: str, model: str) -> Iterator[dict[str, Any]]:
-        """The request's envelopes (RequestStarted carries the logged prompt ids)."""
-        trace = req.trace_request(tenant, model)
+        """The request's envelopes (RequestStarted carries the logged prompt ids; ``model`` when
+        the log names no served model)."""
+        trace = req.trace_request(tenant, req.model or model)
         payloads = request_payloads(trace)
         if self.with_ids and req.prompt_token_ids:
             payloads[0][1]["prompt_token_ids"] = list(req.prompt_token_ids)

@@ -1,8 +1,8 @@
 """``sparseety analyze INPUT... --out DIR``: the fold and the accounting over trace files, offline.
 
-No Kafka, no worker, no store process: each input is decoded (recordings), parsed (JSONL request
-logs, vLLM server logs) into engine events and folded by the same :class:`FoldProcessor` the replay
-runs (the worker's :class:`~sparseety.streams.assembler.Assembler`), in memory. Its records are
+No Kafka, no worker, no store process: each input is decoded and checked as the worker checks
+it (recordings), or parsed (JSONL request logs, vLLM server logs) into engine events, and folded
+by the worker's :class:`~sparseety.streams.assembler.Assembler`, in memory (one per input). Its records are
 what the worker would send to the timelines, usage and dlq topics; with ``--clickhouse DSN`` they
 are written through the same :class:`~sparseety.sinks.clickhouse.writer.ClickHouseSink` the sink
 process uses, so the stored rows equal the streaming pipeline's for the same recording.
@@ -45,8 +45,9 @@ from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import detect_format, iter_recording
 from sparseety.producers.logs.jsonl import TraceEpoch, parse_line
 from sparseety.producers.logs.vllm_log import VllmLogParser, log_base, log_epoch, read_log, rotation_order
-from sparseety.streams.replay import FoldProcessor
+from sparseety.streams.assembler import Assembler
 from sparseety.streams.source_dedup import DedupState, dedup_step
+from sparseety.streams.state import MemoryStore
 
 FORMATS = ("json", "csv", "parquet")
 INPUT_FORMATS = ("auto", "recording", "jsonl", "vllm-log")
@@ -254,6 +255,7 @@ def _recording_events(cfg: Config, path: Path, result: InputResult) -> Iterator[
                 name, record = decoder.decode(value)
                 if name != ev.ENGINE_EVENT:
                     raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
+                ev.validate_engine_event(record, value)  # what the worker checks before folding
             except DecodeError as exc:
                 result.bad_line(path, BadTraceLineError(n, f"{type(exc).__name__}: {exc}", raw=value))
                 continue
@@ -314,13 +316,17 @@ def fold_input(cfg: Config, inp: AnalyzeInput, opts: Options) -> InputResult:
         events = _log_events(inp, result, opts)
     else:
         raise TraceError(f"unknown input format {inp.format!r}: choose one of {', '.join(INPUT_FORMATS)}")
-    fold = FoldProcessor(cfg)
-    topic = f"file:{inp.name}"
-    for offset, event in enumerate(events):
+    # The worker's fold, not the replay's FoldProcessor: a file holds whole epochs, but its first
+    # event of an epoch may be on another stream than EngineStarted (which the replay would skip).
+    asm = Assembler(cfg.worker, MemoryStore())
+    for event in events:
         result.events += 1
-        for name, record in fold(ev.ENGINE_EVENT, event, topic, 0, offset):
-            result.records.append((name, record))
-    result.fold_summary = fold.summary()
+        for out in asm.apply(event):
+            result.records.append((out.record_name, out.record))
+    s = asm.stats
+    result.fold_summary = (
+        f"{s.events} events folded, {s.requests_closed} requests closed, {s.duplicates} duplicates"
+    )
     for name, record in result.records:
         if name == ev.REQUEST_ACCOUNTING:
             row = {k: record.get(k) for k in ROW_FIELDS}
