@@ -83,7 +83,7 @@ class Backend:
         if isinstance(spec, ReplaySpec):
             job = ReplayJob(self.cfg, self.store, spec)
         elif isinstance(spec, VllmLogSpec):
-            job = VllmLogJob(self.cfg, spec)
+            job = VllmLogJob(self.cfg, self.store, spec)
         else:
             job = IngestJob(self.cfg, spec)
         unit = "records" if isinstance(spec, ReplaySpec) else "bytes"

@@ -184,10 +184,14 @@ class IngestJob:
 class VllmLogJob:
     """A checked ``vllm_log`` spec: its segments (``<log>.1``, ``<log>.2``, ... beside it) are
     read oldest first and the selected requests published to engine-events (the assembler folds
-    them as request-level requests, ``engine_kind = vllm_log``)."""
+    them as request-level requests, ``engine_kind = vllm_log``).
 
-    def __init__(self, cfg: Config, spec: VllmLogSpec) -> None:
-        self.cfg, self.spec = cfg, spec
+    A request the store already holds from a step-level source (the plugin: same engine request
+    id, :mod:`sparseety.streams.source_dedup`) is not published: it would be counted twice.
+    """
+
+    def __init__(self, cfg: Config, store: Store, spec: VllmLogSpec) -> None:
+        self.cfg, self.store, self.spec = cfg, store, spec
         self.path = Path(spec.log_path).expanduser()
         if not self.path.is_file():
             raise CollectSpecError(f"no log file at {spec.log_path} on the API's machine", path=spec.log_path)
@@ -205,14 +209,37 @@ class VllmLogJob:
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
         from sparseety.producers.logs.ingest import ingest
+        from sparseety.producers.logs.vllm_log import VllmLogParser, read_log, rotation_order
+        from sparseety.streams.source_dedup import REQUEST_LEVEL_KINDS
 
         f = self.spec.filters
         default_model = self.spec.model
+        segments = rotation_order([*self.segments, self.path])
+        parser = VllmLogParser(year=2000)  # only the ids are wanted here
+        ids = [
+            r.engine_request_id
+            for r in read_log(segments, parser, lambda _p, _e: None)
+            if r.engine_request_id
+        ]
+        accounted = {
+            r["request_id"]
+            for r in self.store.query(
+                f"SELECT DISTINCT request_id FROM {self.store.table('requests')} "
+                "WHERE has({ids:Array(String)}, request_id) AND NOT has({kinds:Array(String)}, engine_kind)",
+                {"ids": ids, "kinds": sorted(REQUEST_LEVEL_KINDS)},
+            )
+        }
+        skipped: list[str] = []
 
         def select(req: Any) -> bool:
             if f.request_id is not None and f.request_id not in (req.request_id, req.engine_request_id):
                 return False
-            return f.model_name is None or f.model_name == (req.model or default_model)
+            if f.model_name is not None and f.model_name != (req.model or default_model):
+                return False
+            if req.engine_request_id in accounted:
+                skipped.append(req.engine_request_id)
+                return False
+            return True
 
         report = ingest(
             self.cfg,
@@ -225,4 +252,4 @@ class VllmLogJob:
             log_select=select,
             log_window_s=self.spec.window_seconds,
         )
-        return report.to_dict()
+        return {**report.to_dict(), "already_accounted": len(skipped)}
