@@ -244,6 +244,10 @@ def _jsonl_requests(
             yield n, req, line
 
 
+#: The valid requests of a JSONL file, its bad lines into the report (``sparseety analyze`` too).
+jsonl_requests = _jsonl_requests
+
+
 def _recording_events(
     path: Path, report: IngestReport, cfg: Config, progress: Progress | None
 ) -> Iterator[tuple[int, dict[str, Any], bytes]]:

@@ -43,7 +43,8 @@ from sparseety.errors import DecodeError, SparseetyError
 from sparseety.kafka import make_decoder
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import detect_format, iter_recording
-from sparseety.producers.logs.jsonl import TraceEpoch, parse_line
+from sparseety.producers.logs.ingest import IngestReport, file_digest, jsonl_requests
+from sparseety.producers.logs.jsonl import TraceEpoch
 from sparseety.producers.logs.vllm_log import VllmLogParser, log_base, log_epoch, read_log, rotation_order
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.source_dedup import DedupState, dedup_step
@@ -267,23 +268,13 @@ def _recording_events(cfg: Config, path: Path, result: InputResult) -> Iterator[
 
 
 def _jsonl_events(path: Path, result: InputResult, opts: Options) -> Iterator[dict[str, Any]]:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    trace = TraceEpoch(f"trace-{path.stem}", digest, path.name)
-    seen: set[str] = set()
-    with path.open("rb") as fh:
-        for n, line in enumerate(fh, start=1):
-            try:
-                req = parse_line(line, n, default_tenant=opts.tenant, default_model=opts.model)
-                if req is None:
-                    continue
-                if req.request_id in seen:
-                    raise BadTraceLineError(n, f"duplicate request id {req.request_id!r} in this file")
-            except BadTraceLineError as exc:
-                exc.raw = line
-                result.bad_line(path, exc)
-                continue
-            seen.add(req.request_id)
-            yield from trace.request(req)
+    """The events ``sparseety ingest`` would publish for a JSONL file (same epoch, same uids), its
+    bad lines (over-long, deep, invalid, duplicate ids) into ``result``."""
+    trace = TraceEpoch(f"trace-{path.stem}", file_digest(path)[:16], path.name)
+    report = IngestReport(str(path), "jsonl", path.stat().st_size)
+    report.on_bad = lambda exc: result.bad_line(path, exc)
+    for _n, req, _raw in jsonl_requests(path, report, opts.tenant, opts.model, None):
+        yield from trace.request(req)
     yield from trace.stop()
 
 
@@ -492,6 +483,7 @@ def analyze(
     summary = AnalyzeSummary()
     dedup = DedupState()
     all_rows: dict[str, dict[str, Any]] = {}
+    dups: dict[str, dict[str, Any]] = {}
     try:
         for i, inp in enumerate(inputs):
             if progress:
@@ -502,7 +494,7 @@ def analyze(
                 rows = state.rows(inp.name)
                 summary.skipped += 1
                 summary.inputs.append({**done["summary"], "status": "skipped (finished earlier)"})
-                _count(rows, dedup, all_rows, summary)
+                _count(rows, dedup, all_rows, dups)
                 continue
             result, error = None, ""
             for _attempt in range(retries + 1):
@@ -530,7 +522,7 @@ def analyze(
                 _write_table(out_dir / f"{inp.name}.{fmt}", result.rows, [*ROW_FIELDS, "modelled"], fmt)
                 meta = {k: v for k, v in report.items() if k != "requests"}
                 (out_dir / f"{inp.name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            duplicates = _count(result.rows, dedup, all_rows, summary)
+            duplicates = _count(result.rows, dedup, all_rows, dups)
             if sink is not None:
                 topic = f"analyze:{inp.name}"
                 for offset, (name, record) in enumerate(result.records):
@@ -555,8 +547,8 @@ def analyze(
     finally:
         if sink is not None:
             sink.close()
-    counted = [r for uid, r in all_rows.items() if uid not in {d["request_uid"] for d in summary.duplicates}]
-    summary.totals = _totals(counted)
+    summary.duplicates = list(dups.values())
+    summary.totals = _totals([r for uid, r in all_rows.items() if uid not in dups])
     _write_summary(out_dir, summary, fmt)
     return summary
 
@@ -565,19 +557,19 @@ def _count(
     rows: list[dict[str, Any]],
     dedup: DedupState,
     all_rows: dict[str, dict[str, Any]],
-    summary: AnalyzeSummary,
+    dups: dict[str, dict[str, Any]],
 ) -> set[str]:
-    """Fold the rows into the dedup state; return the uids of these rows that are duplicates."""
+    """Fold the rows into the dedup state (``dups``: uid -> why it is not counted); return the
+    uids of these rows that are duplicates."""
     mine = set()
     for row in rows:
         all_rows[row["request_uid"]] = row
         dedup, decisions = dedup_step(dedup, row)
         for uid, counted, dup_of in decisions:
-            summary.duplicates = [d for d in summary.duplicates if d["request_uid"] != uid]
-            if not counted:
-                summary.duplicates.append(
-                    {"request_uid": uid, "duplicate_of": dup_of, "request_id": row["request_id"]}
-                )
+            if counted:
+                dups.pop(uid, None)
+            else:
+                dups[uid] = {"request_uid": uid, "duplicate_of": dup_of, "request_id": row["request_id"]}
                 mine.add(uid)
     return mine & {r["request_uid"] for r in rows}
 

@@ -143,3 +143,32 @@ def test_cli(tmp_path: Path) -> None:
     assert "total: 8 requests (7 duplicates not counted)" in r.output
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0 and r.output.count("skipped (finished earlier)") == 2
+
+
+def test_a_jsonl_log_gives_what_ingest_and_the_worker_fold_give(cfg: Config, tmp_path: Path) -> None:
+    from sparseety.kafka import make_decoder
+    from sparseety.producers.logs.ingest import ingest
+    from sparseety.streams.assembler import Assembler
+    from sparseety.streams.state import MemoryStore
+    from tests.unit.test_ingest_jsonl import FakeProducer, line, write
+
+    path = write(tmp_path / "gw.jsonl", [line(i) for i in range(6)] + ["{not json"])
+    producer = FakeProducer()
+    ingest(cfg, path, producer=producer)
+    dec = make_decoder(cfg)
+    asm = Assembler(cfg.worker, MemoryStore())
+    folded = {
+        out.record["request_uid"]: out.record
+        for topic, _key, value in producer.messages
+        if topic == cfg.topics.engine_events
+        for out in asm.apply(dec.decode(value)[1])
+        if out.record_name.endswith("RequestAccounting")
+    }
+    analyze(cfg, [path], tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "gw.jsonl.json").read_text())
+    assert report["bad_lines"] == 1 and report["bad_line_list"][0]["line"] == 7
+    assert {
+        r["request_uid"]: (r["prompt_tokens"], r["cache_read_tokens"], r["tenant"])
+        for r in report["requests"]
+    } == {uid: (a["prompt_tokens"], a["cache_read_tokens"], a["tenant"]) for uid, a in folded.items()}
+    assert len(folded) == 6
