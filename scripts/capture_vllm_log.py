@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -70,7 +71,8 @@ def main() -> None:
         srv = ServerEngine(cfg, args, log)
         try:
             with httpx.Client(base_url=srv.url, timeout=120) as client:
-                for i in range(6):
+
+                def chat(i: int) -> dict[str, object]:
                     body: dict[str, object] = {
                         "model": "tiny",
                         "messages": [
@@ -89,16 +91,18 @@ def main() -> None:
                     r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": f"log-{i}"})
                     r.raise_for_status()
                     resp = r.json()
-                    truth.append(
-                        {
-                            "request_id": resp["id"],
-                            "endpoint": "chat",
-                            "usage": resp["usage"],
-                            "prompt_token_ids": resp.get("prompt_token_ids"),
-                            "output_token_ids": resp["choices"][0].get("token_ids"),
-                            "finish_reason": resp["choices"][0]["finish_reason"],
-                        }
-                    )
+                    return {
+                        "request_id": resp["id"],
+                        "endpoint": "chat",
+                        "usage": resp["usage"],
+                        "prompt_token_ids": resp.get("prompt_token_ids"),
+                        "output_token_ids": resp["choices"][0].get("token_ids"),
+                        "finish_reason": resp["choices"][0]["finish_reason"],
+                    }
+
+                # three clients at once: the log interleaves their lines, as a busy server's does
+                with ThreadPoolExecutor(3) as pool:
+                    truth.extend(pool.map(chat, range(6)))
                 # a completion (not chat) and a streamed chat: the other two logging paths
                 r = client.post(
                     "/v1/completions",
@@ -150,6 +154,23 @@ def main() -> None:
                 truth.append(
                     {"request_id": rid, "endpoint": "chat-stream", "usage": usage, "finish_reason": reason}
                 )
+                # a client that goes away mid-stream: vLLM logs "Aborted request(s)"
+                with client.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "Tell a long story."}],
+                        "max_tokens": 900,
+                        "min_tokens": 900,
+                        "temperature": 0,
+                        "stream": True,
+                    },
+                    headers={"X-Request-Id": "log-abort"},
+                ) as s:
+                    for _line in s.iter_lines():
+                        break
+                truth.append({"request_id": "chatcmpl-log-abort", "endpoint": "chat-abort"})
             time.sleep(3)
         finally:
             srv.close()

@@ -11,7 +11,8 @@ What vLLM 0.32 writes, one record per line (``(<process> pid=<pid>) LEVEL MM-DD 
   ``Generated response <id>: output: '...', finish_reason: <reason>`` (INFO): the end of a
   non-streamed chat request; streamed ones log ``(streaming delta)`` per delta that produced text
   and ``(streaming complete)`` at the end;
-* ``Aborted request(s) <engine ids>.`` (INFO).
+* ``Aborted request(s) <engine ids>.`` and ``Request <id> aborted.`` (INFO): a client that went
+  away; the request ends with finish reason ``abort``.
 
 What is observed and what is modelled (each :class:`LogRequest` lists the accounting columns
 that are modelled in ``modelled``; ``sparseety analyze`` reports them per request):
@@ -83,6 +84,7 @@ _OUTPUT = re.compile(
     r"^Generated response (?P<rid>\S+?)" + _STREAM + r": output: .*, finish_reason: (?P<reason>\S+)$"
 )
 _ABORTED = re.compile(r"^Aborted request\(s\) (?P<ids>.+)\.$")
+_ABORTED_ONE = re.compile(r"^Request (?P<rid>\S+) aborted\.$")
 _REQUEST_WORDS = ("Received request", "Request ", "Added request", "Generated response", "Aborted request")
 #: Accounting columns a log never observes (names as in the requests table).
 ALWAYS_MODELLED = (
@@ -105,8 +107,9 @@ class LogRequest:
     """One request as the log tells it (times in ns; ``modelled`` names the fields not observed)."""
 
     request_id: str
-    line: int
+    line: int  # where it was received (its first line)
     arrival_ns: int
+    finish_line: int = 0
     engine_request_id: str = ""
     finished_ns: int = 0
     prompt_token_ids: list[int] | None = None
@@ -290,6 +293,7 @@ class VllmLogParser:
                     req.modelled.add("finish_reason")
             else:
                 req.finish_reason = reason
+            req.finish_line = n
             return self._finish(req)
         if mm := _ABORTED.match(msg):
             done = None
@@ -299,8 +303,18 @@ class VllmLogParser:
                     req = self._open[rid]
                     req.finished_ns = ts
                     req.finish_reason = "abort"
+                    req.finish_line = n
                     done = self._finish(req)
             return done
+        if mm := _ABORTED_ONE.match(msg):  # follows "Aborted request(s)"; ends it if that was lost
+            req_open = self._open.get(mm.group("rid"))
+            if req_open is None:
+                self.result.ignored_lines += 1
+                return None
+            req_open.finished_ns = ts
+            req_open.finish_reason = "abort"
+            req_open.finish_line = n
+            return self._finish(req_open)
         raise BadTraceLineError(n, "request log line in an unknown format")
 
     def _request(self, rid: str, n: int) -> LogRequest:

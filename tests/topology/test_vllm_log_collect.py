@@ -77,7 +77,7 @@ def test_seed_body_collects_a_rotated_log_into_the_store(
     job = run_job(api, body(path))
     result = job["result"]
     assert job["kind"] == "vllm_log" and job["params"]["segments"] == [str(tmp_path / "server.log.1")]
-    assert result["format"] == "vllm-log" and result["requests"] == 7 and result["unfinished_requests"] == 1
+    assert result["format"] == "vllm-log" and result["requests"] == 8 and result["unfinished_requests"] == 1
     assert result["bad_lines"] == result["dead_lettered"] > 0 and result["already_accounted"] == 0
     dead = read_topic(kafka_cfg, kafka_cfg.topics.dlq)
     assert {d[3]["topic"] for d in dead} == {f"file:{tmp_path / 'server.log.1'}", f"file:{path}"}
@@ -86,9 +86,9 @@ def test_seed_body_collects_a_rotated_log_into_the_store(
     one = run_job(api, body(path, filters={"request_id": "chatcmpl-log-2", "model_name": None}))
     assert one["result"]["requests"] == 1
     fold = run_job(api, {"kind": "replay", "topic": "engine-events", "idle_s": 0.5})
-    assert fold["result"]["rows_written"]["requests"] >= 7
+    assert fold["result"]["rows_written"]["requests"] >= 8
     rows = _requests(kafka_cfg)
-    assert len(rows) == 7 and {r["engine_kind"] for r in rows} == {"vllm_log"}
+    assert len(rows) == 8 and {r["engine_kind"] for r in rows} == {"vllm_log"}
     assert {r["model"] for r in rows} == {"tiny"}
     chat0 = next(r for r in rows if str(r["request_id"]).startswith("chatcmpl-log-0-"))
     assert (chat0["prompt_tokens"], chat0["output_tokens"]) == (175, 5)  # the HTTP answer's usage
@@ -103,10 +103,10 @@ def test_requests_the_plugin_accounted_are_not_collected_again(
     produce_raw(kafka_cfg, kafka_cfg.topics.engine_events, [(b"e2e-vllm-log", v) for v in values])
     run_job(api, {"kind": "replay", "topic": "engine-events", "idle_s": 0.5})
     before = _requests(kafka_cfg)
-    assert len(before) == 8 and {r["engine_kind"] for r in before} == {"vllm"}
+    assert len(before) == 9 and {r["engine_kind"] for r in before} == {"vllm"}
     shutil.copy(LOG, tmp_path / "server.log")
     job = run_job(api, body(tmp_path / "server.log"))
-    assert job["result"]["already_accounted"] == 7 and job["result"]["requests"] == 0
+    assert job["result"]["already_accounted"] == 8 and job["result"]["requests"] == 0
     published = [
         e
         for _, _, _, e in read_topic(kafka_cfg, kafka_cfg.topics.engine_events)

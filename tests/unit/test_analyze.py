@@ -35,7 +35,7 @@ def test_recording_and_its_log_report_each_and_count_each_request_once(cfg: Conf
     rec = json.loads((out / "plugin-events.bin.json").read_text())
     log = json.loads((out / "server.log.json").read_text())
     by_external = {r["request_id"].rsplit("-", 1)[0]: r for r in rec["requests"]}
-    for t in TRUTH["requests"]:  # the recording's accounting equals the HTTP answers
+    for t in [t for t in TRUTH["requests"] if "usage" in t]:  # the recording equals the HTTP answers
         r = by_external[t["request_id"] if t["endpoint"] != "completions" else t["request_id"] + "-0"]
         assert r["prompt_tokens"] == t["usage"]["prompt_tokens"]
         assert r["output_tokens"] == t["usage"]["completion_tokens"]
@@ -46,7 +46,7 @@ def test_recording_and_its_log_report_each_and_count_each_request_once(cfg: Conf
     assert log["bad_lines"] > 0 and all(b["line"] > 0 for b in log["bad_line_list"])
     assert [u["request_id"] for u in log["unfinished_requests"]] == ["cmpl-log-cmpl-0"]
     # every log request is a plugin request: listed as a duplicate, counted once
-    assert len(summary.duplicates) == len(log["requests"]) == 7
+    assert len(summary.duplicates) == len(log["requests"]) == 8
     assert {d["request_id"] for d in summary.duplicates} <= {r["request_id"] for r in rec["requests"]}
     assert summary.totals == rec["totals"]
     assert json.loads((out / "summary.json").read_text())["totals"] == rec["totals"]
@@ -100,7 +100,7 @@ def test_a_failing_input_is_retried_then_reported_and_the_others_finish(cfg: Con
     assert s2.failed == 0 and s2.analysed == 1 and s2.skipped == 1
     assert attempts == {"prefix_reuse-events.bin": 2}
     _, truth = load_scenario("prefix_reuse")
-    assert s2.totals["requests"] == len(truth["requests"]) + 8
+    assert s2.totals["requests"] == len(truth["requests"]) + 9
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
@@ -119,10 +119,12 @@ def test_tables_read_back(cfg: Config, tmp_path: Path, fmt: str) -> None:
         rows = pq.read_table(out / "plugin-events.bin.parquet").to_pylist()
         summary = pq.read_table(out / "summary.parquet").to_pylist()
         prompt = sum(r["prompt_tokens"] for r in rows)
-    assert len(rows) == 8
-    assert prompt == sum(t["usage"]["prompt_tokens"] for t in TRUTH["requests"])
+    assert len(rows) == 9  # 8 answered + 1 aborted by its client (no usage answered)
+    aborted = next(r for r in rows if str(r["request_id"]).startswith("chatcmpl-log-abort-"))
+    answered = sum(t["usage"]["prompt_tokens"] for t in TRUTH["requests"] if "usage" in t)
+    assert prompt - int(aborted["prompt_tokens"]) == answered
     assert [r["input"] for r in summary][-1].startswith("(total")
-    assert int(summary[-1]["requests"]) == 8  # the log's 7 duplicates are not counted
+    assert int(summary[-1]["requests"]) == 9  # the log's 8 duplicates are not counted
     assert json.loads((out / "server.log.meta.json").read_text())["unfinished_requests"]
 
 
@@ -140,7 +142,7 @@ def test_cli(tmp_path: Path) -> None:
     args = ["--data-dir", str(tmp_path / "d"), "analyze", str(RECORDING), str(LOG), "--out", str(out)]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
-    assert "total: 8 requests (7 duplicates not counted)" in r.output
+    assert "total: 9 requests (8 duplicates not counted)" in r.output
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0 and r.output.count("skipped (finished earlier)") == 2
 
