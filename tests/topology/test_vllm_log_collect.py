@@ -113,3 +113,25 @@ def test_requests_the_plugin_accounted_are_not_collected_again(
         if e["engine_name"] != "e2e-vllm-log"
     ]
     assert not [e for e in published if ev.payload_type(e) == ev.REQUEST_STARTED]
+
+
+def test_ingest_command_reads_rotated_segments_as_one_log(kafka_cfg: Config, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sparseety.cli import main
+    from sparseety.config import to_env
+
+    path = _rotated(tmp_path)
+    args = ["ingest", "--format", "vllm-log", str(path), str(tmp_path / "server.log.1"), "--tenant", "acme"]
+    result = CliRunner().invoke(main, args, env=to_env(kafka_cfg))
+    assert result.exit_code == 1, result.output  # the log's library warnings are bad lines
+    assert (
+        "8 requests, 18 events published" in result.output
+    )  # EngineStarted, 8 x (start, finish), EngineStopped
+    assert "bad lines skipped" in result.output
+    records = read_topic(kafka_cfg, kafka_cfg.topics.engine_events, quiet_s=0.5)
+    started = [ev.payload(r[3]) for r in records if ev.payload_type(r[3]) == ev.REQUEST_STARTED]
+    assert len(started) == 8 and {s["tenant"] for s in started} == {"acme"}
+    assert {r[2] for r in records} == {b"vllm-log-server.log"}
+    only_one = CliRunner().invoke(main, ["ingest", str(path), str(path)], env=to_env(kafka_cfg))
+    assert only_one.exit_code == 2 and "several files only with --format vllm-log" in only_one.output
