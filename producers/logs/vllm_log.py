@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sparseety import events as ev
 from sparseety.producers.logs.errors import BadTraceLineError
@@ -341,24 +341,50 @@ class VllmLogParser:
         return self.result
 
 
-def iter_segments(paths: list[Path]) -> Iterator[tuple[Path, int, str, bool]]:
+#: A longer line is one bad line, read no further into memory (a DEBUG line of a 128k-token prompt
+#: is about 1 MiB).
+MAX_LOG_LINE_BYTES = 16 * 1024 * 1024
+#: What :func:`iter_segments` yields as the text of a line over the limit.
+TOO_LONG = "\x00too long"
+
+
+def _lines(fh: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """The file's lines (a last one maybe without its newline); ``None`` for a line over ``limit``."""
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = fh.readline(1 << 20)
+            yield None
+            continue
+        yield raw
+
+
+def iter_segments(
+    paths: list[Path], max_line_bytes: int = MAX_LOG_LINE_BYTES
+) -> Iterator[tuple[Path, int, str, bool]]:
     """(segment, line number, text, is the cut last line) over rotated segments, oldest first.
 
     A segment that ends without a newline continues its last line in the next segment (reported
-    at the line where it started); the last segment's cut last line comes with ``True``.
+    at the line where it started); the last segment's cut last line comes with ``True``. A line
+    over ``max_line_bytes`` comes as :data:`TOO_LONG`.
     """
     carry: tuple[Path, int, bytes] | None = None
     for i, path in enumerate(paths):
         with path.open("rb") as fh:
             n = 0
-            for raw in fh:
+            for raw in _lines(fh, max_line_bytes):
                 n += 1
+                if raw is None:
+                    seg_, n_ = (carry[0], carry[1]) if carry else (path, n)
+                    carry = None
+                    yield seg_, n_, TOO_LONG, False
+                    continue
                 if carry is not None:
                     seg, at, head = carry
                     carry = None
-                    if raw.endswith(b"\n"):
-                        yield seg, at, (head + raw).decode("utf-8", "replace").rstrip("\r\n"), False
-                        continue
                     raw = head + raw
                     path_, n_ = seg, at
                 else:
@@ -425,6 +451,9 @@ def read_log(
     ``parser.finish()`` afterwards for the unfinished requests.
     """
     for path, n, text, cut in iter_segments(paths):
+        if text is TOO_LONG:
+            on_bad(path, BadTraceLineError(n, f"line over {MAX_LOG_LINE_BYTES} bytes", raw=b""))
+            continue
         try:
             done = parser.line(text, n)
         except BadTraceLineError as exc:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sparseety import events as ev
 from sparseety.config import Config, load_config
@@ -231,3 +233,44 @@ def test_a_request_in_both_sources_is_counted_once_and_the_plugin_wins(order: st
     }
     state, again = dedup_step(state, plugin)  # the same accounting again (a replay) stays counted
     assert again == [(plugin["request_uid"], True, None)]
+
+
+@given(st.lists(st.binary(max_size=300) | st.text(max_size=300).map(str.encode), max_size=20))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_bytes_are_lines_never_an_abort(tmp_path: Path, chunks: list[bytes]) -> None:
+    prefix = b"(APIServer pid=1) INFO 12-01 04:05:36 [x.py:1] "
+    words = [
+        b"Received request ",
+        b"Generated response ",
+        b"Added request ",
+        b"Request ",
+        b"Aborted request(s) ",
+    ]
+    data = b"\n".join(prefix + words[i % 5] + c if i % 2 else c for i, c in enumerate(chunks))
+    path = tmp_path / "fuzz.log"
+    path.write_bytes(data)
+    _result, bad = parse([path])  # only BadTraceLineError is caught inside: anything else fails
+    lines = data.count(b"\n") + 1 if data else 0
+    assert all(1 <= n <= lines for _, n, _ in bad)
+
+
+def test_an_over_long_line_is_one_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "server.log"
+    path.write_bytes(b"".join(LINES[:300]) + b"x" * 5000 + b"\n" + b"".join(LINES[300:]))
+    parser = VllmLogParser(year=2026)
+    bad: list[tuple[int, str]] = []
+    from sparseety.producers.logs import vllm_log
+
+    done = []
+    for _seg, n, text, _cut in vllm_log.iter_segments([path], max_line_bytes=4096):
+        if text is vllm_log.TOO_LONG:
+            bad.append((n, "too long"))
+            continue
+        try:
+            if parser.line(text, n) is not None:
+                done.append(n)
+        except BadTraceLineError:
+            pass
+    assert bad == [(301, "too long")]
+    whole, _ = parse([LOG])
+    assert len(done) == len(whole.requests)
