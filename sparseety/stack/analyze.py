@@ -488,7 +488,12 @@ def analyze(
         for i, inp in enumerate(inputs):
             if progress:
                 progress(i, len(inputs), inp.name)
-            fingerprint = inp.fingerprint()
+            try:
+                fingerprint = inp.fingerprint()
+            except OSError as exc:  # gone or unreadable since planned: this input fails, not the run
+                summary.failed += 1
+                summary.inputs.append(_failed(inp, f"{type(exc).__name__}: {exc}", 0))
+                continue
             done = state.finished(inp, fingerprint)
             if done is not None:
                 rows = state.rows(inp.name)
@@ -505,15 +510,7 @@ def analyze(
                     error = f"{type(exc).__name__}: {exc}"
             if result is None:
                 summary.failed += 1
-                summary.inputs.append(
-                    {
-                        "input": inp.name,
-                        "format": inp.format,
-                        "status": "failed",
-                        "error": error,
-                        "attempts": retries + 1,
-                    }
-                )
+                summary.inputs.append(_failed(inp, error, retries + 1))
                 continue
             report = report_of(inp, result)
             if fmt == "json":
@@ -525,12 +522,21 @@ def analyze(
             duplicates = _count(result.rows, dedup, all_rows, dups)
             if sink is not None:
                 topic = f"analyze:{inp.name}"
-                for offset, (name, record) in enumerate(result.records):
-                    if name == ev.REQUEST_ACCOUNTING and record["request_uid"] in duplicates:
-                        continue  # accounted by the plugin already: stored once
-                    if sink.accepts(name):
-                        sink.add(name, record, topic=topic, partition=0, offset=offset)
-                sink.flush()
+                try:
+                    for offset, (name, record) in enumerate(result.records):
+                        if name == ev.REQUEST_ACCOUNTING and record["request_uid"] in duplicates:
+                            continue  # accounted by the plugin already: stored once
+                        if sink.accepts(name):
+                            sink.add(name, record, topic=topic, partition=0, offset=offset)
+                    sink.flush()  # retried inside the sink (sink.max_retries)
+                except SparseetyError as exc:
+                    sink.discard(topic, 0)
+                    for row in result.rows:  # not in this run's totals (dedup keeps its claim)
+                        all_rows.pop(row["request_uid"], None)
+                        dups.pop(row["request_uid"], None)
+                    summary.failed += 1
+                    summary.inputs.append(_failed(inp, f"writing to ClickHouse: {exc}", 1))
+                    continue  # not finished: the next run writes it again (the tables are idempotent)
             line = {
                 "input": inp.name,
                 "format": inp.format,
@@ -551,6 +557,10 @@ def analyze(
     summary.totals = _totals([r for uid, r in all_rows.items() if uid not in dups])
     _write_summary(out_dir, summary, fmt)
     return summary
+
+
+def _failed(inp: AnalyzeInput, error: str, attempts: int) -> dict[str, Any]:
+    return {"input": inp.name, "format": inp.format, "status": "failed", "error": error, "attempts": attempts}
 
 
 def _count(
