@@ -115,6 +115,88 @@ def broker_status(c: CliContext, port: int | None) -> None:
     sys.exit(0 if st.ready else 1)
 
 
+# --- analyze -----------------------------------------------------------------------------------
+
+
+@main.command("analyze")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report directory.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["json", "csv", "parquet"]), default="json", show_default=True
+)
+@click.option(
+    "--input-format",
+    type=click.Choice(["auto", "recording", "jsonl", "vllm-log"]),
+    default="auto",
+    show_default=True,
+    help="Format of every input (auto: detected per file).",
+)
+@click.option("--clickhouse", "dsn", default=None, help="Also write into this ClickHouse DSN (chdb:// too).")
+@click.option("--database", default=None, help="Database of --clickhouse [the configured one].")
+@click.option("--retries", type=click.IntRange(min=0), default=1, show_default=True, help="Per failed input.")
+@click.option("--tenant", default="", help="Tenant of log/JSONL requests that name none.")
+@click.option("--model", default="", help="Model of log/JSONL requests that name none [vllm-log for logs].")
+@click.option(
+    "--log-year", type=int, default=None, help="Year of a vLLM log's dates [its file's mtime year]."
+)
+@click.option(
+    "--log-utc-offset", type=int, default=0, show_default=True, help="vLLM log clock offset, minutes."
+)
+@click.option("--max-log-len", type=int, default=None, help="The server's --max-log-len, if it had one.")
+@pass_ctx
+def analyze_cmd(
+    c: CliContext,
+    inputs: tuple[str, ...],
+    out_dir: str,
+    fmt: str,
+    input_format: str,
+    dsn: str | None,
+    database: str | None,
+    retries: int,
+    tenant: str,
+    model: str,
+    log_year: int | None,
+    log_utc_offset: int,
+    max_log_len: int | None,
+) -> None:
+    """Fold trace files (recordings, JSONL, vLLM logs) offline: a report per input plus a summary.
+
+    No Kafka and no running stack. Resumable: inputs finished in an earlier run into the same
+    --out are skipped. Exit status 1 when an input failed (the others are still analysed).
+    """
+    from sparseety.stack.analyze import Options, analyze
+
+    err = click.get_text_stream("stderr")
+    with click.progressbar(length=len(inputs), label="analysing", file=err) as bar:
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.length = total
+            bar.label = f"analysing {name}" if name else "analysed"
+            bar.update(done - bar.pos)
+
+        summary = analyze(
+            c.cfg,
+            list(inputs),
+            out_dir,
+            fmt=fmt,
+            opts=Options(input_format, tenant, model, log_year, log_utc_offset * 60, max_log_len),
+            clickhouse_dsn=dsn,
+            clickhouse_database=database,
+            retries=retries,
+            progress=progress,
+        )
+    for line in summary.inputs:
+        extra = f" ({line['error']})" if line.get("error") else ""
+        click.echo(f"{line['input']}: {line['status']}{extra}, {line.get('requests', 0)} requests")
+    t = summary.totals
+    click.echo(
+        f"total: {t['requests']} requests ({len(summary.duplicates)} duplicates not counted), "
+        f"{t['prompt_tokens']} prompt + {t['output_tokens']} output tokens; reports in {out_dir}"
+    )
+    if summary.failed:
+        raise SystemExit(1)
+
+
 def _mount_components() -> None:
     for name in COMPONENT_CLIS:
         try:

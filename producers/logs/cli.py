@@ -8,14 +8,21 @@ from sparseety.cli_context import CliContext, pass_ctx
 
 
 @click.command("ingest")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["auto", "recording", "jsonl"]),
+    type=click.Choice(["auto", "recording", "jsonl", "vllm-log"]),
     default="auto",
     show_default=True,
-    help="recording: SparSEEty event recording (events.bin); jsonl: one request per line.",
+    help="recording: SparSEEty event recording (events.bin); jsonl: one request per line; "
+    "vllm-log: a vLLM server log with --enable-log-requests (rotated segments: give them all).",
+)
+@click.option(
+    "--log-year", type=int, default=None, help="Year of a vLLM log's dates [its file's mtime year]."
+)
+@click.option(
+    "--log-utc-offset", type=int, default=0, show_default=True, help="vLLM log clock offset, minutes."
 )
 @click.option("--engine", "engine_name", default=None, help="Engine name of a JSONL trace [trace-<stem>].")
 @click.option("--tenant", "default_tenant", default="", help="Tenant of JSONL lines that name none.")
@@ -38,8 +45,10 @@ from sparseety.cli_context import CliContext, pass_ctx
 @pass_ctx
 def ingest_cmd(
     c: CliContext,
-    path: str,
+    paths: tuple[str, ...],
     fmt: str,
+    log_year: int | None,
+    log_utc_offset: int,
     engine_name: str | None,
     default_tenant: str,
     default_model: str,
@@ -47,7 +56,9 @@ def ingest_cmd(
     max_line_bytes: int,
     max_depth: int,
 ) -> None:
-    """Publish a trace file (recording or JSONL log) to the engine-events topic.
+    """Publish a trace file (recording, JSONL log or vLLM server log) to the engine-events topic.
+
+    Several PATHS only for the rotated segments of one vLLM log (read oldest first).
 
     Bad lines are skipped, reported with their line numbers and sent to the dlq topic with their
     bytes; the exit status is 1 when any line was skipped. The assembler then folds the events
@@ -55,7 +66,12 @@ def ingest_cmd(
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.producers.logs.ingest import Limits, ingest
+    from sparseety.producers.logs.vllm_log import rotation_order
 
+    if len(paths) > 1 and fmt != "vllm-log":
+        raise click.UsageError("several files only with --format vllm-log (the segments of one log)")
+    ordered = rotation_order(paths)
+    path = str(ordered[-1])
     cfg = c.cfg
     wait_for_kafka(cfg)
     ensure_topics(cfg, [cfg.topics.engine_events, cfg.topics.dlq])
@@ -76,6 +92,9 @@ def ingest_cmd(
             strict=strict,
             progress=progress,
             limits=Limits(max_line_bytes, max_depth),
+            segments=list(ordered[:-1]),
+            log_year=log_year,
+            log_utc_offset_s=log_utc_offset * 60,
         )
     click.echo(
         f"{report.format}: {report.records_read} records read, {report.requests} requests, "

@@ -6,25 +6,31 @@ producers sent them (an EngineEvent each, Avro single-object encoding ``C3 01`` 
 Confluent registry framing ``00`` + schema id), each preceded by its length as a 4-byte big-endian
 unsigned integer, in topic order. No header, no trailer; an empty file holds no events.
 
-A *JSONL* log holds one JSON object per line (:mod:`sparseety.producers.logs.jsonl`).
+A *JSONL* log holds one JSON object per line (:mod:`sparseety.producers.logs.jsonl`); a *vLLM
+log* is an API server's output with request logging (:mod:`sparseety.producers.logs.vllm_log`).
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Literal
 
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 
-Format = Literal["recording", "jsonl"]
-FORMATS: tuple[str, ...] = ("auto", "recording", "jsonl")
+Format = Literal["recording", "jsonl", "vllm-log"]
+FORMATS: tuple[str, ...] = ("auto", "recording", "jsonl", "vllm-log")
 
 LENGTH = struct.Struct(">I")
 #: A single engine event is far smaller; a larger length means the file is not a recording.
 MAX_RECORD_BYTES = 64 * 1024 * 1024
 _SINGLE_OBJECT = b"\xc3\x01"
 _REGISTRY = b"\x00"
+#: A vLLM log line: ``(APIServer pid=12) INFO 12-01 04:05:08 [`` (a library may print first).
+_VLLM_LINE = re.compile(
+    rb"\((?:APIServer|EngineCore|Worker)[\w-]* pid=\d+\) [A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \["
+)
 
 
 def pack(values: Iterable[bytes]) -> bytes:
@@ -68,7 +74,10 @@ def detect_format(head: bytes) -> Format:
         return "recording"
     if head.lstrip().startswith(b"{"):
         return "jsonl"
+    if _VLLM_LINE.search(head):
+        return "vllm-log"
     raise TraceError(
-        "unknown trace format: expected a SparSEEty recording (length-prefixed Avro engine events) "
-        "or JSONL (one JSON object per line); pass the format explicitly if detection is wrong"
+        "unknown trace format: expected a SparSEEty recording (length-prefixed Avro engine events), "
+        "JSONL (one JSON object per line) or a vLLM server log; pass the format explicitly if "
+        "detection is wrong"
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +31,7 @@ from sparseety.kafka import make_decoder, make_encoder, make_producer
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import Format, detect_format, iter_recording
 from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
+from sparseety.producers.logs.vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
 
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]
@@ -56,6 +57,9 @@ class IngestReport:
     errors: list[tuple[int, str]] = field(default_factory=list)
     engine_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: vLLM logs: requests received but never finished in the log, and a cut last line.
+    unfinished: int = 0
+    partial: int = 0
     #: Called with each bad line (its bytes on ``exc.raw``): the ingest sends it to the dlq topic.
     on_bad: Callable[[BadTraceLineError], None] | None = field(default=None, repr=False, compare=False)
 
@@ -88,6 +92,8 @@ class IngestReport:
             "dead_lettered": self.dead_lettered,
             "errors": [{"line": n, "reason": r} for n, r in self.errors],
             "engine_ids": list(self.engine_ids),
+            "unfinished_requests": self.unfinished,
+            "partial_lines": self.partial,
             "seconds": round(self.seconds, 3),
             "events_per_s": round(self.events_per_s, 1),
         }
@@ -238,6 +244,10 @@ def _jsonl_requests(
             yield n, req, line
 
 
+#: The valid requests of a JSONL file, its bad lines into the report (``sparseety analyze`` too).
+jsonl_requests = _jsonl_requests
+
+
 def _recording_events(
     path: Path, report: IngestReport, cfg: Config, progress: Progress | None
 ) -> Iterator[tuple[int, dict[str, Any], bytes]]:
@@ -298,6 +308,11 @@ def ingest(
     progress: Progress | None = None,
     producer: Any = None,
     limits: Limits = Limits(),
+    segments: list[str | Path] | None = None,
+    log_year: int | None = None,
+    log_utc_offset_s: int = 0,
+    log_select: Callable[[LogRequest], bool] | None = None,
+    log_window_s: float | None = None,
 ) -> IngestReport:
     """Publish a trace file to ``cfg.topics.engine_events``.
 
@@ -312,6 +327,12 @@ def ingest(
         progress: Called with (bytes read, file size) as the file is read.
         producer: A confluent-kafka Producer to use (tests); default one from ``cfg``.
         limits: Size and nesting limits of a JSONL line.
+        segments: ``vllm-log``: older rotated segments of the same log, read before ``path``.
+        log_year, log_utc_offset_s: ``vllm-log``: the year and UTC offset of the log's clock
+            (default: the year of the oldest segment's modification time, UTC).
+        log_select: ``vllm-log``: publish only the requests this accepts.
+        log_window_s: ``vllm-log``: publish only the requests that finished within this many
+            seconds of the log's last finished request (the log's own clock).
 
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
@@ -320,18 +341,32 @@ def ingest(
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            head = fh.read(64)
+            head = fh.read(4096)  # a vLLM log may open with what libraries print
         total = p.stat().st_size
     except OSError as exc:
         raise TraceError(f"cannot read trace file {p}: {exc.strerror or exc}", path=str(p)) from None
     if fmt == "auto":
         resolved: Format = detect_format(head)
-    elif fmt in ("recording", "jsonl"):
+    elif fmt in ("recording", "jsonl", "vllm-log"):
         resolved = fmt  # type: ignore[assignment]
     else:
-        raise TraceError(f"unknown trace format {fmt!r}: choose auto, recording or jsonl")
+        raise TraceError(f"unknown trace format {fmt!r}: choose auto, recording, jsonl or vllm-log")
     started = time.monotonic()
-    if strict:
+    if resolved == "vllm-log":
+        paths = rotation_order([*(segments or []), p])
+        year = log_year or time.gmtime(paths[0].stat().st_mtime).tm_year
+        parser = VllmLogParser(year=year, utc_offset_s=log_utc_offset_s)
+        if strict:
+            checked = IngestReport(str(p), resolved, total)
+            for _ in read_log(paths, parser, lambda _p, exc: checked.bad_line(exc)):
+                pass
+            if checked.bad:
+                line, reason = checked.errors[0]
+                raise BadTraceLineError(
+                    line, f"{reason} ({checked.bad} bad lines in all; nothing was published)", bad=checked.bad
+                )
+            parser = VllmLogParser(year=year, utc_offset_s=log_utc_offset_s)
+    if strict and resolved != "vllm-log":
         checked = _check(cfg, p, resolved, default_tenant, default_model, limits)
         if checked.bad:
             line, reason = checked.errors[0]
@@ -350,7 +385,7 @@ def ingest(
             type(exc).__name__,
             exc.reason,
             COMPONENT,
-            topic=f"file:{p}",
+            topic=f"file:{getattr(exc, 'segment', p)}",  # a rotated log's segment
             partition=-1,
             offset=exc.line,
             key=p.name.encode(),
@@ -360,7 +395,38 @@ def ingest(
 
     report.on_bad = dead_letter
     engines: dict[str, None] = {}
-    if resolved == "jsonl":
+    if resolved == "vllm-log":
+        epoch = log_epoch(paths, engine_name)
+        engines[epoch.engine_id] = None
+        key = epoch.engine_name.encode()
+        report.total_bytes = sum(s.stat().st_size for s in paths)
+
+        def bad_log_line(segment: Path, exc: BadTraceLineError) -> None:
+            exc.segment = str(segment)  # type: ignore[attr-defined]
+            report.records_read += 1
+            report.bad_line(exc)
+
+        requests: Iterable[LogRequest] = read_log(paths, parser, bad_log_line)
+        if log_select is not None:
+            requests = filter(log_select, requests)
+        if log_window_s is not None:
+            held = list(requests)
+            end = max((r.finished_ns for r in held), default=0)
+            requests = [r for r in held if r.finished_ns >= end - int(log_window_s * 1e9)]
+        for req in requests:
+            report.records_read += 1
+            for event in epoch.log_request(req, default_tenant, default_model or "vllm-log"):
+                publisher.send(key, encoder.encode(event))
+            report.requests += 1
+        report.bytes_read = report.total_bytes
+        parsed = parser.finish()
+        report.unfinished = len(parsed.unfinished)
+        report.partial = len(parsed.partial)
+        for event in epoch.stop():
+            publisher.send(key, encoder.encode(event))
+        if not epoch.started:
+            engines.clear()
+    elif resolved == "jsonl":
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
         engines[trace.engine_id] = None
         key = trace.engine_name.encode()

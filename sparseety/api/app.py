@@ -20,13 +20,14 @@ from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import AuthError, Principal
 from sparseety.api.backend import JOB_KINDS, Backend
-from sparseety.api.collect import CollectSpecError, IngestSpec, ReplaySpec
+from sparseety.api.collect import CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
@@ -260,9 +261,14 @@ def _router() -> APIRouter:
 
     @api.post("/collect", status_code=202, tags=["jobs"])
     async def collect(
-        who: Caller, back: Back, spec: Annotated[ReplaySpec | IngestSpec, Body(discriminator="kind")]
+        who: Caller,
+        back: Back,
+        spec: Annotated[
+            Annotated[ReplaySpec | IngestSpec, Field(discriminator="kind")] | VllmLogSpec, Body()
+        ],
     ) -> JSONResponse:
-        """Submit an offline job (replay a topic range into the store, or ingest a trace file)."""
+        """Submit an offline job: replay a topic range into the store, ingest a trace file
+        (``kind``), or parse a vLLM server log (the seed's ``trace_source: vllm_log`` body)."""
         who.require_admin("collect jobs")
         return JSONResponse(back.submit(spec), status_code=202)
 

@@ -59,6 +59,35 @@ class IngestSpec(BaseModel):
     strict: bool = Field(False, description="Publish nothing if any line is bad.")
 
 
+class LogFilters(BaseModel):
+    """Which logged requests a ``vllm_log`` collect publishes (null: all)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str | None = Field(None, description="Only this request (the client's or the engine's id).")
+    model_name: str | None = Field(None, description="Only requests of this served model.")
+
+
+class VllmLogSpec(BaseModel):
+    """The seed's body: parse a vLLM server log into request events (``trace_source: vllm_log``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trace_source: Literal["vllm_log"]
+    log_path: str = Field(description="The server log on the API's machine (rotated: the newest segment).")
+    output_format: Literal["json"] = Field("json", description="The job result's format.")
+    window_seconds: float | None = Field(
+        None, gt=0, description="Only requests that finished this close to the log's last one."
+    )
+    filters: LogFilters = Field(default_factory=LogFilters)
+    tenant: str = Field("", description="Tenant of the logged requests (a log names none).")
+    model: str = Field("", description="Model when the log names no served model.")
+
+    @property
+    def kind(self) -> str:
+        return "vllm_log"
+
+
 class ReplayJob:
     """A checked replay spec, ready to run on a job thread."""
 
@@ -150,3 +179,77 @@ class IngestJob:
             progress=ctx.progress,
         )
         return report.to_dict()
+
+
+class VllmLogJob:
+    """A checked ``vllm_log`` spec: its segments (``<log>.1``, ``<log>.2``, ... beside it) are
+    read oldest first and the selected requests published to engine-events (the assembler folds
+    them as request-level requests, ``engine_kind = vllm_log``).
+
+    A request the store already holds from a step-level source (the plugin: same engine request
+    id, :mod:`sparseety.streams.source_dedup`) is not published: it would be counted twice.
+    """
+
+    def __init__(self, cfg: Config, store: Store, spec: VllmLogSpec) -> None:
+        self.cfg, self.store, self.spec = cfg, store, spec
+        self.path = Path(spec.log_path).expanduser()
+        if not self.path.is_file():
+            raise CollectSpecError(f"no log file at {spec.log_path} on the API's machine", path=spec.log_path)
+        self.segments = sorted(
+            p for p in self.path.parent.glob(self.path.name + ".*") if p.suffix[1:].isdigit()
+        )
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "log_path": str(self.path),
+            "segments": [str(p) for p in self.segments],
+            "window_seconds": self.spec.window_seconds,
+            "filters": self.spec.filters.model_dump(),
+        }
+
+    def __call__(self, ctx: Any) -> dict[str, Any]:
+        from sparseety.producers.logs.ingest import ingest
+        from sparseety.producers.logs.vllm_log import VllmLogParser, read_log, rotation_order
+        from sparseety.streams.source_dedup import REQUEST_LEVEL_KINDS
+
+        f = self.spec.filters
+        default_model = self.spec.model
+        segments = rotation_order([*self.segments, self.path])
+        parser = VllmLogParser(year=2000)  # only the ids are wanted here
+        ids = [
+            r.engine_request_id
+            for r in read_log(segments, parser, lambda _p, _e: None)
+            if r.engine_request_id
+        ]
+        accounted = {
+            r["request_id"]
+            for r in self.store.query(
+                f"SELECT DISTINCT request_id FROM {self.store.table('requests')} "
+                "WHERE has({ids:Array(String)}, request_id) AND NOT has({kinds:Array(String)}, engine_kind)",
+                {"ids": ids, "kinds": sorted(REQUEST_LEVEL_KINDS)},
+            )
+        }
+        skipped: list[str] = []
+
+        def select(req: Any) -> bool:
+            if f.request_id is not None and f.request_id not in (req.request_id, req.engine_request_id):
+                return False
+            if f.model_name is not None and f.model_name != (req.model or default_model):
+                return False
+            if req.engine_request_id in accounted:
+                skipped.append(req.engine_request_id)
+                return False
+            return True
+
+        report = ingest(
+            self.cfg,
+            self.path,
+            fmt="vllm-log",
+            default_tenant=self.spec.tenant,
+            default_model=default_model,
+            progress=ctx.progress,
+            segments=list(self.segments),
+            log_select=select,
+            log_window_s=self.spec.window_seconds,
+        )
+        return {**report.to_dict(), "already_accounted": len(skipped)}

@@ -1,0 +1,53 @@
+"""One request accounted by two sources (the plugin and the server log): count it once (pure).
+
+An engine whose server log is analysed while its plugin also publishes gives each request twice:
+the plugin's step-level accounting (engine ``engine_id`` of the engine epoch, ``engine_kind``
+``vllm``) and the log's request-level one (a trace epoch, ``engine_kind`` ``vllm_log``). Their
+``request_uid`` differ (the epochs do), so the key is the **engine request id**: vLLM's
+``<external id>-<8 random hex>``, which the plugin's events carry as ``request_id`` and the log
+names in its ``Added request <id>.`` line (the log parser uses it as the request id). The random
+suffix makes the id unique per server process, so equal ids are the same request.
+
+The rule: a step-level accounting always wins over a request-level one of the same key (it
+observed the steps; the log's times and cached tokens are modelled). Between two of the same
+level, the first one seen is kept. :func:`dedup_step` is the fold; it returns the decisions that
+change: ``(request_uid, counted, duplicate_of)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: engine_kind values of request-level sources (totals only, no steps).
+REQUEST_LEVEL_KINDS = frozenset({"vllm_log", "trace", "proxy"})
+
+Decision = tuple[str, bool, str | None]
+
+
+@dataclass
+class DedupState:
+    """The counted accounting per engine request id: (request_uid, is request-level)."""
+
+    counted: dict[str, tuple[str, bool]] = field(default_factory=dict)
+
+
+def dedup_step(state: DedupState, acc: Mapping[str, Any]) -> tuple[DedupState, list[Decision]]:
+    """Fold one accounting (``request_uid``, ``request_id``, ``engine_kind``) into the state.
+
+    Returns the decisions it causes: the accounting itself counted or not (with the uid it
+    duplicates), and, when a step-level one displaces a request-level one, that one uncounted.
+    """
+    uid = acc["request_uid"]
+    key = acc["request_id"]
+    request_level = acc["engine_kind"] in REQUEST_LEVEL_KINDS
+    held = state.counted.get(key)
+    if held is None or held[0] == uid:
+        state.counted[key] = (uid, request_level)
+        return state, [(uid, True, None)]
+    held_uid, held_request_level = held
+    if held_request_level and not request_level:
+        state.counted[key] = (uid, False)
+        return state, [(held_uid, False, uid), (uid, True, None)]
+    return state, [(uid, False, held_uid)]
