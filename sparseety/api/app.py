@@ -34,7 +34,7 @@ from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import ORDERS, timeline_counts
 from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
 from sparseety.producers.logs.errors import TraceError
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
 
 log = logging.getLogger("sparseety.api")
 
@@ -181,6 +181,35 @@ async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str,
     return _rows(spec.label, scope, rows, **extra)
 
 
+def _lookup_route(spec: QuerySpec) -> Any:
+    """The handler of one lookup: the id from the path (or the query string), 404 when absent."""
+    assert spec.key is not None
+    key_name = spec.key
+
+    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> JSONResponse:
+        scope = s.scope(who, back.clock())
+        key = given.pop(key_name)
+        arguments = {p.name: p.check(given[p.wire]) for p in spec.params}
+        found = await back.query(spec.label, spec.fetch, back.queries, key, scope=scope, **arguments)
+        if found is None:
+            raise NotFound(f"no {spec.what or spec.key} {key!r}")
+        body = {key_name: key, **found} if spec.echo_key else found
+        return JSONResponse(jsonable(body))
+
+    key_doc = "The request uid (engine_id/request_id)."
+    key_param = (
+        _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
+    )
+    signature = [key_param, _kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
+    for p in spec.params:
+        kind = p.type if p.default is not None else p.type | None
+        signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], p.default))
+    handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
+    handler.__doc__ = spec.doc.split("\n\n")[0]
+    handler.__name__ = spec.name
+    return handler
+
+
 async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
     """One request in ``scope``; another tenant's request is as unknown as a missing one (404)."""
     found = await back.query("request", back.queries.request, request_id, scope=scope)
@@ -191,20 +220,6 @@ async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, An
 
 def _router() -> APIRouter:
     api = APIRouter(prefix="/api/v1")
-
-    @api.get("/tokens/statistics", tags=["requests"])
-    async def tokens_statistics(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        request_id: Annotated[str, Query(description="The request uid (engine_id/request_id).")],
-    ) -> JSONResponse:
-        """Token counts of one request (input, output, computed, cached, skipped, evicted, drafts)."""
-        scope = s.scope(who, back.clock())
-        stats = await back.query("tokens_statistics", back.queries.tokens_statistics, request_id, scope=scope)
-        if stats is None:
-            raise NotFound(f"no request {request_id!r}")
-        return JSONResponse({"request_id": request_id, **stats})
 
     @api.get("/requests", tags=["requests"])
     async def list_requests(
@@ -241,10 +256,10 @@ def _router() -> APIRouter:
             )
         )
 
-    @api.get("/requests/{request_id:path}", tags=["requests"])
-    async def request_detail(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
-        """One request: every count, its cost in each mode and its segment timeline."""
-        return JSONResponse(jsonable(await _request(back, request_id, s.scope(who, back.clock()))))
+    for spec in lookups():
+        api.add_api_route(
+            spec.api_path.removeprefix("/api/v1"), _lookup_route(spec), methods=["GET"], tags=["requests"]
+        )
 
     for route, specs in routes().items():
         api.add_api_route(f"/{route}", _registry_route(specs), methods=["GET"], tags=["cost"])

@@ -22,7 +22,7 @@ from sparseety.api import params
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.producers.logs.cli import ingest_cmd
 from sparseety.sinks.cli import FORMAT, echo_rows
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, commands
 from sparseety.times import parse_time
 
 LOGLEVEL = click.option(
@@ -182,51 +182,54 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
             help=p.doc,
         )(cmd)
     cmd.__doc__ = plain.doc.split("\n\n")[0]
-    return query.command(plain.route)(cmd)
+    return query.command(plain.cli_name)(cmd)
 
 
-for _route, _specs in routes().items():
-    _registry_command(_specs)
+def _lookup_command(specs: list[QuerySpec]) -> click.Command:
+    """``sparseety query <command> ID``: a lookup (one object), or a variant its param selects."""
+    plain, variants = specs[0], specs[1:]
+    switches = {s.selected_by: s for s in variants if s.selected_by}
+
+    @click.argument("key", metavar=(plain.key or "id").upper())
+    @click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
+    @FORMAT
+    @pass_ctx
+    def cmd(c: CliContext, key: str, tenants: tuple[str, ...], fmt: str, **given: Any) -> None:
+        from sparseety.api.client import open_queries
+
+        spec = next((s for name, s in switches.items() if given.get(name)), plain)
+        try:
+            arguments = {p.name: p.check(given[p.name]) for p in spec.params}
+        except QueryError as e:
+            raise click.UsageError(str(e)) from None
+        with open_queries(c.cfg, "sparseety query") as q:
+            found = getattr(q, spec.name)(key, scope=Scope(tenants=tuple(tenants) or None), **arguments)
+        if found is None:
+            raise click.ClickException(f"no {spec.what or spec.key} {key!r}")
+        if fmt == "json" or spec.tables is None:
+            echo_rows(found, fmt)
+            return
+        for i, table in enumerate(spec.tables(found)):
+            if i:
+                click.echo()
+            echo_rows(table, fmt)
+
+    for p in reversed([p for s in specs for p in s.params]):
+        default = 0 if p.name in switches else p.default
+        cmd = click.option(
+            f"--{p.wire}",
+            p.name,
+            type=click.Choice(p.choices) if p.choices else p.type,
+            default=default,
+            show_default=default is not None,
+            help=p.doc,
+        )(cmd)
+    cmd.__doc__ = plain.doc.split("\n\n")[0]
+    return query.command(plain.cli_name)(cmd)
 
 
-@query.command("request")
-@click.argument("request_uid")
-@click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
-@FORMAT
-@pass_ctx
-def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
-    """One request: every count, its cost in each mode and its segment timeline."""
-    from sparseety.api.client import open_queries
-
-    with open_queries(c.cfg, "sparseety query") as q:
-        found = q.request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    if fmt == "json":
-        echo_rows(found, fmt)
-        return
-    segments = found.pop("segments")
-    cost = found.pop("cost")
-    echo_rows([{"field": k, "value": v} for k, v in found.items()], fmt)
-    click.echo()
-    echo_rows([{"mode": k, "usd": v} for k, v in cost.items()], fmt)
-    click.echo()
-    echo_rows(segments, fmt)
-
-
-@query.command("tokens")
-@click.argument("request_uid")
-@FORMAT
-@pass_ctx
-def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
-    """Token statistics of one request (what the HTTP API serves)."""
-    from sparseety.api.client import open_queries
-
-    with open_queries(c.cfg, "sparseety query") as q:
-        found = q.tokens_statistics(request_uid)
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    echo_rows(found, fmt)
+for _name, _specs in commands().items():
+    (_lookup_command if _specs[0].key is not None else _registry_command)(_specs)
 
 
 @click.command("dashboard")

@@ -11,6 +11,7 @@ process that owns it — found in ``<data_dir>/api/endpoint.json`` and reached w
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,11 +141,11 @@ class RemoteQueries:
         body = self._get(path, {**params, **_scope_params(scope)})
         return decode_rows(body["rows"])
 
-    # --- the query library's methods (derived from the registry; request lookups below) --------
+    # --- the query library's methods (derived from the registry) --------------------------------
 
     if TYPE_CHECKING:
 
-        def __getattr__(self, name: str) -> Callable[..., list[dict[str, Any]]]: ...
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
 
     def ask(
         self,
@@ -169,31 +170,38 @@ class RemoteQueries:
             params["bucket"] = bucket
         return self._rows(f"/api/v1/{spec.route}", params, scope)
 
-    def request(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, Any] | None:
-        """Like :meth:`Queries.request` (None when unknown or not visible)."""
+    def fetch(self, spec: QuerySpec, key: str, *, scope: Scope = EVERYTHING, **arguments: Any) -> Any:
+        """Like :meth:`QuerySpec.fetch`: one lookup through its route (None when unknown or not
+        visible)."""
+        assert spec.key is not None
         if _sees_nothing(scope):
             return None
-        body = self._get(
-            f"/api/v1/requests/{quote(request_uid, safe='')}", _scope_params(scope), missing_ok=True
-        )
+        params: dict[str, Any] = {}
+        for p in spec.params:
+            value = arguments.pop(p.name, p.default)
+            if value is not None:
+                params[p.wire] = value
+        if arguments:
+            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        path = spec.api_path
+        if spec.key_in_path:
+            path = re.sub(r"\{" + spec.key + r"(:[a-z]+)?\}", quote(key, safe=""), path)
+        else:
+            params[spec.key] = key
+        body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
             return None
-        out: dict[str, Any] = {k: decode_value(k, v) for k, v in body.items() if k != "cost"}
-        out["cost"] = {
-            k: (v if k == "priced" else decode_value(f"{k}_usd", v)) for k, v in body["cost"].items()
-        }
+        out: dict[str, Any] = {}
+        for k, v in body.items():
+            if spec.echo_key and k == spec.key:
+                continue
+            if k in spec.money_objects:
+                out[k] = {
+                    m: (x if isinstance(x, bool) else decode_value(f"{m}_usd", x)) for m, x in v.items()
+                }
+            else:
+                out[k] = decode_value(k, v)
         return out
-
-    def tokens_statistics(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, int] | None:
-        """Like :meth:`Queries.tokens_statistics`."""
-        if _sees_nothing(scope):
-            return None
-        body = self._get(
-            "/api/v1/tokens/statistics", {"request_id": request_uid, **_scope_params(scope)}, missing_ok=True
-        )
-        if body is None:
-            return None
-        return {k: int(v) for k, v in body.items() if k != "request_id"}
 
     # --- ApiQueries' additions ---------------------------------------------------------------
 
@@ -223,7 +231,16 @@ class RemoteQueries:
         return dict(body.get("pipeline") or {})
 
 
-def _remote_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
+def _remote_method(spec: QuerySpec) -> Callable[..., Any]:
+    if spec.key is not None:
+
+        def lookup(self: RemoteQueries, key: str, *, scope: Scope = EVERYTHING, **kwargs: Any) -> Any:
+            return self.fetch(spec, key, scope=scope, **kwargs)
+
+        lookup.__name__ = lookup.__qualname__ = spec.name
+        lookup.__doc__ = f"Like :meth:`Queries.{spec.name}`."
+        return lookup
+
     def method(self: RemoteQueries, **kwargs: Any) -> list[dict[str, Any]]:
         return self.ask(spec, **kwargs)
 
