@@ -124,6 +124,10 @@ class RequestState(_Record):
     evicted_blocks_recomputed: int = 0
     draft_cut: int = 0  # drafts computed, then thrown away because the request stopped
     reopened: dict[str, Any] | None = None  # the record emitted by an idle-timeout close, if reopened
+    # Token records (schema v3): what the engine's privacy mode let out, kept until the record.
+    prompt_ids: list[int] = field(default_factory=list)  # raw mode
+    prompt_hashes: list[int] = field(default_factory=list)  # hashed mode
+    output_ids: list[int] = field(default_factory=list)  # raw mode
 
     @property
     def uid(self) -> str:

@@ -13,13 +13,14 @@ method, so an HTTP front (the API, later) can serve the same answers.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
+from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -456,11 +457,14 @@ class Queries:
     Args:
         store: A :class:`~sparseety.sinks.clickhouse.client.Store` (or anything with its
             ``database`` and ``query``).
+        tokenizers: Served model name -> its tokenizer's local path (``api.tokenizers``).
     """
 
-    def __init__(self, store: Queryable) -> None:
+    def __init__(self, store: Queryable, *, tokenizers: Mapping[str, str] | None = None) -> None:
         self.store = store
         self.db = store.database
+        #: Served model name -> local tokenizer path, for token records' text (``api.tokenizers``).
+        self.tokenizers: Mapping[str, str] = dict(tokenizers or {})
 
     if TYPE_CHECKING:
         # the registry's queries are attached below (one method per :data:`QUERIES` entry)
@@ -669,6 +673,9 @@ class QuerySpec:
             so a remote client restores them.
         tables: How the CLI prints a found object in table/csv form (a list of tables); None
             prints the object itself.
+        permission: A per-token permission (``token_ids``) that decides what a lookup returns:
+            the route passes ``allowed`` = whether the caller holds it (the library: True).
+        rows: The key of a found object whose list is its rows for an export (``records``).
     """
 
     name: str
@@ -688,6 +695,16 @@ class QuerySpec:
     echo_key: bool = False
     money_objects: tuple[str, ...] = ()
     tables: Callable[[dict[str, Any]], list[list[dict[str, Any]]]] | None = None
+    permission: str = ""
+    rows: str = ""
+
+    @property
+    def call_params(self) -> tuple[Param, ...]:
+        """The params the library method takes: a lookup's ``selected_by`` only picks the
+        command's variant."""
+        if self.key is None:
+            return self.params
+        return tuple(p for p in self.params if p.name != self.selected_by)
 
     @property
     def label(self) -> str:
@@ -709,16 +726,18 @@ class QuerySpec:
         """Whether a lookup's id is part of its path (else a query-string parameter)."""
         return self.key is not None and f"{{{self.key}" in self.api_path
 
-    def fetch(self, queries: Any, key: str, *, scope: Scope, **arguments: Any) -> Any:
+    def fetch(self, queries: Any, key: str, *, scope: Scope, allowed: bool = True, **arguments: Any) -> Any:
         """Run a lookup (its params checked as :meth:`build` checks them)."""
         assert self.lookup is not None, self.name
         kwargs = self._arguments(arguments)
+        if self.permission:
+            kwargs["allowed"] = allowed
         return self.lookup(queries, key, scope=scope, **kwargs)
 
     def _arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             p.name: p.check(v) if (v := arguments.get(p.name, p.default)) is not None else v
-            for p in self.params
+            for p in self.call_params
         }
         unknown = set(arguments) - set(kwargs)
         if unknown:
@@ -861,6 +880,26 @@ QUERIES: tuple[QuerySpec, ...] = (
         lookup=tokens_statistics_lookup,
         what="request",
         echo_key=True,
+    ),
+    QuerySpec(
+        "token_records",
+        None,
+        "Token records of one request: per run of positions (or per position), the token ids and "
+        "their text when the privacy mode stored them and the caller may read them, input / output "
+        "/ draft / cached flags, and the status on both axes (status, kv_fate).",
+        route="tokens",
+        path="requests/{request_id:path}/tokens",
+        key="request_id",
+        lookup=token_records_lookup,
+        what="request",
+        params=(
+            Param("records", bool, False, "Token records (ids, text, statuses) instead of the statistics."),
+            Param("per_position", bool, False, "One record per position instead of one per run."),
+        ),
+        selected_by="records",
+        permission="token_ids",
+        tables=token_records_tables,
+        rows="records",
     ),
 )
 #: The registry by method name.

@@ -189,7 +189,9 @@ def _lookup_route(spec: QuerySpec) -> Any:
     async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> JSONResponse:
         scope = s.scope(who, back.clock())
         key = given.pop(key_name)
-        arguments = {p.name: p.check(given[p.wire]) for p in spec.params}
+        arguments = {p.name: p.check(given[p.wire]) for p in spec.call_params}
+        if spec.permission:
+            arguments["allowed"] = who.allows(spec.permission)
         found = await back.query(spec.label, spec.fetch, back.queries, key, scope=scope, **arguments)
         if found is None:
             raise NotFound(f"no {spec.what or spec.key} {key!r}")
@@ -201,7 +203,7 @@ def _lookup_route(spec: QuerySpec) -> Any:
         _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
     )
     signature = [key_param, _kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
-    for p in spec.params:
+    for p in spec.call_params:
         kind = p.type if p.default is not None else p.type | None
         signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], p.default))
     handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]

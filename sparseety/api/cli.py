@@ -199,7 +199,7 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
 
         spec = next((s for name, s in switches.items() if given.get(name)), plain)
         try:
-            arguments = {p.name: p.check(given[p.name]) for p in spec.params}
+            arguments = {p.name: p.check(given[p.name]) for p in spec.call_params}
         except QueryError as e:
             raise click.UsageError(str(e)) from None
         with open_queries(c.cfg, "sparseety query") as q:
@@ -215,6 +215,9 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
             echo_rows(table, fmt)
 
     for p in reversed([p for s in specs for p in s.params]):
+        if p.type is bool:
+            cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
+            continue
         default = 0 if p.name in switches else p.default
         cmd = click.option(
             f"--{p.wire}",

@@ -177,7 +177,8 @@ class RemoteQueries:
         if _sees_nothing(scope):
             return None
         params: dict[str, Any] = {}
-        for p in spec.params:
+        arguments.pop("allowed", None)  # the server decides from the caller's token
+        for p in spec.call_params:
             value = arguments.pop(p.name, p.default)
             if value is not None:
                 params[p.wire] = value
@@ -284,6 +285,6 @@ def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
         return
     try:
         ensure_migrated(store)
-        yield ApiQueries(store)
+        yield ApiQueries(store, tokenizers=cfg.api.tokenizers)
     finally:
         store.close()
