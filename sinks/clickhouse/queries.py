@@ -20,6 +20,8 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
+from sparseety.sinks.clickhouse.export import export
+from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
 from sparseety.times import parse_bucket, to_ns
 
@@ -474,6 +476,10 @@ class Queries:
         sql, params = built
         return _finish(self.store.query(sql, params))
 
+    def export(self, spec: QuerySpec, fmt: str, **arguments: Any) -> bytes | None:
+        """One registry query as a Parquet or CSV file (:func:`~.export.export`)."""
+        return export(self, spec, fmt, **arguments)
+
     def ask(
         self,
         spec: QuerySpec,
@@ -859,6 +865,31 @@ QUERIES: tuple[QuerySpec, ...] = (
         selected_by="limit",
     ),
     QuerySpec(
+        "requests",
+        requests_sql,
+        "Requests in scope with their token counts, newest first or most varied timelines first.",
+        route="requests",
+        params=(
+            Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
+            Param(
+                "order",
+                str,
+                "recent",
+                "recent, or varied (most kinds of token fate first).",
+                choices=ORDERS,
+                what="order",
+            ),
+        ),
+    ),
+    QuerySpec(
+        "timelines",
+        timelines_sql,
+        "Timeline segments of every request in scope (request_uid, tenant, model, start, end, kind, "
+        "status, draft_accepted, source_request_uid, kv_fate), request by request.",
+        route="timelines",
+        params=(Param("limit", int, 1_000_000, "At most N segments.", ge=1, le=100_000_000),),
+    ),
+    QuerySpec(
         "request",
         None,
         "One request: every count, its cost in each mode and its segment timeline.",
@@ -869,6 +900,7 @@ QUERIES: tuple[QuerySpec, ...] = (
         what="request",
         money_objects=("cost",),
         tables=request_tables,
+        rows="segments",
     ),
     QuerySpec(
         "tokens_statistics",

@@ -26,6 +26,7 @@ from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
+from sparseety.sinks.clickhouse.export import check_format, rows_file
 from sparseety.sinks.clickhouse.queries import QUERIES, QueryError, QuerySpec, Scope
 
 
@@ -102,7 +103,7 @@ class RemoteQueries:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False) -> Any:
+    def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False, raw: bool = False) -> Any:
         try:
             r = self.client.get(path, params=params, headers=self.headers)
         except httpx.HTTPError as exc:
@@ -114,6 +115,8 @@ class RemoteQueries:
             ) from None
         if r.status_code == 404 and missing_ok:
             return None
+        if raw and r.status_code == 200:
+            return r.content
         try:
             body = r.json()
         except ValueError:
@@ -170,6 +173,50 @@ class RemoteQueries:
             params["bucket"] = bucket
         return self._rows(f"/api/v1/{spec.route}", params, scope)
 
+    def export(
+        self,
+        spec: QuerySpec,
+        fmt: str,
+        *,
+        key: str | None = None,
+        by: Sequence[str] | None = None,
+        bucket: str | None = None,
+        scope: Scope = EVERYTHING,
+        **arguments: Any,
+    ) -> bytes | None:
+        """Like :meth:`Queries.export`: the file the route streams (``?format=``)."""
+        check_format(fmt)
+        arguments.pop("allowed", None)  # the server decides from the caller's token
+        if _sees_nothing(scope):
+            return None if spec.key is not None else rows_file([], fmt)
+        params: dict[str, Any] = {"format": fmt}
+        for p in spec.call_params:
+            value = arguments.pop(p.name, p.default)
+            if value is not None:
+                params[p.wire] = value
+        if arguments:
+            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        path = spec.api_path
+        if spec.key is not None:
+            if key is None:
+                raise QueryError(f"{spec.name} needs its {spec.key}")
+            path = self._key_path(spec, key, params)
+        else:
+            if spec.group_by is not None:
+                params["group_by"] = ",".join((spec.group_by,) if by is None else by)
+            if spec.bucket and bucket is not None:
+                params["bucket"] = bucket
+        return self._get(path, {**params, **_scope_params(scope)}, missing_ok=True, raw=True)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _key_path(spec: QuerySpec, key: str, params: dict[str, Any]) -> str:
+        """A lookup's path with its id in it (or the id added to ``params``)."""
+        assert spec.key is not None
+        if spec.key_in_path:
+            return re.sub(r"\{" + spec.key + r"(:[a-z]+)?\}", quote(key, safe=""), spec.api_path)
+        params[spec.key] = key
+        return spec.api_path
+
     def fetch(self, spec: QuerySpec, key: str, *, scope: Scope = EVERYTHING, **arguments: Any) -> Any:
         """Like :meth:`QuerySpec.fetch`: one lookup through its route (None when unknown or not
         visible)."""
@@ -184,11 +231,7 @@ class RemoteQueries:
                 params[p.wire] = value
         if arguments:
             raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
-        path = spec.api_path
-        if spec.key_in_path:
-            path = re.sub(r"\{" + spec.key + r"(:[a-z]+)?\}", quote(key, safe=""), path)
-        else:
-            params[spec.key] = key
+        path = self._key_path(spec, key, params)
         body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
             return None
@@ -205,12 +248,6 @@ class RemoteQueries:
         return out
 
     # --- ApiQueries' additions ---------------------------------------------------------------
-
-    def requests(
-        self, *, scope: Scope = EVERYTHING, limit: int = 50, order: str = "recent"
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`ApiQueries.requests`."""
-        return self._rows("/api/v1/requests", {"limit": limit, "order": order}, scope)
 
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int | None = None) -> dict[str, Any]:
         """Like :meth:`ApiQueries.health` (measured on the server's clock)."""

@@ -206,7 +206,12 @@ def test_token_records_restore_vllm_ids_and_text(
             assert got is not None and got["privacy"] == "raw" and got["content"] == "ids", uid
             assert got["prompt_token_ids"] == list(o.prompt_token_ids)
             assert got["output_token_ids"] == list(o.outputs[0].token_ids)
-            assert got["output_text"] == o.outputs[0].text
+            # vLLM's incremental detokenizer withholds a trailing incomplete UTF-8 sequence (the
+            # random-weight model emits byte tokens), which a whole decode shows as U+FFFD: the
+            # texts are equal but for such a tail, and equal to a whole decode of vLLM's own ids.
+            ours, theirs = got["output_text"], o.outputs[0].text
+            assert ours == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+            assert ours.startswith(theirs) and set(ours[len(theirs) :]) <= {"\ufffd"}, (ours, theirs)
             assert got["prompt_text"] == tok.decode(o.prompt_token_ids, skip_special_tokens=True)
             assert got["prompt_text"].strip() == o.prompt.strip()
             each = q.token_records(uid, per_position=True)["records"]

@@ -206,3 +206,31 @@ def test_retention_is_configurable_per_table(store: Store) -> None:
     set_retention(store, {"request_tokens": 30})
     with pytest.raises(ConfigError, match="no retention for table"):
         load_config(clickhouse={"ttl_days": {"kv_blocks": 3}})
+
+
+def test_token_records_export_to_parquet_and_csv(store: Store, client: TestClient) -> None:
+    import csv
+    import io
+
+    import pyarrow.parquet as pq
+
+    from sparseety.sinks.clickhouse.queries import BY_NAME
+
+    q = Queries(store)
+    spec = BY_NAME["token_records"]
+    data = q.export(spec, "parquet", key=uid("raw"), per_position=True)
+    assert data is not None
+    assert (
+        pq.read_table(io.BytesIO(data)).to_pylist()
+        == q.token_records(uid("raw"), per_position=True)["records"]
+    )
+    runs = pq.read_table(io.BytesIO(q.export(spec, "parquet", key=uid("raw")) or b"")).to_pylist()
+    assert [r["token_ids"] for r in runs] == [PROMPT[:4], PROMPT[4:], OUTPUT]
+    r = client.get(
+        f"/api/v1/requests/{uid('raw')}/tokens",
+        params={"format": "csv", "per_position": "true"},
+        headers={"Authorization": "Bearer tok-acme"},
+    )
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert r.status_code == 200 and len(rows) == 13
+    assert {row["token_id"] for row in rows} == {""}  # no token_ids permission: counts and statuses
