@@ -23,6 +23,8 @@ def test_demo(tmp_path: Path) -> None:
     result = run_demo(cfg, quick=False, say=lines.append)
     assert not result.problems, result.report
     assert f"{CHECK_LINE}: OK" in result.report
+    # One request restored from its token records, checked against vLLM's output (CHECK_LINE).
+    assert "Restored request" in result.report and "content ids" in result.report
     engine = result.engine["requests"]
     assert len(result.requests) == len(engine) > 0
     # Per-tenant totals in the report are sums over the stored requests.
