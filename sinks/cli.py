@@ -142,7 +142,7 @@ def replay_cmd(
     lo, hi = parse_bound(start, now_ns=now), parse_bound(stop, now_ns=now)
     proc = load_processor(processor, cfg) if processor else processor_for_topic(cfg, name)
     with _store(cfg, "sparseety replay", check=False) as store:
-        migrate(store)
+        migrate(store, ttl_days=cfg.clickhouse.ttl_days)
         sink_cls = DryRunSink if dry_run else ClickHouseSink
         sink = sink_cls(
             store,
@@ -219,7 +219,7 @@ def db_migrate(c: CliContext) -> None:
     from sparseety.sinks.clickhouse.migrate import migrate
 
     with _store(c.cfg, "sparseety db migrate", check=False) as store:
-        applied = migrate(store)
+        applied = migrate(store, ttl_days=c.cfg.clickhouse.ttl_days)
         where = f"{store!r}" + (f" on cluster {store.cluster}" if store.cluster else "")
         if applied:
             for m in applied:

@@ -92,11 +92,17 @@ class RegistryConfig(_Section):
         return conf
 
 
+#: Tables a retention (``clickhouse.ttl_days``) may be set on, and the time column it counts from.
+RETENTION = {"request_tokens": "finished_at", "requests": "finished_at"}
+
+
 class ClickHouseConfig(_Section):
     """ClickHouse through clickhouse-connect: ``chdb:///abs/path`` (embedded) or ``http(s)://``."""
 
     dsn: str = ""  # empty: chdb:///<data_dir>/chdb
     database: str = "sparseety"
+    # Retention per table in days (0 = keep forever), applied by every migrate; see RETENTION.
+    ttl_days: dict[str, int] = Field(default_factory=lambda: {"request_tokens": 30})
     username: str = "default"
     password: SecretStr | None = None
     cluster: str = ""  # non-empty: ON CLUSTER DDL with Replicated engines
@@ -106,6 +112,16 @@ class ClickHouseConfig(_Section):
     def _check_dsn(cls, v: str) -> str:
         if v and not v.startswith(("chdb://", "http://", "https://")):
             raise ValueError("dsn must start with chdb://, http:// or https://")
+        return v
+
+    @field_validator("ttl_days")
+    @classmethod
+    def _check_ttl(cls, v: dict[str, int]) -> dict[str, int]:
+        for table, days in v.items():
+            if table not in RETENTION:
+                raise ValueError(f"no retention for table {table!r}: choose from {', '.join(RETENTION)}")
+            if days < 0:
+                raise ValueError(f"ttl_days.{table} must be >= 0 (0 = keep forever)")
         return v
 
     @field_validator("database")
@@ -188,12 +204,29 @@ class SinkConfig(_Section):
     retry_backoff_s: float = Field(0.5, ge=0)
 
 
+class ApiToken(_Section):
+    """One bearer token with permissions beyond its tenants (``api.tokens`` value as a table).
+
+    ``token_ids``: may read token content (ids, keyed hashes, decoded text) of its tenants'
+    requests; without it a token sees token counts and statuses only.
+    """
+
+    tenants: list[str]
+    token_ids: bool = False
+
+
 class ApiConfig(_Section):
-    """HTTP API: bind address and bearer tokens scoped to tenants (``*`` = all tenants)."""
+    """HTTP API: bind address and bearer tokens scoped to tenants (``*`` = all tenants).
+
+    A token's value is its tenant list, or an :class:`ApiToken` table that adds permissions.
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(8765, ge=0, le=65535)
-    tokens: dict[str, list[str]] = Field(default_factory=dict)
+    tokens: dict[str, list[str] | ApiToken] = Field(default_factory=dict)
+    # served model name -> its tokenizer on this machine (a path), for token records' text; a
+    # model not listed is tried by its own name (a path, or the local Hugging Face cache)
+    tokenizers: dict[str, str] = Field(default_factory=dict)
 
     def __repr_args__(self) -> Any:
         return [("host", self.host), ("port", self.port), ("tokens", f"<{len(self.tokens)} tokens>")]
@@ -372,7 +405,10 @@ def masked_dict(cfg: Config) -> dict[str, Any]:
     data["kafka"]["client"] = {k: (MASK if _is_secret_option(k) else v) for k, v in cfg.kafka.client.items()}
     data["otel"]["headers"] = {k: MASK for k in cfg.otel.headers}
     # Bearer tokens are the keys: show each one's tenant scope under a placeholder name.
-    data["api"]["tokens"] = {f"<token {i + 1}>": t for i, t in enumerate(cfg.api.tokens.values())}
+    data["api"]["tokens"] = {
+        f"<token {i + 1}>": t if isinstance(t, list) else t.model_dump()
+        for i, t in enumerate(cfg.api.tokens.values())
+    }
     return data
 
 
@@ -402,7 +438,7 @@ def to_env(cfg: Config) -> dict[str, str]:
                 if isinstance(v, SecretStr):
                     v = v.get_secret_value()
                 text = (
-                    json.dumps(v)
+                    json.dumps(v, default=lambda o: o.model_dump())  # api.tokens may hold ApiTokens
                     if isinstance(v, (dict, list))
                     else str(v).lower()
                     if isinstance(v, bool)

@@ -298,6 +298,9 @@ class Assembler:
         r.arrival_ts = body["arrival_ts_ns"]
         r.last_ts = ts
         prompt = r.prompt_len = body["prompt_len"]
+        # Token records: kept as the engine's privacy mode sent them (ids, hashes or neither).
+        r.prompt_ids = list(body.get("prompt_token_ids") or ())
+        r.prompt_hashes = list(body.get("prompt_token_hashes") or ())
         cached = r.cached_at_admission = body["num_cached_tokens"]
         r.cache_read += cached
         r.kv_end = max(r.kv_end, cached)
@@ -364,6 +367,10 @@ class Assembler:
         n_sched = body["num_scheduled_tokens"]
         before = body["num_computed_before"]
         n_new = body["num_new_tokens"]
+        # Output ids are kept only when the engine's privacy mode is raw (StepBatch carries them in
+        # every mode: the fold is where hashed and none drop them).
+        new_ids = body["new_token_ids"] if (epoch.config or {}).get("privacy_mode") == "raw" else None
+        ids_at = 0
         proposed = body["spec_proposed"]
         accepted = body["spec_accepted"]
         shape = self._shape(epoch)
@@ -391,6 +398,8 @@ class Assembler:
         shares: list[tuple[RequestState, float]] = []
         total = 0.0
         for i, rid in enumerate(rids):
+            ids_from = ids_at
+            ids_at += n_new[i]
             key = prefix + rid
             req = known.get(key)
             if req is None:
@@ -467,6 +476,8 @@ class Assembler:
                 if not req.first_token_ts:
                     req.first_token_ts = ts
                 req.out += new
+                if new_ids is not None:
+                    req.output_ids.extend(new_ids[ids_from:ids_at])
                 segs = req.segments
                 last = segs[-1] if segs else None
                 if (
@@ -751,6 +762,7 @@ class Assembler:
             "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
             "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,
             "session_id": r.session_id,
+            **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 
     def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:
@@ -840,6 +852,17 @@ class Assembler:
 _FULL_KINDS = frozenset(
     {"full_attention", "mla_attention", "sink_full_attention", "FullAttentionSpec", "MLAAttentionSpec"}
 )
+
+
+def _token_fields(privacy: str, r: RequestState) -> dict[str, Any]:
+    """RequestAccounting's token-record fields: what the privacy mode allows, nothing more."""
+    raw = privacy == "raw"
+    return {
+        "token_privacy": privacy,
+        "prompt_token_ids": list(r.prompt_ids) if raw else [],
+        "prompt_token_hashes": list(r.prompt_hashes) if privacy == "hashed" else [],
+        "output_token_ids": list(r.output_ids) if raw else [],
+    }
 
 
 def _primary_group_kind(config: dict[str, Any] | None) -> str | None:

@@ -126,6 +126,10 @@ class RequestState(_Record):
     reopened: dict[str, Any] | None = None  # the record emitted by an idle-timeout close, if reopened
     # Added with sessions (appended: older persisted states still load).
     session_id: str = ""  # the session the client named (RequestStarted.session_id)
+    # Token records (schema v3): what the engine's privacy mode let out, kept until the record.
+    prompt_ids: list[int] = field(default_factory=list)  # raw mode
+    prompt_hashes: list[int] = field(default_factory=list)  # hashed mode
+    output_ids: list[int] = field(default_factory=list)  # raw mode
 
     @property
     def uid(self) -> str:

@@ -316,6 +316,10 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "evicted_blocks_recomputed": 0,
         "waste_tokens": 0,
         "session_id": "",
+        "token_privacy": "raw",
+        "prompt_token_ids": [11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+        "prompt_token_hashes": [],
+        "output_token_ids": [21, 22, 23],
     }
     rec.update(over)
     return rec

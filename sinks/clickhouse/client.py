@@ -208,6 +208,19 @@ class Store:
         except Exception as exc:
             raise _store_error(exc, sql) from exc
 
+    def raw(
+        self, sql: str, parameters: dict[str, Any] | None, fmt: str, settings: dict[str, Any] | None = None
+    ) -> bytes:
+        """The result in one of ClickHouse's own output formats (``Parquet``, ``CSVWithNames``)."""
+        try:
+            return self.run(
+                lambda c: bytes(c.raw_query(sql, parameters=parameters, fmt=fmt, settings=settings))
+            )
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise _store_error(exc, sql) from exc
+
     def insert(
         self,
         table: str,

@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sparseety.config import RETENTION
 from sparseety.errors import MigrationError
 
 if TYPE_CHECKING:
@@ -168,8 +170,12 @@ def status(store: Store, migrations: list[Migration] | None = None) -> list[Migr
     ]
 
 
-def migrate(store: Store, migrations: list[Migration] | None = None) -> list[Migration]:
+def migrate(
+    store: Store, migrations: list[Migration] | None = None, *, ttl_days: Mapping[str, int] | None = None
+) -> list[Migration]:
     """Apply the pending migrations in order; return those applied (empty when up to date).
+
+    ``ttl_days`` (``clickhouse.ttl_days``) then sets each table's retention (:func:`set_retention`).
 
     Raises:
         MigrationError: an applied migration's file changed since, or a statement failed.
@@ -203,7 +209,42 @@ def migrate(store: Store, migrations: list[Migration] | None = None) -> list[Mig
             ["version", "name", "checksum", "applied_ns"],
         )
         done.append(m)
+    if ttl_days:
+        set_retention(store, ttl_days)
     return done
+
+
+def retention_sql(database: str, table: str, days: int, cluster: str = "") -> str:
+    """The statement that gives ``table`` a TTL of ``days`` on its time column (0: no TTL)."""
+    on_cluster = f" ON CLUSTER '{cluster}'" if cluster else ""
+    if days == 0:
+        return f"ALTER TABLE {database}.{table}{on_cluster} REMOVE TTL"
+    column = RETENTION[table]
+    return (
+        f"ALTER TABLE {database}.{table}{on_cluster} MODIFY TTL toDateTime({column}) + toIntervalDay({days})"
+    )
+
+
+def set_retention(store: Store, ttl_days: Mapping[str, int]) -> dict[str, int]:
+    """Make each table's TTL ``ttl_days[table]`` days (0 = none); returns those changed.
+
+    A table whose TTL already says so is left alone: MODIFY TTL rewrites the table's parts.
+    """
+    changed: dict[str, int] = {}
+    for table, days in ttl_days.items():
+        rows = store.query(
+            "SELECT engine_full FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+            {"db": store.database, "t": table},
+        )
+        if not rows:
+            continue
+        engine = str(rows[0]["engine_full"])
+        has_ttl = " TTL " in f" {engine} "
+        if (days == 0 and not has_ttl) or (days and f"toIntervalDay({days})" in engine):
+            continue
+        store.command(retention_sql(store.database, table, days, store.cluster))
+        changed[table] = days
+    return changed
 
 
 def ensure_migrated(store: Store) -> None:

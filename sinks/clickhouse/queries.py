@@ -13,7 +13,7 @@ method, so an HTTP front (the API, later) can serve the same answers.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
 from sparseety.sinks.clickhouse import regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse.export import export
+from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
+from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -457,19 +460,26 @@ class Queries:
     Args:
         store: A :class:`~sparseety.sinks.clickhouse.client.Store` (or anything with its
             ``database`` and ``query``).
+        tokenizers: Served model name -> its tokenizer's local path (``api.tokenizers``).
     """
 
-    def __init__(self, store: Queryable) -> None:
+    def __init__(self, store: Queryable, *, tokenizers: Mapping[str, str] | None = None) -> None:
         self.store = store
         self.db = store.database
+        #: Served model name -> local tokenizer path, for token records' text (``api.tokenizers``).
+        self.tokenizers: Mapping[str, str] = dict(tokenizers or {})
 
     if TYPE_CHECKING:
         # the registry's queries are attached below (one method per :data:`QUERIES` entry)
-        def __getattr__(self, name: str) -> Callable[..., list[dict[str, Any]]]: ...
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
 
     def _run(self, built: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
         sql, params = built
         return _finish(self.store.query(sql, params))
+
+    def export(self, spec: QuerySpec, fmt: str, **arguments: Any) -> bytes | None:
+        """One registry query as a Parquet or CSV file (:func:`~.export.export`)."""
+        return export(self, spec, fmt, **arguments)
 
     def ask(
         self,
@@ -482,13 +492,6 @@ class Queries:
     ) -> list[dict[str, Any]]:
         """Run one registry query (``by`` defaults to its default grouping)."""
         return self._run(spec.build(self.db, by=by, bucket=bucket, scope=scope, **arguments))
-
-    def request(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, Any] | None:
-        """One request: every count, its cost in each mode and its segment timeline.
-
-        Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
-        """
-        return self.requests_by_uid([request_uid], scope=scope).get(request_uid)
 
     def requests_by_uid(
         self, request_uids: Sequence[str], *, scope: Scope = Scope()
@@ -536,36 +539,63 @@ class Queries:
             out[c["request_uid"]] = r
         return {u: out[u] for u in wanted if u in out}
 
-    def tokens_statistics(self, request_uid: str, *, scope: Scope = Scope()) -> dict[str, int] | None:
-        """The token counts of one request, as the HTTP API serves them.
 
-        ``computed_token_count`` = first-time computation (uncached_computed, the one meaning of
-        computed); ``recomputed_preemption_count`` and ``recomputed_eviction_count`` the two
-        recompute senses; ``draft_token_count`` = drafts verified (accepted + rejected) and
-        ``draft_cut_count`` drafts cut by stop; so computed + both recomputes + draft + cut =
-        every token the engine computed for the request. ``kv_cache_evicted_count`` (name kept
-        for API compatibility) is window-released positions, not prefix-cache eviction.
-        """
-        where, params = scope.where()
-        params["uid"] = request_uid
-        rows = self.store.query(
-            "SELECT prompt_tokens AS input_token_count, output_tokens AS output_token_count, "
-            "uncached_computed_tokens AS computed_token_count, "
-            "cache_read_tokens AS cached_token_count, skipped_tokens AS skipped_token_count, "
-            "toInt64(window_released_tokens) + evicted_tokens AS kv_cache_evicted_count, "
-            "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
-            "recomputed_preemption_tokens, recomputed_tokens) AS recomputed_preemption_count, "
-            "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
-            "recomputed_eviction_tokens, 0) AS recomputed_eviction_count, "
-            "draft_cut_tokens AS draft_cut_count, "
-            "toInt64(draft_accepted_tokens) + draft_rejected_tokens AS draft_token_count, "
-            "draft_rejected_tokens AS draft_rejected_count "
-            f"FROM {self.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
-            params,
-        )
-        if not rows:
-            return None
-        return {k: int(rows[0][k]) for k in TOKEN_STATISTICS}
+# --- lookups: one object by its id (None = not stored, or outside the caller's scope) ----------
+
+
+def request_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, Any] | None:
+    """One request: every count, its cost in each mode and its segment timeline.
+
+    Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
+    """
+    return q.requests_by_uid([request_uid], scope=scope).get(request_uid)
+
+
+def request_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """A request as the CLI prints it in table/csv: its fields, its cost per mode, its segments."""
+    rest = {k: v for k, v in found.items() if k not in ("segments", "cost")}
+    return [
+        [{"field": k, "value": v} for k, v in rest.items()],
+        [{"mode": k, "usd": v} for k, v in found["cost"].items()],
+        list(found["segments"]),
+    ]
+
+
+def token_statistics_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """The token counts of one request, as the HTTP API serves them.
+
+    ``computed_token_count`` = first-time computation (uncached_computed, the one meaning of
+    computed); ``recomputed_preemption_count`` and ``recomputed_eviction_count`` the two
+    recompute senses; ``draft_token_count`` = drafts verified (accepted + rejected) and
+    ``draft_cut_count`` drafts cut by stop; so computed + both recomputes + draft + cut =
+    every token the engine computed for the request. ``kv_cache_evicted_count`` (name kept
+    for API compatibility) is window-released positions, not prefix-cache eviction.
+    """
+    where, params = scope.where()
+    params["uid"] = request_uid
+    sql = (
+        "SELECT prompt_tokens AS input_token_count, output_tokens AS output_token_count, "
+        "uncached_computed_tokens AS computed_token_count, "
+        "cache_read_tokens AS cached_token_count, skipped_tokens AS skipped_token_count, "
+        "toInt64(window_released_tokens) + evicted_tokens AS kv_cache_evicted_count, "
+        "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
+        "recomputed_preemption_tokens, recomputed_tokens) AS recomputed_preemption_count, "
+        "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
+        "recomputed_eviction_tokens, 0) AS recomputed_eviction_count, "
+        "draft_cut_tokens AS draft_cut_count, "
+        "toInt64(draft_accepted_tokens) + draft_rejected_tokens AS draft_token_count, "
+        "draft_rejected_tokens AS draft_rejected_count "
+        f"FROM {db}.requests_v WHERE request_uid = {{uid:String}} AND {where}"
+    )
+    return sql, params
+
+
+def tokens_statistics_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, int] | None:
+    """The token counts of one request (see :func:`token_statistics_sql`)."""
+    rows = q.store.query(*token_statistics_sql(q.db, request_uid, scope=scope))
+    if not rows:
+        return None
+    return {k: int(rows[0][k]) for k in TOKEN_STATISTICS}
 
 
 # --- the registry -------------------------------------------------------------------------------
@@ -634,12 +664,29 @@ class QuerySpec:
         dims: The dimensions it may be grouped by.
         bucket: Whether it takes a time bucket (``1h``).
         params: Its other arguments.
-        selected_by: For a query served on another query's route: the param that, when non-zero
-            there, runs this one instead (its route default is 0).
+        selected_by: For a query served on another query's route (or command): the param that,
+            when non-zero there, runs this one instead (its default there is 0).
+        key: A lookup of one object by its id (a request uid): the id's name. The library method
+            takes it first, the command as an argument, the route in its ``path`` when the path
+            names it (``{request_id:path}``), else as a required query-string parameter; a lookup
+            returns one object or None, answered 404 ``no <what> '<id>'``.
+        lookup: A lookup's fetch ``(queries, key, *, scope, **params) -> object | None`` (it may
+            run several queries: ``sql`` is unused).
+        path: The HTTP path under ``/api/v1/`` when it is not ``route``.
+        command: The ``sparseety query`` command when it is not ``route``.
+        what: What a lookup finds (``request``), for the 404 message.
+        echo_key: A lookup's HTTP body starts with ``{<key>: <id>}`` (its object lacks the id).
+        money_objects: Keys of nested objects whose values are USD (Decimal) except booleans,
+            so a remote client restores them.
+        tables: How the CLI prints a found object in table/csv form (a list of tables); None
+            prints the object itself.
+        permission: A per-token permission (``token_ids``) that decides what a lookup returns:
+            the route passes ``allowed`` = whether the caller holds it (the library: True).
+        rows: The key of a found object whose list is its rows for an export (``records``).
     """
 
     name: str
-    sql: Callable[..., tuple[str, dict[str, Any]]]
+    sql: Callable[..., tuple[str, dict[str, Any]]] | None
     doc: str
     route: str
     group_by: str | None = None
@@ -647,22 +694,68 @@ class QuerySpec:
     bucket: bool = False
     params: tuple[Param, ...] = ()
     selected_by: str | None = None
+    key: str | None = None
+    lookup: Callable[..., Any] | None = None
+    path: str = ""
+    command: str = ""
+    what: str = ""
+    echo_key: bool = False
+    money_objects: tuple[str, ...] = ()
+    tables: Callable[[dict[str, Any]], list[list[dict[str, Any]]]] | None = None
+    permission: str = ""
+    rows: str = ""
+
+    @property
+    def call_params(self) -> tuple[Param, ...]:
+        """The params the library method takes: a lookup's ``selected_by`` only picks the
+        command's variant."""
+        if self.key is None:
+            return self.params
+        return tuple(p for p in self.params if p.name != self.selected_by)
 
     @property
     def label(self) -> str:
         """What answers name the query (``query`` in the API's body, the metrics' label)."""
-        return self.name if self.selected_by else self.route
+        return self.name if self.selected_by or self.key else self.route
 
-    def build(
-        self, db: str, *, by: Sequence[str] | None, bucket: str | None, scope: Scope, **arguments: Any
-    ) -> tuple[str, dict[str, Any]]:
+    @property
+    def api_path(self) -> str:
+        """``/api/v1/...`` that serves it."""
+        return f"/api/v1/{self.path or self.route}"
+
+    @property
+    def cli_name(self) -> str:
+        """``sparseety query <cli_name>``."""
+        return self.command or self.route
+
+    @property
+    def key_in_path(self) -> bool:
+        """Whether a lookup's id is part of its path (else a query-string parameter)."""
+        return self.key is not None and f"{{{self.key}" in self.api_path
+
+    def fetch(self, queries: Any, key: str, *, scope: Scope, allowed: bool = True, **arguments: Any) -> Any:
+        """Run a lookup (its params checked as :meth:`build` checks them)."""
+        assert self.lookup is not None, self.name
+        kwargs = self._arguments(arguments)
+        if self.permission:
+            kwargs["allowed"] = allowed
+        return self.lookup(queries, key, scope=scope, **kwargs)
+
+    def _arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             p.name: p.check(v) if (v := arguments.get(p.name, p.default)) is not None else v
-            for p in self.params
+            for p in self.call_params
         }
         unknown = set(arguments) - set(kwargs)
         if unknown:
             raise TypeError(f"{self.name}() got unexpected arguments {sorted(unknown)}")
+        return kwargs
+
+    def build(
+        self, db: str, *, by: Sequence[str] | None, bucket: str | None, scope: Scope, **arguments: Any
+    ) -> tuple[str, dict[str, Any]]:
+        assert self.sql is not None, self.name
+        kwargs = self._arguments(arguments)
         if self.group_by is not None:
             kwargs["by"] = (self.group_by,) if by is None else tuple(by)
         if self.bucket:
@@ -842,20 +935,116 @@ QUERIES: tuple[QuerySpec, ...] = (
             Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
         ),
     ),
+    QuerySpec(
+        "requests",
+        requests_sql,
+        "Requests in scope with their token counts, newest first or most varied timelines first.",
+        route="requests",
+        params=(
+            Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
+            Param(
+                "order",
+                str,
+                "recent",
+                "recent, or varied (most kinds of token fate first).",
+                choices=ORDERS,
+                what="order",
+            ),
+        ),
+    ),
+    QuerySpec(
+        "timelines",
+        timelines_sql,
+        "Timeline segments of every request in scope (request_uid, tenant, model, start, end, kind, "
+        "status, draft_accepted, source_request_uid, kv_fate), request by request.",
+        route="timelines",
+        params=(Param("limit", int, 1_000_000, "At most N segments.", ge=1, le=100_000_000),),
+    ),
+    QuerySpec(
+        "request",
+        None,
+        "One request: every count, its cost in each mode and its segment timeline.",
+        route="request",
+        path="requests/{request_id:path}",
+        key="request_id",
+        lookup=request_lookup,
+        what="request",
+        money_objects=("cost",),
+        tables=request_tables,
+        rows="segments",
+    ),
+    QuerySpec(
+        "tokens_statistics",
+        None,
+        "Token statistics of one request (input, output, computed, cached, skipped, evicted, drafts).",
+        route="tokens",
+        path="tokens/statistics",
+        key="request_id",
+        lookup=tokens_statistics_lookup,
+        what="request",
+        echo_key=True,
+    ),
+    QuerySpec(
+        "token_records",
+        None,
+        "Token records of one request: per run of positions (or per position), the token ids and "
+        "their text when the privacy mode stored them and the caller may read them, input / output "
+        "/ draft / cached flags, and the status on both axes (status, kv_fate).",
+        route="tokens",
+        path="requests/{request_id:path}/tokens",
+        key="request_id",
+        lookup=token_records_lookup,
+        what="request",
+        params=(
+            Param("records", bool, False, "Token records (ids, text, statuses) instead of the statistics."),
+            Param("per_position", bool, False, "One record per position instead of one per run."),
+        ),
+        selected_by="records",
+        permission="token_ids",
+        tables=token_records_tables,
+        rows="records",
+    ),
 )
 #: The registry by method name.
 BY_NAME: dict[str, QuerySpec] = {q.name: q for q in QUERIES}
 
 
 def routes() -> dict[str, list[QuerySpec]]:
-    """Route -> the queries it serves (the plain one first, then those a param selects)."""
+    """Route -> the grouped queries it serves (the plain one first, then those a param selects).
+
+    Lookups (one object by id) are listed by :func:`lookups`.
+    """
     out: dict[str, list[QuerySpec]] = {}
     for q in sorted(QUERIES, key=lambda q: q.selected_by is not None):
-        out.setdefault(q.route, []).append(q)
+        if q.key is None:
+            out.setdefault(q.route, []).append(q)
     return out
 
 
-def _library_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
+def lookups() -> list[QuerySpec]:
+    """The lookups, in the order their paths must be matched: a path that ends in a catch-all
+    ``{id:path}`` after the longer paths it would swallow (``requests/{id}/tokens``)."""
+    return sorted((q for q in QUERIES if q.key is not None), key=lambda q: q.api_path.endswith(":path}"))
+
+
+def commands() -> dict[str, list[QuerySpec]]:
+    """``sparseety query`` command -> the queries it runs (plain first, then param-selected)."""
+    out: dict[str, list[QuerySpec]] = {}
+    for q in sorted(QUERIES, key=lambda q: q.selected_by is not None):
+        out.setdefault(q.cli_name, []).append(q)
+    return out
+
+
+def _library_method(spec: QuerySpec) -> Callable[..., Any]:
+    if spec.key is not None:
+
+        def lookup(self: Queries, key: str, *, scope: Scope = Scope(), **kwargs: Any) -> Any:
+            return spec.fetch(self, key, scope=scope, **kwargs)
+
+        lookup.__name__ = lookup.__qualname__ = spec.name
+        lookup.__doc__ = spec.doc
+        return lookup
+
     def method(self: Queries, **kwargs: Any) -> list[dict[str, Any]]:
         return self.ask(spec, **kwargs)
 

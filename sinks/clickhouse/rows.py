@@ -1,9 +1,10 @@
 """Records -> table rows, column-oriented (pure: no I/O).
 
 One RequestAccounting becomes one ``requests`` row, one ``token_segments`` row per timeline
-segment, one ``kv_blocks`` row per block use and (when routing was captured) one ``expert_load``
-row. Child rows carry the request's ``_version`` so that readers can ignore rows of an older
-version of the same request (a newer version may have fewer segments or blocks).
+segment, one ``kv_blocks`` row per block use, (when routing was captured) one ``expert_load``
+row and (records of schema v3 on) one ``request_tokens`` row. Child rows carry the request's
+``_version`` so that readers can ignore rows of an older version of the same request (a newer
+version may have fewer segments or blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sparseety.sinks.clickhouse.tables import (
     EXPERT_LOAD,
     KV_BLOCKS,
     REQUEST_FIELDS,
+    REQUEST_TOKENS,
     REQUESTS,
     SINK_TABLES,
     TOKEN_SEGMENTS,
@@ -156,6 +158,21 @@ class RowBuffer:
                 ("counts", list(counts)),
             ):
                 exp[col].append(value)
+            n += 1
+
+        privacy = rec.get("token_privacy") or ""
+        if privacy:  # schema v3: a row even in mode none, so answers can say nothing was stored
+            tok = self.columns[REQUEST_TOKENS.name]
+            for col, value in (
+                ("request_uid", uid),
+                ("_version", version),
+                ("finished_ts_ns", rec["finished_ts_ns"]),
+                ("privacy", privacy),
+                ("prompt_token_ids", list(rec.get("prompt_token_ids") or ())),
+                ("prompt_token_hashes", list(rec.get("prompt_token_hashes") or ())),
+                ("output_token_ids", list(rec.get("output_token_ids") or ())),
+            ):
+                tok[col].append(value)
             n += 1
         return n
 

@@ -155,6 +155,29 @@ DEAD_LETTERS = Table(
     ("dlq_topic", "dlq_partition", "dlq_offset"),
 )
 
+#: Token ids (or keyed hashes) per request version, as the privacy mode allows (migration 005).
+REQUEST_TOKENS = Table(
+    "request_tokens",
+    (
+        "request_uid",
+        "_version",
+        "finished_ts_ns",
+        "privacy",
+        "prompt_token_ids",
+        "prompt_token_hashes",
+        "output_token_ids",
+    ),
+    ("request_uid",),
+)
+
 #: Every table the sink writes, in write order (parents before children).
-SINK_TABLES: tuple[Table, ...] = (REQUESTS, TOKEN_SEGMENTS, KV_BLOCKS, EXPERT_LOAD, USAGE, DEAD_LETTERS)
+SINK_TABLES: tuple[Table, ...] = (
+    REQUESTS,
+    TOKEN_SEGMENTS,
+    KV_BLOCKS,
+    EXPERT_LOAD,
+    REQUEST_TOKENS,
+    USAGE,
+    DEAD_LETTERS,
+)
 BY_NAME = {t.name: t for t in SINK_TABLES}

@@ -236,7 +236,9 @@ def whatif_sql(
         f"sum(toInt64(c.scheduled_tokens) + {d_tokens}) AS cf_computed_tokens, "
         "cf_computed_tokens - computed_tokens AS delta_computed_tokens, "
         "sum(c.gpu_time_ns) AS gpu_time_ns, "
-        f"sum({cf_gpu}) AS cf_gpu_time_ns, cf_gpu_time_ns - gpu_time_ns AS delta_gpu_time_ns, "
+        # Int64 like gpu_time_ns (d_gpu may widen the sum to Int128, which Parquet writes as bytes)
+        f"toInt64(sum({cf_gpu})) AS cf_gpu_time_ns, "
+        "toInt64(cf_gpu_time_ns - gpu_time_ns) AS delta_gpu_time_ns, "
         "sum(c.actual_pico) AS cost_pico, "
         f"sum(c.actual_pico + {d_pico}) AS cf_cost_pico, "
         f"sum({d_pico}) AS delta_cost_pico, "

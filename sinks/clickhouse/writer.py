@@ -158,7 +158,7 @@ class ClickHouseSink(Sink):
             store = Store.open(cfg, owner=owner)
         try:
             if options.pop("migrate", True):
-                migrate(store)
+                migrate(store, ttl_days=cfg.clickhouse.ttl_days)
         except BaseException:
             if own:
                 store.close()

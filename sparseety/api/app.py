@@ -14,11 +14,19 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,10 +40,11 @@ from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
 from sparseety.api.jobs import JobCancelled
-from sparseety.api.queries import ORDERS, timeline_counts
+from sparseety.api.queries import timeline_counts
 from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
 from sparseety.producers.logs.errors import TraceError
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
+from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
 
 log = logging.getLogger("sparseety.api")
 
@@ -121,6 +130,34 @@ def _rows(query: str, scope: Scope, rows: list[dict[str, Any]], **extra: Any) ->
     return JSONResponse(jsonable(body))
 
 
+Format = Annotated[
+    str | None,
+    Query(
+        description="parquet or csv: the rows as a file, streamed (ClickHouse's own FORMAT for SQL queries)."
+    ),
+]
+#: Bytes per chunk of a streamed export.
+CHUNK = 1 << 16
+
+
+async def _file(back: Backend, spec: QuerySpec, fmt: str, **kwargs: Any) -> Response:
+    """A registry query's rows as a Parquet or CSV attachment, sent in chunks."""
+    check_format(fmt)
+    data = await back.query(spec.label, back.queries.export, spec, fmt, **kwargs)
+    if data is None:
+        raise NotFound(f"no {spec.what or spec.key} {kwargs.get('key')!r}")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(data), CHUNK):
+            yield data[i : i + CHUNK]
+
+    return StreamingResponse(
+        chunks(),
+        media_type=MEDIA_TYPES[fmt],
+        headers={"Content-Disposition": f'attachment; filename="{spec.name}.{fmt}"'},
+    )
+
+
 def _kw(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
 
@@ -135,7 +172,7 @@ def _registry_route(specs: list[QuerySpec]) -> Any:
     params_of = [p for s in specs for p in s.params]
     switches = {s.selected_by: s for s in variants if s.selected_by}
 
-    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> JSONResponse:
+    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> Response:
         scope = s.scope(who, back.clock())
         for name, spec in switches.items():
             (switch,) = (p for p in spec.params if p.name == name)
@@ -153,14 +190,16 @@ def _registry_route(specs: list[QuerySpec]) -> Any:
         signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], default))
     if plain.bucket:
         signature.append(_kw("bucket", Bucket, None))
+    signature.append(_kw("format", Format, None))
     handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
     handler.__doc__ = plain.doc.split("\n\n")[0]
     handler.__name__ = plain.route
     return handler
 
 
-async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str, Any]) -> JSONResponse:
-    """Run one registry query with the route's parameters; the body echoes what it used."""
+async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str, Any]) -> Response:
+    """Run one registry query with the route's parameters; the body echoes what it used (or, with
+    ``format``, the rows as a Parquet or CSV file)."""
     arguments = {p.name: p.check(given[p.wire]) for p in spec.params}
     extra: dict[str, Any] = {p.wire: arguments[p.name] for p in spec.params}
     by = bucket = None
@@ -170,6 +209,11 @@ async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str,
     if spec.bucket:
         bucket = given["bucket"]
         extra["bucket"] = bucket
+    if given.get("format"):
+        by_ = None if by is None else list(by)
+        return await _file(
+            back, spec, given["format"], by=by_, bucket=params.bucket(bucket), scope=scope, **arguments
+        )
     rows = await back.query(
         spec.label,
         back.queries.ask,
@@ -182,6 +226,40 @@ async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str,
     return _rows(spec.label, scope, rows, **extra)
 
 
+def _lookup_route(spec: QuerySpec) -> Any:
+    """The handler of one lookup: the id from the path (or the query string), 404 when absent."""
+    assert spec.key is not None
+    key_name = spec.key
+
+    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> Response:
+        scope = s.scope(who, back.clock())
+        key = given.pop(key_name)
+        arguments = {p.name: p.check(given[p.wire]) for p in spec.call_params}
+        if spec.permission:
+            arguments["allowed"] = who.allows(spec.permission)
+        if given.get("format"):
+            return await _file(back, spec, given["format"], key=key, scope=scope, **arguments)
+        found = await back.query(spec.label, spec.fetch, back.queries, key, scope=scope, **arguments)
+        if found is None:
+            raise NotFound(f"no {spec.what or spec.key} {key!r}")
+        body = {key_name: key, **found} if spec.echo_key else found
+        return JSONResponse(jsonable(body))
+
+    key_doc = "The request uid (engine_id/request_id)."
+    key_param = (
+        _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
+    )
+    signature = [key_param, _kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
+    for p in spec.call_params:
+        kind = p.type if p.default is not None else p.type | None
+        signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], p.default))
+    signature.append(_kw("format", Format, None))
+    handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
+    handler.__doc__ = spec.doc.split("\n\n")[0]
+    handler.__name__ = spec.name
+    return handler
+
+
 async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
     """One request in ``scope``; another tenant's request is as unknown as a missing one (404)."""
     found = await back.query("request", back.queries.request, request_id, scope=scope)
@@ -192,35 +270,6 @@ async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, An
 
 def _router() -> APIRouter:
     api = APIRouter(prefix="/api/v1")
-
-    @api.get("/tokens/statistics", tags=["requests"])
-    async def tokens_statistics(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        request_id: Annotated[str, Query(description="The request uid (engine_id/request_id).")],
-    ) -> JSONResponse:
-        """Token counts of one request (input, output, computed, cached, skipped, evicted, drafts)."""
-        scope = s.scope(who, back.clock())
-        stats = await back.query("tokens_statistics", back.queries.tokens_statistics, request_id, scope=scope)
-        if stats is None:
-            raise NotFound(f"no request {request_id!r}")
-        return JSONResponse({"request_id": request_id, **stats})
-
-    @api.get("/requests", tags=["requests"])
-    async def list_requests(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        limit: Annotated[int, Query(ge=1, le=10_000)] = 50,
-        order: Annotated[str, Query(description=f"One of {', '.join(ORDERS)}.")] = "recent",
-    ) -> JSONResponse:
-        """Requests in scope with their token counts, newest first or most varied timelines first."""
-        scope = s.scope(who, back.clock())
-        if order not in ORDERS:
-            raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
-        rows = await back.query("requests", back.queries.requests, scope=scope, limit=limit, order=order)
-        return _rows("requests", scope, rows, order=order, limit=limit)
 
     @api.get("/requests/{request_id:path}/timeline", tags=["requests"])
     async def timeline(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
@@ -242,10 +291,10 @@ def _router() -> APIRouter:
             )
         )
 
-    @api.get("/requests/{request_id:path}", tags=["requests"])
-    async def request_detail(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
-        """One request: every count, its cost in each mode and its segment timeline."""
-        return JSONResponse(jsonable(await _request(back, request_id, s.scope(who, back.clock()))))
+    for spec in lookups():
+        api.add_api_route(
+            spec.api_path.removeprefix("/api/v1"), _lookup_route(spec), methods=["GET"], tags=["requests"]
+        )
 
     for route, specs in routes().items():
         api.add_api_route(f"/{route}", _registry_route(specs), methods=["GET"], tags=["cost"])

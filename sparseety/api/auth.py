@@ -2,7 +2,9 @@
 
 Semantics (``docs/api.md``):
 
-* ``api.tokens`` maps a token to the tenants it may see; ``*`` among them means every tenant.
+* ``api.tokens`` maps a token to the tenants it may see; ``*`` among them means every tenant. A
+  token given as a table (``{tenants = [...], token_ids = true}``) may also read token content
+  (ids, keyed hashes, decoded text); any other token sees token counts and statuses only.
 * Tokens configured: every data endpoint needs ``Authorization: Bearer <token>``; a missing or
   unknown token is 401. A token sees only its tenants' rows: another tenant's request is 404,
   exactly as a request that does not exist (existence is not leaked), and aggregates are
@@ -28,7 +30,9 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from sparseety.config import ApiToken
 from sparseety.errors import ConfigError, SparseetyError
 
 ALL_TENANTS = "*"
@@ -54,10 +58,16 @@ class Principal:
     Attributes:
         name: A label for logs and metrics (never the token itself).
         tenants: The tenants it may see; None = every tenant.
+        token_ids: May read token content (ids, hashes, text), not only counts.
     """
 
     name: str
     tenants: tuple[str, ...] | None
+    token_ids: bool = False
+
+    def allows(self, permission: str) -> bool:
+        """Whether it holds a per-token permission (``token_ids``)."""
+        return permission == "token_ids" and self.token_ids
 
     @property
     def admin(self) -> bool:
@@ -86,7 +96,8 @@ class Principal:
             raise AuthError(f"{what} needs a token for all tenants ('*')", status=403)
 
 
-OPEN = Principal("open", None)
+#: The open API (no token configured, loopback only) reads everything, token content included.
+OPEN = Principal("open", None, token_ids=True)
 
 
 def _digest(token: str) -> bytes:
@@ -101,14 +112,20 @@ class TokenTable:
         admin_token: The process's admin token (all tenants), if any.
     """
 
-    def __init__(self, tokens: Mapping[str, Sequence[str]], admin_token: str | None = None) -> None:
+    def __init__(
+        self, tokens: Mapping[str, Sequence[str] | ApiToken], admin_token: str | None = None
+    ) -> None:
         self.open = not tokens
         self._by_digest: dict[bytes, Principal] = {}
-        for i, (token, tenants) in enumerate(sorted(tokens.items()), start=1):
+        for i, (token, grant) in enumerate(sorted(tokens.items()), start=1):
+            tenants, content = (
+                (grant.tenants, grant.token_ids) if isinstance(grant, ApiToken) else (grant, False)
+            )
             scope = None if ALL_TENANTS in tenants else tuple(dict.fromkeys(tenants))
-            self._by_digest[_digest(token)] = Principal(f"token-{i}", scope)
+            self._by_digest[_digest(token)] = Principal(f"token-{i}", scope, token_ids=content)
         if admin_token:
-            self._by_digest[_digest(admin_token)] = Principal("admin", None)
+            # the local CLI's token: whoever reads the data dir reads the token ids anyway
+            self._by_digest[_digest(admin_token)] = Principal("admin", None, token_ids=True)
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal of an ``Authorization`` header value.
@@ -139,7 +156,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, tokens: Mapping[str, Sequence[str]]) -> None:
+def check_exposure(host: str, tokens: Mapping[str, Any]) -> None:
     """Refuse to serve an open (token-less) API on a non-loopback address.
 
     Raises:

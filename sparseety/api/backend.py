@@ -50,7 +50,7 @@ class Backend:
     ) -> None:
         self.cfg = cfg
         self.store = store
-        self.queries = ApiQueries(store)
+        self.queries = ApiQueries(store, tokenizers=cfg.api.tokenizers)
         self.tokens = tokens
         self.sink_worker = sink_worker
         self.clock = clock

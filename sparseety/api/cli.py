@@ -21,8 +21,8 @@ import click
 from sparseety.api import params
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.producers.logs.cli import ingest_cmd
-from sparseety.sinks.cli import FORMAT, echo_rows
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, routes
+from sparseety.sinks.cli import echo_rows
+from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, commands
 from sparseety.times import parse_time
 
 LOGLEVEL = click.option(
@@ -103,18 +103,57 @@ def _scope(since: str | None, until: str | None, tenants: tuple[str, ...]) -> Sc
     return Scope(bound(since), bound(until), tuple(tenants) or None)
 
 
+#: A query's output: shown (table, json, csv) or, with --output, exported (parquet, csv).
+QUERY_FORMAT = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "csv", "parquet"]),
+    default="table",
+    show_default=True,
+    help="parquet and csv with --output: the rows as a file (ClickHouse's own FORMAT for SQL queries).",
+)
+OUTPUT = click.option(
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Export the rows to FILE (--format parquet|csv).",
+)
+
+
 def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Options every query shares: time range, tenants, output format."""
+    """Options every query shares: time range, tenants, output format and file."""
     for opt in reversed(
         [
             click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h)."),
             click.option("--until", help="Finished before: ISO-8601 time or a duration ago."),
             click.option("--tenant", "tenants", multiple=True, help="Only these tenants (repeatable)."),
-            FORMAT,
+            QUERY_FORMAT,
+            OUTPUT,
         ]
     ):
         fn = opt(fn)
     return fn
+
+
+def _check_output(fmt: str, output: str | None) -> None:
+    if fmt == "parquet" and output is None:
+        raise click.UsageError("--format parquet writes a file: give --output FILE")
+    if output is not None and fmt not in ("parquet", "csv"):
+        raise click.UsageError("--output exports the rows: use --format parquet or csv")
+
+
+def _export(c: CliContext, output: str, call: Callable[[Any], bytes | None], missing: str = "") -> None:
+    """Write what ``call(queries)`` exports to ``output`` (a lookup that found nothing: an error)."""
+    from pathlib import Path
+
+    from sparseety.api.client import open_queries
+
+    with open_queries(c.cfg, "sparseety query") as q:
+        data = call(q)
+    if data is None:
+        raise click.ClickException(missing or "nothing to export")
+    Path(output).write_bytes(data)
+    click.echo(f"wrote {len(data)} bytes to {output}", err=True)
 
 
 def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
@@ -146,10 +185,12 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
         until: str | None,
         tenants: tuple[str, ...],
         fmt: str,
+        output: str | None,
         by: tuple[str, ...] = (),
         bucket: str | None = None,
         **given: Any,
     ) -> None:
+        _check_output(fmt, output)
         scope = _scope(since, until, tenants)
         spec = next((s for name, s in switches.items() if given.get(name)), plain)
         try:  # the registry's checks, before any store is opened: a usage error, not a traceback
@@ -160,6 +201,9 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
             raise click.UsageError(str(e)) from None
         if spec is plain and plain.group_by is not None:
             arguments["by"] = by or (plain.group_by,)
+        if output is not None:
+            _export(c, output, lambda q: q.export(spec, fmt, scope=scope, **arguments))
+            return
         _run_query(c, fmt, lambda q: q.ask(spec, scope=scope, **arguments))
 
     if plain.bucket:
@@ -182,51 +226,66 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
             help=p.doc,
         )(cmd)
     cmd.__doc__ = plain.doc.split("\n\n")[0]
-    return query.command(plain.route)(cmd)
+    return query.command(plain.cli_name)(cmd)
 
 
-for _route, _specs in routes().items():
-    _registry_command(_specs)
+def _lookup_command(specs: list[QuerySpec]) -> click.Command:
+    """``sparseety query <command> ID``: a lookup (one object), or a variant its param selects."""
+    plain, variants = specs[0], specs[1:]
+    switches = {s.selected_by: s for s in variants if s.selected_by}
+
+    @click.argument("key", metavar=(plain.key or "id").upper())
+    @click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
+    @QUERY_FORMAT
+    @OUTPUT
+    @pass_ctx
+    def cmd(
+        c: CliContext, key: str, tenants: tuple[str, ...], fmt: str, output: str | None, **given: Any
+    ) -> None:
+        from sparseety.api.client import open_queries
+
+        _check_output(fmt, output)
+        spec = next((s for name, s in switches.items() if given.get(name)), plain)
+        try:
+            arguments = {p.name: p.check(given[p.name]) for p in spec.call_params}
+        except QueryError as e:
+            raise click.UsageError(str(e)) from None
+        scope = Scope(tenants=tuple(tenants) or None)
+        if output is not None:
+            missing = f"no {spec.what or spec.key} {key!r}"
+            _export(c, output, lambda q: q.export(spec, fmt, key=key, scope=scope, **arguments), missing)
+            return
+        with open_queries(c.cfg, "sparseety query") as q:
+            found = getattr(q, spec.name)(key, scope=scope, **arguments)
+        if found is None:
+            raise click.ClickException(f"no {spec.what or spec.key} {key!r}")
+        if fmt == "json" or spec.tables is None:
+            echo_rows(found, fmt)
+            return
+        for i, table in enumerate(spec.tables(found)):
+            if i:
+                click.echo()
+            echo_rows(table, fmt)
+
+    for p in reversed([p for s in specs for p in s.params]):
+        if p.type is bool:
+            cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
+            continue
+        default = 0 if p.name in switches else p.default
+        cmd = click.option(
+            f"--{p.wire}",
+            p.name,
+            type=click.Choice(p.choices) if p.choices else p.type,
+            default=default,
+            show_default=default is not None,
+            help=p.doc,
+        )(cmd)
+    cmd.__doc__ = plain.doc.split("\n\n")[0]
+    return query.command(plain.cli_name)(cmd)
 
 
-@query.command("request")
-@click.argument("request_uid")
-@click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
-@FORMAT
-@pass_ctx
-def query_request(c: CliContext, request_uid: str, tenants: tuple[str, ...], fmt: str) -> None:
-    """One request: every count, its cost in each mode and its segment timeline."""
-    from sparseety.api.client import open_queries
-
-    with open_queries(c.cfg, "sparseety query") as q:
-        found = q.request(request_uid, scope=Scope(tenants=tuple(tenants) or None))
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    if fmt == "json":
-        echo_rows(found, fmt)
-        return
-    segments = found.pop("segments")
-    cost = found.pop("cost")
-    echo_rows([{"field": k, "value": v} for k, v in found.items()], fmt)
-    click.echo()
-    echo_rows([{"mode": k, "usd": v} for k, v in cost.items()], fmt)
-    click.echo()
-    echo_rows(segments, fmt)
-
-
-@query.command("tokens")
-@click.argument("request_uid")
-@FORMAT
-@pass_ctx
-def query_tokens(c: CliContext, request_uid: str, fmt: str) -> None:
-    """Token statistics of one request (what the HTTP API serves)."""
-    from sparseety.api.client import open_queries
-
-    with open_queries(c.cfg, "sparseety query") as q:
-        found = q.tokens_statistics(request_uid)
-    if found is None:
-        raise click.ClickException(f"no request {request_uid!r}")
-    echo_rows(found, fmt)
+for _name, _specs in commands().items():
+    (_lookup_command if _specs[0].key is not None else _registry_command)(_specs)
 
 
 @click.command("dashboard")

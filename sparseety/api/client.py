@@ -11,6 +11,7 @@ process that owns it — found in ``<data_dir>/api/endpoint.json`` and reached w
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
+from sparseety.sinks.clickhouse.export import check_format, rows_file
 from sparseety.sinks.clickhouse.queries import QUERIES, QueryError, QuerySpec, Scope
 
 
@@ -101,7 +103,7 @@ class RemoteQueries:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False) -> Any:
+    def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False, raw: bool = False) -> Any:
         try:
             r = self.client.get(path, params=params, headers=self.headers)
         except httpx.HTTPError as exc:
@@ -113,6 +115,8 @@ class RemoteQueries:
             ) from None
         if r.status_code == 404 and missing_ok:
             return None
+        if raw and r.status_code == 200:
+            return r.content
         try:
             body = r.json()
         except ValueError:
@@ -140,11 +144,11 @@ class RemoteQueries:
         body = self._get(path, {**params, **_scope_params(scope)})
         return decode_rows(body["rows"])
 
-    # --- the query library's methods (derived from the registry; request lookups below) --------
+    # --- the query library's methods (derived from the registry) --------------------------------
 
     if TYPE_CHECKING:
 
-        def __getattr__(self, name: str) -> Callable[..., list[dict[str, Any]]]: ...
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
 
     def ask(
         self,
@@ -169,39 +173,81 @@ class RemoteQueries:
             params["bucket"] = bucket
         return self._rows(f"/api/v1/{spec.route}", params, scope)
 
-    def request(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, Any] | None:
-        """Like :meth:`Queries.request` (None when unknown or not visible)."""
+    def export(
+        self,
+        spec: QuerySpec,
+        fmt: str,
+        *,
+        key: str | None = None,
+        by: Sequence[str] | None = None,
+        bucket: str | None = None,
+        scope: Scope = EVERYTHING,
+        **arguments: Any,
+    ) -> bytes | None:
+        """Like :meth:`Queries.export`: the file the route streams (``?format=``)."""
+        check_format(fmt)
+        arguments.pop("allowed", None)  # the server decides from the caller's token
+        if _sees_nothing(scope):
+            return None if spec.key is not None else rows_file([], fmt)
+        params: dict[str, Any] = {"format": fmt}
+        for p in spec.call_params:
+            value = arguments.pop(p.name, p.default)
+            if value is not None:
+                params[p.wire] = value
+        if arguments:
+            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        path = spec.api_path
+        if spec.key is not None:
+            if key is None:
+                raise QueryError(f"{spec.name} needs its {spec.key}")
+            path = self._key_path(spec, key, params)
+        else:
+            if spec.group_by is not None:
+                params["group_by"] = ",".join((spec.group_by,) if by is None else by)
+            if spec.bucket and bucket is not None:
+                params["bucket"] = bucket
+        return self._get(path, {**params, **_scope_params(scope)}, missing_ok=True, raw=True)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _key_path(spec: QuerySpec, key: str, params: dict[str, Any]) -> str:
+        """A lookup's path with its id in it (or the id added to ``params``)."""
+        assert spec.key is not None
+        if spec.key_in_path:
+            return re.sub(r"\{" + spec.key + r"(:[a-z]+)?\}", quote(key, safe=""), spec.api_path)
+        params[spec.key] = key
+        return spec.api_path
+
+    def fetch(self, spec: QuerySpec, key: str, *, scope: Scope = EVERYTHING, **arguments: Any) -> Any:
+        """Like :meth:`QuerySpec.fetch`: one lookup through its route (None when unknown or not
+        visible)."""
+        assert spec.key is not None
         if _sees_nothing(scope):
             return None
-        body = self._get(
-            f"/api/v1/requests/{quote(request_uid, safe='')}", _scope_params(scope), missing_ok=True
-        )
+        params: dict[str, Any] = {}
+        arguments.pop("allowed", None)  # the server decides from the caller's token
+        for p in spec.call_params:
+            value = arguments.pop(p.name, p.default)
+            if value is not None:
+                params[p.wire] = value
+        if arguments:
+            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        path = self._key_path(spec, key, params)
+        body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
             return None
-        out: dict[str, Any] = {k: decode_value(k, v) for k, v in body.items() if k != "cost"}
-        out["cost"] = {
-            k: (v if k == "priced" else decode_value(f"{k}_usd", v)) for k, v in body["cost"].items()
-        }
+        out: dict[str, Any] = {}
+        for k, v in body.items():
+            if spec.echo_key and k == spec.key:
+                continue
+            if k in spec.money_objects:
+                out[k] = {
+                    m: (x if isinstance(x, bool) else decode_value(f"{m}_usd", x)) for m, x in v.items()
+                }
+            else:
+                out[k] = decode_value(k, v)
         return out
 
-    def tokens_statistics(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, int] | None:
-        """Like :meth:`Queries.tokens_statistics`."""
-        if _sees_nothing(scope):
-            return None
-        body = self._get(
-            "/api/v1/tokens/statistics", {"request_id": request_uid, **_scope_params(scope)}, missing_ok=True
-        )
-        if body is None:
-            return None
-        return {k: int(v) for k, v in body.items() if k != "request_id"}
-
     # --- ApiQueries' additions ---------------------------------------------------------------
-
-    def requests(
-        self, *, scope: Scope = EVERYTHING, limit: int = 50, order: str = "recent"
-    ) -> list[dict[str, Any]]:
-        """Like :meth:`ApiQueries.requests`."""
-        return self._rows("/api/v1/requests", {"limit": limit, "order": order}, scope)
 
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int | None = None) -> dict[str, Any]:
         """Like :meth:`ApiQueries.health` (measured on the server's clock)."""
@@ -223,7 +269,16 @@ class RemoteQueries:
         return dict(body.get("pipeline") or {})
 
 
-def _remote_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
+def _remote_method(spec: QuerySpec) -> Callable[..., Any]:
+    if spec.key is not None:
+
+        def lookup(self: RemoteQueries, key: str, *, scope: Scope = EVERYTHING, **kwargs: Any) -> Any:
+            return self.fetch(spec, key, scope=scope, **kwargs)
+
+        lookup.__name__ = lookup.__qualname__ = spec.name
+        lookup.__doc__ = f"Like :meth:`Queries.{spec.name}`."
+        return lookup
+
     def method(self: RemoteQueries, **kwargs: Any) -> list[dict[str, Any]]:
         return self.ask(spec, **kwargs)
 
@@ -267,6 +322,6 @@ def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
         return
     try:
         ensure_migrated(store)
-        yield ApiQueries(store)
+        yield ApiQueries(store, tokenizers=cfg.api.tokenizers)
     finally:
         store.close()

@@ -140,7 +140,7 @@ def run_api(cfg: Config, *, loglevel: str = "info", access_log: bool = False) ->
     check_exposure(cfg.api.host, cfg.api.tokens)
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     with Store.open(cfg, owner="sparseety api") as store:
-        migrate(store)
+        migrate(store, ttl_days=cfg.clickhouse.ttl_days)
         tokens, admin = _tokens(cfg)
         backend = Backend(cfg, store, tokens=tokens)
         try:

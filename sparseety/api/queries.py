@@ -1,5 +1,5 @@
-"""What the API and dashboard ask beyond the cost library: request listings, store health, and
-timeline counts.
+"""What the API and dashboard ask beyond the query registry: store health and timeline counts
+(request listings are the registry's ``requests``).
 
 :class:`ApiQueries` extends :class:`~sparseety.sinks.clickhouse.queries.Queries` (same store,
 same scoping rules); :class:`~sparseety.api.client.RemoteQueries` offers the same methods over
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
+from sparseety.sinks.clickhouse.listing import ORDERS as ORDERS  # re-exported (moved there)
+from sparseety.sinks.clickhouse.queries import Queries, Scope
 
-ORDERS = ("recent", "varied")
 #: The default scope: every finish time, every tenant.
 EVERYTHING = Scope()
 #: Axis 1, how positions were obtained (docs/streams.md); the last three only in schema-v1 rows.
@@ -29,32 +29,6 @@ STATUSES = (
 )
 #: Axis 2, what became of the KV: counted beside (``skipped`` adds to the old status of that name).
 FATES = ("window_released", "skipped")
-
-#: How many kinds of token fate a request shows: "varied" lists the most telling timelines first.
-_VARIETY = (
-    "(cache_read_tokens > 0) + (recomputed_tokens > 0) + (skipped_tokens > 0) "
-    "+ (window_released_tokens + evicted_tokens > 0) + (draft_cut_tokens > 0) "
-    "+ (draft_accepted_tokens > 0) + (draft_rejected_tokens > 0) + (uncached_computed_tokens > 0)"
-)
-
-
-def requests_sql(db: str, *, scope: Scope, limit: int, order: str) -> tuple[str, dict[str, Any]]:
-    """Requests in scope, newest first (``recent``) or most varied timelines first (``varied``)."""
-    if order not in ORDERS:
-        raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
-    if not 1 <= limit <= 10_000:
-        raise QueryError("limit must be between 1 and 10000")
-    where, params = scope.where()
-    params["limit"] = limit
-    by = "finished_ts_ns DESC, request_uid" if order == "recent" else f"{_VARIETY} DESC, finished_ts_ns DESC"
-    sql = (
-        "SELECT request_uid, tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
-        "consistent, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
-        "recomputed_tokens, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_accepted_tokens, "
-        "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, evicted_tokens, window_released_tokens, "
-        f"gpu_time_ns FROM {db}.requests_v WHERE {where} ORDER BY {by} LIMIT {{limit:UInt32}}"
-    )
-    return sql, params
 
 
 def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
@@ -95,13 +69,7 @@ def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 class ApiQueries(Queries):
-    """The query library plus the listings and health figures the API serves."""
-
-    def requests(
-        self, *, scope: Scope = EVERYTHING, limit: int = 50, order: str = "recent"
-    ) -> list[dict[str, Any]]:
-        """Requests in ``scope`` with their token counts (``order``: recent or varied)."""
-        return self._run(requests_sql(self.db, scope=scope, limit=limit, order=order))
+    """The query library plus the health figures the API serves."""
 
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int) -> dict[str, Any]:
         """Store-side pipeline health within ``scope``.

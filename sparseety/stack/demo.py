@@ -113,7 +113,7 @@ def _prepare_store(cfg: Config, model_name: str, say: Say) -> None:
     say(f"store: migrating {cfg.clickhouse_dsn} and setting demo prices for {model_name}")
     store = Store.open(cfg, owner="sparseety demo")
     try:
-        migrate(store)
+        migrate(store, ttl_days=cfg.clickhouse.ttl_days)
         set_prices(store, [Price(model_name, c, Decimal(p)) for c, p in DEMO_PRICES.items()])
     finally:
         store.close()
@@ -313,6 +313,9 @@ def build_report(
             counts = ", ".join(f"e{r.get('expert')}={r.get('tokens', r.get('count', '?'))}" for r in rows_)
             lines.append(f"  layer {layer}: {counts}")
     lines += _whatif_and_regressions(api)
+    restored, mismatch = restored_request(api, engine, stored)
+    lines += restored
+    problems += mismatch
     lines += [
         "",
         f"{CHECK_LINE}: " + ("OK" if not problems else "MISMATCH"),
@@ -351,8 +354,61 @@ def _whatif_and_regressions(api: Api) -> list[str]:
 #: The report's check line; every engine counter the report prints is compared (see below).
 CHECK_LINE = (
     "Check: per-tenant totals = sum over requests; prompt, output, cached (per tenant), "
-    "drafts and preemptions = what vLLM counted"
+    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's"
 )
+
+
+def restored_request(
+    api: Api, engine: dict[str, Any], stored: list[dict[str, Any]], shown: int = 4
+) -> tuple[list[str], list[str]]:
+    """One request restored from its token records (the one with the most cached positions), a
+    few of its tokens with their status, and whether its output equals what vLLM returned."""
+    from urllib.parse import quote
+
+    if not stored:
+        return [], []
+    pick = max(stored, key=lambda r: (int(r["cache_read_tokens"]), int(r["draft_accepted_tokens"])))
+    uid = pick["request_uid"]
+    got = api.get(f"/api/v1/requests/{quote(uid, safe='')}/tokens", per_position="true")
+    lines = ["", f"Restored request {uid} (privacy {got['privacy']}, content {got['content']}):"]
+    if got["content"] != "ids":
+        return [*lines, f"  {got['note']}"], []
+    records = got["records"]
+    first_out = next((i for i, r in enumerate(records) if r["is_output"]), len(records))
+    cached = [i for i, r in enumerate(records) if r["is_cached"]][:1]
+    drafts = [i for i, r in enumerate(records) if r["is_draft"]][:1]
+    picks = sorted({*range(min(shown, first_out)), *cached, *drafts, *range(first_out, first_out + shown)})
+    rows = [
+        {
+            "position": records[i]["position"],
+            "token_id": records[i]["token_id"],
+            "text": repr(records[i]["text"]),
+            "kind": "output" if records[i]["is_output"] else "prompt",
+            "status": records[i]["status"],
+            "kv_fate": records[i]["kv_fate"],
+            "draft": records[i]["is_draft"],
+        }
+        for i in picks
+        if i < len(records)
+    ]
+    lines += ["", _table(rows, list(rows[0])) if rows else "  (no positions)"]
+    lines.append(f"  output text: {got['output_text']!r}"[:200])
+    engine_rid = uid.split("/", 1)[1].rsplit("-", 1)[0]
+    theirs = next((r for r in engine["requests"] if str(r["request_id"]) == engine_rid), None)
+    problems = []
+    if theirs is None or "output_token_ids" not in theirs:
+        problems.append(f"restored request {uid}: the engine's own output is not in its answers")
+    elif got["output_token_ids"] != theirs["output_token_ids"]:
+        problems.append(f"restored request {uid}: output ids differ from vLLM's RequestOutput")
+    elif got["output_text"] is not None and not same_text(got["output_text"], theirs["output_text"]):
+        problems.append(f"restored request {uid}: output text differs from vLLM's RequestOutput")
+    return lines, problems
+
+
+def same_text(decoded: str, streamed: str) -> bool:
+    """Whether a whole decode equals vLLM's text: its incremental detokenizer withholds a trailing
+    incomplete UTF-8 sequence, which a whole decode shows as U+FFFD (random weights emit byte tokens)."""
+    return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
 
 
 def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -431,6 +487,8 @@ def run_demo(
     run_dir.mkdir(parents=True, exist_ok=True)
     say(f"demo: working in {run_dir}")
     model_path, model_name = _model(cfg, model, say)
+    # the served name is not a path: tell the API where its tokenizer is (token records' text)
+    cfg = cfg.replace(api={**cfg.api.model_dump(), "tokenizers": {model_name: str(model_path)}})
     stack = Stack(cfg)
     if stack.status()[1].state != "stopped":
         raise DemoError(

@@ -128,6 +128,9 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
                     "output_tokens": len(o.outputs[0].token_ids),
                     "num_cached_tokens": o.num_cached_tokens or 0,
                     "finish_reason": o.outputs[0].finish_reason,
+                    # what the demo's restored request is checked against (token records)
+                    "output_token_ids": list(o.outputs[0].token_ids),
+                    "output_text": o.outputs[0].text,
                 }
             )
         print(

@@ -26,6 +26,8 @@ def test_demo(tmp_path: Path) -> None:
     # the short what-if and the regressions (a fresh store has no baseline: none)
     assert "What if (modelled" in result.report and "\nregressions: none\n" in result.report
     assert "error" not in result.report.split("What if (modelled", 1)[1].split("regressions:", 1)[0]
+    # One request restored from its token records, checked against vLLM's output (CHECK_LINE).
+    assert "Restored request" in result.report and "content ids" in result.report
     engine = result.engine["requests"]
     assert len(result.requests) == len(engine) > 0
     # Per-tenant totals in the report are sums over the stored requests.

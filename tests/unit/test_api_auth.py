@@ -18,6 +18,7 @@ from sparseety.api.auth import (
     remove_admin_token,
     write_admin_token,
 )
+from sparseety.config import ApiToken
 from sparseety.errors import ConfigError
 from sparseety.sinks.clickhouse.queries import QueryError
 
@@ -32,7 +33,10 @@ def test_tokens_map_to_their_tenants() -> None:
     assert table.authenticate("Bearer a").tenants == ("acme",)
     assert table.authenticate("bearer ab").tenants == ("acme", "beta")
     assert table.authenticate("Bearer all").admin
-    assert table.authenticate("Bearer adm") == Principal("admin", None)
+    assert table.authenticate("Bearer adm") == Principal("admin", None, token_ids=True)
+    assert not table.authenticate("Bearer all").allows("token_ids")  # '*' alone reads counts only
+    flagged = TokenTable({"c": ApiToken(tenants=["acme"], token_ids=True)}).authenticate("Bearer c")
+    assert flagged.tenants == ("acme",) and flagged.allows("token_ids")
     assert table.authenticate("Bearer none").tenants == ()
     for header, message in (
         (None, "missing"),

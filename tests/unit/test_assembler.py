@@ -898,3 +898,45 @@ def test_a_block_still_cached_past_a_miss_is_computed_not_recomputed() -> None:
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     assert (acc["recomputed_eviction_tokens"], acc["uncached_computed_tokens"]) == (4, 5)
+
+
+def test_token_ids_are_kept_as_the_privacy_mode_allows() -> None:
+    """Token records: raw keeps prompt and output ids, hashed the prompt's keyed hashes only, none
+    nothing; ids of requests sharing a step stay with their request."""
+
+    def fold(mode: str) -> dict[str, dict[str, Any]]:
+        hashed = mode == "hashed"
+        started = {
+            rid: f.request_started(
+                rid,
+                [] if hashed else prompt,
+                prompt_len=len(prompt),
+                prompt_token_hashes=[p * 1000 for p in prompt] if hashed else [],
+            )
+            for rid, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6]))
+        }
+        if mode == "none":
+            for s in started.values():
+                s["prompt_token_ids"] = []
+        events = [
+            f.wrap(0, ev.ENGINE_STARTED, f.engine_started(privacy_mode=mode)),
+            f.wrap(1, ev.REQUEST_STARTED, started["a"]),
+            f.wrap(2, ev.REQUEST_STARTED, started["b"]),
+            f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("a", 4, 0, [40]), ("b", 2, 0, [50])])),
+            f.wrap(4, ev.STEP_BATCH, f.step_batch(1, [("b", 1, 2, [51]), ("a", 1, 4, [41])])),
+            f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("a", prompt=4, output=2)),
+            f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("b", prompt=2, output=2)),
+        ]
+        return accounts(run(events)[0])
+
+    def fields(acc: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(
+            acc[k] for k in ("token_privacy", "prompt_token_ids", "prompt_token_hashes", "output_token_ids")
+        )
+
+    raw, hashed, none = fold("raw"), fold("hashed"), fold("none")
+    assert fields(raw[f"{f.EID}/a"]) == ("raw", [1, 2, 3, 4], [], [40, 41])
+    assert fields(raw[f"{f.EID}/b"]) == ("raw", [5, 6], [], [50, 51])
+    assert fields(hashed[f"{f.EID}/a"]) == ("hashed", [], [1000, 2000, 3000, 4000], [])
+    assert fields(none[f"{f.EID}/b"]) == ("none", [], [], [])
+    assert all(a["consistent"] for a in (*raw.values(), *hashed.values(), *none.values()))

@@ -8,7 +8,7 @@ import inspect
 from sparseety.api.app import _router
 from sparseety.api.cli import query
 from sparseety.api.client import RemoteQueries
-from sparseety.sinks.clickhouse.queries import QUERIES, Queries, routes
+from sparseety.sinks.clickhouse.queries import QUERIES, Queries, lookups, routes
 
 
 def test_every_registry_entry_is_a_method_a_route_a_command_and_a_remote_method() -> None:
@@ -16,11 +16,13 @@ def test_every_registry_entry_is_a_method_a_route_a_command_and_a_remote_method(
     for spec in QUERIES:
         assert callable(getattr(Queries, spec.name, None)), spec.name
         assert callable(getattr(RemoteQueries, spec.name, None)), spec.name
-        assert f"/api/v1/{spec.route}" in api_paths, spec.route
-        command = query.commands.get(spec.route)
-        assert command is not None, spec.route
+        assert spec.api_path in api_paths, spec.route
+        command = query.commands.get(spec.cli_name)
+        assert command is not None, spec.cli_name
         options = {p.name for p in command.params}
         assert {p.name for p in spec.params} <= options, spec.name
+        if spec.key is not None:
+            assert spec.key in options or spec.key.upper() in {p.human_readable_name for p in command.params}
         if spec.group_by is not None and spec.selected_by is None:
             assert {"by"} <= options
         if spec.bucket:
@@ -40,3 +42,14 @@ def test_api_route_parameters_come_from_the_declaration() -> None:
         assert {p.wire for s in specs for p in s.params} <= names, route
         assert ("group_by" in names) == (specs[0].group_by is not None), route
         assert ("bucket" in names) == specs[0].bucket, route
+
+
+def test_lookup_routes_take_their_id_and_come_before_the_catch_all_paths() -> None:
+    handlers = {getattr(r, "path", ""): getattr(r, "endpoint", None) for r in _router().routes}
+    order = [getattr(r, "path", "") for r in _router().routes]
+    for spec in lookups():
+        assert spec.key in inspect.signature(handlers[spec.api_path]).parameters, spec.name
+        if spec.api_path.endswith(":path}"):
+            prefix = spec.api_path.split("{")[0]
+            longer = [p for p in order if p.startswith(prefix) and p != spec.api_path and "{" in p]
+            assert all(order.index(p) < order.index(spec.api_path) for p in longer), spec.api_path

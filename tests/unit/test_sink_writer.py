@@ -3,6 +3,7 @@ and the sink entry point."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from typing import Any
@@ -61,13 +62,21 @@ def write(sink: ClickHouseSink, records: list[tuple[str, dict[str, Any]]], topic
     sink.flush()
 
 
+TOKEN_FIELDS = ("token_privacy", "prompt_token_ids", "prompt_token_hashes", "output_token_ids")
+
+
 def test_every_field_lands(store: Store) -> None:
-    rec = rich(f"{f.EID}/r1", lora_name="adapter", incomplete_reason=None)
+    # finished now: request_tokens' TTL (30 days) drops rows of 1970 as they are inserted
+    rec = rich(f"{f.EID}/r1", lora_name="adapter", incomplete_reason=None, finished_ts_ns=time.time_ns())
     write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, rec), (ev.USAGE_WINDOW, f.usage_window())])
     (row,) = store.query(f"SELECT * FROM {store.database}.requests_v")
     for field, value in rec.items():
-        if field not in ("block_uses", "timeline", "expert_counts"):
+        if field not in ("block_uses", "timeline", "expert_counts", *TOKEN_FIELDS):
             assert row[field] == value, field
+    (tokens,) = store.query(f"SELECT * FROM {store.database}.request_tokens_v")
+    assert tokens["privacy"] == rec["token_privacy"] == "raw"
+    assert {k: tokens[k] for k in TOKEN_FIELDS[1:]} == {k: rec[k] for k in TOKEN_FIELDS[1:]}
+    assert tokens["tenant"] == rec["tenant"]
     assert (row["segment_count"], row["block_use_count"], row["_version"]) == (3, 2, request_version(rec))
     segs = store.query(f"SELECT * FROM {store.database}.token_segments_v ORDER BY idx")
     assert [{k: s[k] for k in rec["timeline"]["segments"][0]} for s in segs] == rec["timeline"]["segments"]
@@ -208,9 +217,9 @@ def test_a_partition_that_keeps_failing_stops_alone_and_keeps_its_data(store: St
 def test_pending_rows_and_discard(store: Store) -> None:
     sink = ClickHouseSink(store)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="a"), topic="u", partition=0, offset=0)
-    sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r1"), topic="t", partition=1, offset=0)  # 7 rows
-    assert sink.pending_rows() == 8
-    assert sink.discard("t", 1) == 7 and sink.pending_rows() == 1
+    sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r1"), topic="t", partition=1, offset=0)  # 8 rows
+    assert sink.pending_rows() == 9
+    assert sink.discard("t", 1) == 8 and sink.pending_rows() == 1
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="b"), topic="u", partition=0, offset=5)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="c"), topic="u", partition=0, offset=5)
     sink.add(ev.USAGE_WINDOW, f.usage_window(usage_id="d"), topic="u", partition=0, offset=4)  # seek back
@@ -243,7 +252,13 @@ def test_a_record_that_fails_half_way_leaves_no_partial_rows(store: Store) -> No
     with pytest.raises(KeyError):
         sink.add(ev.REQUEST_ACCOUNTING, broken, topic="t", partition=0, offset=0)
     sink.add(ev.REQUEST_ACCOUNTING, rich(f"{f.EID}/r2"), topic="t", partition=0, offset=1)
-    assert sink.flush().rows == {"requests": 1, "token_segments": 3, "kv_blocks": 2, "expert_load": 1}
+    assert sink.flush().rows == {
+        "requests": 1,
+        "token_segments": 3,
+        "kv_blocks": 2,
+        "expert_load": 1,
+        "request_tokens": 1,
+    }
     assert [
         r["request_uid"] for r in store.query(f"SELECT request_uid FROM {store.database}.requests_v")
     ] == [f"{f.EID}/r2"]

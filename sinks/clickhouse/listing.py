@@ -1,0 +1,70 @@
+"""Listings of stored requests and their timelines (registry queries ``requests`` and
+``timelines``): what a table view, the dashboard and an export read, request by request."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sparseety.errors import QueryError
+
+if TYPE_CHECKING:
+    from sparseety.sinks.clickhouse.queries import Scope
+
+ORDERS = ("recent", "varied")
+
+#: How many kinds of token fate a request shows: "varied" lists the most telling timelines first.
+_VARIETY = (
+    "(cache_read_tokens > 0) + (recomputed_tokens > 0) + (skipped_tokens > 0) "
+    "+ (window_released_tokens + evicted_tokens > 0) + (draft_cut_tokens > 0) "
+    "+ (draft_accepted_tokens > 0) + (draft_rejected_tokens > 0) + (uncached_computed_tokens > 0)"
+)
+
+
+def requests_sql(db: str, *, scope: Scope, limit: int, order: str) -> tuple[str, dict[str, Any]]:
+    """Requests in scope, newest first (``recent``) or most varied timelines first (``varied``)."""
+    if order not in ORDERS:
+        raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
+    if not 1 <= limit <= 10_000:
+        raise QueryError("limit must be between 1 and 10000")
+    where, params = scope.where()
+    params["limit"] = limit
+    by = "finished_ts_ns DESC, request_uid" if order == "recent" else f"{_VARIETY} DESC, finished_ts_ns DESC"
+    sql = (
+        "SELECT request_uid, tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
+        "consistent, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
+        "recomputed_tokens, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_accepted_tokens, "
+        "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, evicted_tokens, window_released_tokens, "
+        f"gpu_time_ns FROM {db}.requests_v WHERE {where} ORDER BY {by} LIMIT {{limit:UInt32}}"
+    )
+    return sql, params
+
+
+def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:
+    """The timeline segments of every request in scope, request by request, in position order.
+
+    ``source_request_uid`` is hidden from a tenant-scoped reader as in a single timeline
+    (:func:`~sparseety.sinks.clickhouse.queries.segments_sql`).
+    """
+    from sparseety.sinks.clickhouse.queries import ANOTHER_TENANT
+
+    where, params = scope.where("s")
+    params["limit"] = limit
+    source, join = "s.source_request_uid", ""
+    if scope.tenants is not None:
+        params["another"] = ANOTHER_TENANT
+        source = (
+            "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
+            "s.source_request_uid, {another:String})"
+        )
+        join = (
+            f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
+            "ON s.source_request_uid = src.request_uid"
+        )
+    sql = (
+        "SELECT s.request_uid AS request_uid, s.tenant AS tenant, s.model AS model, "
+        "s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
+        f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "
+        f"FROM {db}.token_segments_v AS s {join} WHERE {where} "
+        "ORDER BY s.request_uid, s.start LIMIT {limit:UInt64}"
+    )
+    return sql, params
