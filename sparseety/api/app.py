@@ -213,9 +213,21 @@ def _router() -> APIRouter:
         s: Scoped,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 50,
         order: Annotated[str, Query(description=f"One of {', '.join(ORDERS)}.")] = "recent",
+        request_id: Annotated[
+            list[str],
+            Query(
+                description=f"These requests in full (as /requests/UID answers each), in this order, "
+                f"in one query; at most {params.MAX_DASHBOARD_REQUESTS}."
+            ),
+        ] = [],  # noqa: B006
     ) -> JSONResponse:
-        """Requests in scope with their token counts, newest first or most varied timelines first."""
+        """Requests in scope with their token counts, newest first or most varied timelines first;
+        with ``request_id``, those requests in full (unknown or out-of-scope ones left out)."""
         scope = s.scope(who, back.clock())
+        uids = params.request_ids(request_id)
+        if uids:
+            found = await back.query("requests_by_uid", back.queries.requests_by_uid, uids, scope=scope)
+            return _rows("requests", scope, list(found.values()), request_id=uids)
         if order not in ORDERS:
             raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
         rows = await back.query("requests", back.queries.requests, scope=scope, limit=limit, order=order)

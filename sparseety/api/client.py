@@ -20,6 +20,7 @@ import httpx
 
 from sparseety.api.auth import api_dir, read_admin_token
 from sparseety.api.encode import decode_rows, decode_value
+from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
@@ -176,13 +177,24 @@ class RemoteQueries:
         body = self._get(
             f"/api/v1/requests/{quote(request_uid, safe='')}", _scope_params(scope), missing_ok=True
         )
-        if body is None:
-            return None
-        out: dict[str, Any] = {k: decode_value(k, v) for k, v in body.items() if k != "cost"}
-        out["cost"] = {
-            k: (v if k == "priced" else decode_value(f"{k}_usd", v)) for k, v in body["cost"].items()
-        }
-        return out
+        return None if body is None else _decode_request(body)
+
+    def requests_by_uid(
+        self, request_uids: Sequence[str], *, scope: Scope = EVERYTHING
+    ) -> dict[str, dict[str, Any]]:
+        """Like :meth:`Queries.requests_by_uid`: one API call per
+        :data:`~sparseety.api.params.MAX_DASHBOARD_REQUESTS` uids."""
+        uids = list(dict.fromkeys(request_uids))
+        if _sees_nothing(scope):
+            return {}
+        out = {}
+        for i in range(0, len(uids), MAX_DASHBOARD_REQUESTS):
+            chunk = uids[i : i + MAX_DASHBOARD_REQUESTS]
+            body = self._get("/api/v1/requests", {"request_id": chunk, **_scope_params(scope)})
+            for raw in body["rows"]:
+                r = _decode_request(raw)
+                out[r["request_uid"]] = r
+        return {u: out[u] for u in uids if u in out}
 
     def tokens_statistics(self, request_uid: str, *, scope: Scope = EVERYTHING) -> dict[str, int] | None:
         """Like :meth:`Queries.tokens_statistics`."""
@@ -221,6 +233,13 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+
+def _decode_request(body: dict[str, Any]) -> dict[str, Any]:
+    """One request as the API serves it, typed as :meth:`Queries.request` returns it."""
+    out: dict[str, Any] = {k: decode_value(k, v) for k, v in body.items() if k != "cost"}
+    out["cost"] = {k: (v if k == "priced" else decode_value(f"{k}_usd", v)) for k, v in body["cost"].items()}
+    return out
 
 
 def _remote_method(spec: QuerySpec) -> Callable[..., list[dict[str, Any]]]:
