@@ -26,6 +26,10 @@ from sparseety.lifecycle import pid_alive, ready_file, terminate
 
 Progress = Callable[[str], None]
 
+#: How long a worker or store that outlived the broker gets to stop (it cannot reach Kafka, so
+#: its shutdown only flushes what it holds locally).
+ORPHAN_STOP_S = 20.0
+
 
 class StackError(SparseetyError):
     """A part of the embedded stack did not start, or is unhealthy."""
@@ -135,6 +139,8 @@ class Stack:
             StackError: a part exited or stayed unhealthy (its log path is in the message).
             BrokerError, PortInUseError: the broker could not start.
         """
+        if self.broker.pid() is None:
+            self._stop_orphans(progress)
         progress(f"broker: starting on {self.broker.bootstrap}")
         self.broker.start()
         if self._pid("store") is None:
@@ -155,6 +161,30 @@ class Stack:
             pid = self._spawn(name, ["worker"], extra)
             self._wait(name, lambda p=pid: self._ready("worker", p), timeout_s)  # type: ignore[misc]
         return self.status()
+
+    def _stop_orphans(self, progress: Progress) -> None:
+        """Stop workers and the store that outlived the broker, before a new one starts.
+
+        The embedded broker keeps topics, committed offsets and the workers' changelogs in memory
+        (``sparseety.broker``), so a new one starts empty. A worker or store still running holds
+        positions and state for a log that no longer exists: left alone, the worker waits on its
+        lost changelog and skips the new log's first offsets (issue 12). Stopped now, while no
+        broker runs, they cannot commit their old positions into the new one; started afresh
+        below, they read the new log from its start, which is where the producers' journals
+        drain. The store flushes what it buffered to ClickHouse on the way out.
+        """
+        stale = [n for n in [*self._worker_names(), "store"] if self._pid(n) is not None]
+        if not stale:
+            return
+        progress(
+            "broker: not running, and its in-memory topics, offsets and changelogs are gone; "
+            f"restarting {', '.join(stale)} so they start on the new broker's log"
+        )
+        for name in stale:
+            pid = self._pid(name)
+            if pid is not None and not terminate(pid, ORPHAN_STOP_S, group=True):
+                progress(f"{name}: did not stop in {ORPHAN_STOP_S:.0f} s, killed it")
+            self._pid_file(name).unlink(missing_ok=True)
 
     def down(self, progress: Progress = lambda _: None, timeout_s: float = 30.0) -> list[str]:
         """Stop every part (workers, then the store, then the broker); return what was stopped."""
