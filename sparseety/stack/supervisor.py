@@ -123,10 +123,16 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while not ready():
             if self._pid(name) is None:
-                raise StackError(f"{name} exited during start; see {self._log(name)}", part=name)
+                raise StackError(
+                    f"{name} exited during start; see {self._log(name)}, then run "
+                    "`sparseety down && sparseety up`",
+                    part=name,
+                )
             if time.monotonic() > deadline:
                 raise StackError(
-                    f"{name} not ready after {timeout_s:.0f} s; see {self._log(name)}", part=name
+                    f"{name} not ready after {timeout_s:.0f} s; see {self._log(name)}, then run "
+                    "`sparseety down && sparseety up`",
+                    part=name,
                 )
             time.sleep(0.3)
 
