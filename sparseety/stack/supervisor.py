@@ -16,13 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.lifecycle import pid_alive, ready_file, terminate
+from sparseety.lifecycle import clear_ready, pid_alive, ready_file, terminate
 
 Progress = Callable[[str], None]
 
@@ -173,8 +174,8 @@ class Stack:
 
         The embedded broker keeps topics, committed offsets and the workers' changelogs in memory
         (``sparseety.broker``), so a new one starts empty. A worker or store still running holds
-        positions and state for a log that no longer exists: left alone, the worker waits on its
-        lost changelog and skips the new log's first offsets (issue 12). Stopped now, while no
+        positions and state for a log that no longer exists: left alone, the worker hung on its
+        lost changelog and folded nothing more (issue 12). Stopped now, while no
         broker runs, they cannot commit their old positions into the new one; started afresh
         below, they read the new log from its start, which is where the producers' journals
         drain. The store flushes what it buffered to ClickHouse on the way out.
@@ -186,10 +187,17 @@ class Stack:
             "broker: not running, and its in-memory topics, offsets and changelogs are gone; "
             f"restarting {', '.join(stale)} so they start on the new broker's log"
         )
-        for name in stale:
-            pid = self._pid(name)
-            if pid is not None and not terminate(pid, ORPHAN_STOP_S, group=True):
+        pids = {name: pid for name in stale if (pid := self._pid(name)) is not None}
+        # all at once: none can reach Kafka, so no order matters and the waits overlap
+        with ThreadPoolExecutor(max_workers=len(pids) or 1) as pool:
+            outcomes = pool.map(lambda pid: terminate(pid, ORPHAN_STOP_S, group=True), pids.values())
+            stopped = dict(zip(pids, outcomes, strict=True))
+        for name, pid in pids.items():
+            if not stopped[name]:
                 progress(f"{name}: did not stop in {ORPHAN_STOP_S:.0f} s, killed it")
+                # a killed process leaves its readiness file behind
+                clear_ready(ready_file(self.cfg.data_path, name.split("-")[0], pid))
+        for name in stale:
             self._pid_file(name).unlink(missing_ok=True)
 
     def down(self, progress: Progress = lambda _: None, timeout_s: float = 30.0) -> list[str]:
