@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -28,9 +29,10 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, EncodeError
 from sparseety.kafka import make_decoder, make_encoder
+from sparseety.lifecycle import clear_ready, ready_file
 from sparseety.streams import metrics
 from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.compat import ChangelogTable, Record, Refetcher, fill_holes
+from sparseety.streams.compat import ChangelogTable, LostLogWatch, Record, Refetcher, fill_holes
 from sparseety.streams.runtime import create_app as create_faust_app
 from sparseety.streams.runtime import raw_topic, send_awaited
 from sparseety.streams.state import TableStore
@@ -38,6 +40,13 @@ from sparseety.streams.state import TableStore
 log = logging.getLogger("sparseety.worker")
 
 STATE_TABLE = "state"
+#: The worker's exit status when the broker lost its log (see ``compat.LostLogWatch``).
+EXIT_LOG_LOST = 3
+#: Largest state record the worker writes to (and reads back from) its changelog. An epoch's
+#: record carries its reorder buffer (up to ``worker.reorder_max_events`` events): a worker that
+#: met an engine mid-stream after the broker lost its log buffered 1,276,589 bytes of it before
+#: declaring the gap, past Kafka's 1 MiB default, and crashed on the send (issue 12).
+STATE_RECORD_MAX_BYTES = 16 * 1024 * 1024
 
 
 class AssemblerWorker:
@@ -187,6 +196,8 @@ def create_app(cfg: Config) -> faust.App:
         session_timeout_s=w.session_timeout_s,
         table_standby_replicas=w.standby_replicas,
         broker_commit_interval=w.commit_interval_s,
+        producer_max_request_size=STATE_RECORD_MAX_BYTES,
+        consumer_max_fetch_size=STATE_RECORD_MAX_BYTES,
     )
 
     source = raw_topic(app, cfg.topics.engine_events)
@@ -196,7 +207,13 @@ def create_app(cfg: Config) -> faust.App:
         DLQ: raw_topic(app, cfg.topics.dlq),
     }
     # bytes key/value types make Faust use the raw serializer for the changelog and recovery.
-    table = app.Table(STATE_TABLE, partitions=cfg.topics.partitions, key_type=bytes, value_type=bytes)
+    table = app.Table(
+        STATE_TABLE,
+        partitions=cfg.topics.partitions,
+        key_type=bytes,
+        value_type=bytes,
+        extra_topic_configs={"max.message.bytes": str(STATE_RECORD_MAX_BYTES)},
+    )
     worker = AssemblerWorker(app, cfg, table, topics)
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
@@ -221,5 +238,21 @@ def create_app(cfg: Config) -> faust.App:
                     await worker.export_lag(app.consumer, assigned)
             except Exception as exc:  # metrics never stop the worker
                 log.debug("lag metrics not updated: %r", exc)
+
+    watch = LostLogWatch(cfg, table.changelog_topic_name)
+
+    @app.timer(w.tick_interval_s)
+    async def broker_lost_its_log() -> None:
+        # apart from housekeeping: that one may be the task waiting on the lost changelog
+        if await watch.lost():
+            log.error(
+                "the broker lost this worker's topics and offsets (changelog %s is gone: an "
+                "in-memory broker restarted); exiting without committing, run `sparseety up` to "
+                "start a worker on the new log",
+                watch.topic,
+            )
+            logging.shutdown()
+            clear_ready(ready_file(cfg.data_path, "worker"))
+            os._exit(EXIT_LOG_LOST)
 
     return app

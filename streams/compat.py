@@ -27,6 +27,15 @@ its piece is deleted here and its caller keeps working through the same function
    before it come too) and its high watermark is batch-granular as well, so a replay filters by
    record timestamp and ends a partition where it stays quiet past the watermark.
 
+6. **A broker that lost its log** (:class:`LostLogWatch`): the embedded Tansu keeps topics,
+   committed offsets and the table's changelog in memory; when it restarts, ``up`` or ``broker
+   start`` recreate the configured topics empty, but not the changelog. A running Faust worker
+   does not notice: it rejoins the group, "recovers" nothing from the missing changelog, and then
+   waits forever on sends to it, holding positions beyond the new log's end (issue 12: the worker
+   sat in recovery while 3,247 of 3,929 requests never reached the store). The watch notices the
+   changelog that was there and is gone; the worker then ends at once, without committing its old
+   positions into the new broker, so a fresh one (``sparseety up``) starts from the new log.
+
 Faust and aiokafka are imported inside the functions: replay imports this module and must not
 pull in Faust.
 """
@@ -308,3 +317,39 @@ def outside_time_range(plan: Any, offset: int, ts_ns: int) -> bool:
             plan.done = True
         return True
     return plan.min_ns is not None and ts_ns < plan.min_ns
+
+
+# --- 6. a broker that lost its log ----------------------------------------------------------
+
+
+class LostLogWatch:
+    """Whether the worker's changelog topic, once seen, disappeared from the broker (see item 6).
+
+    Asked from a timer; the metadata request runs on a thread with its own client, so it answers
+    even when the worker's own clients wait on the lost topic.
+    """
+
+    def __init__(self, cfg: Config, changelog_topic: str) -> None:
+        self.cfg = cfg
+        self.topic = changelog_topic
+        self.seen = False
+        self._admin: Any = None
+
+    def _exists(self) -> bool | None:
+        if self._admin is None:
+            from confluent_kafka.admin import AdminClient
+
+            # log_level 2: a broker that is away is said once by the caller, not 20 times a second
+            self._admin = AdminClient(self.cfg.kafka.librdkafka(log_level=2))
+        try:
+            topics = self._admin.list_topics(timeout=5).topics
+        except Exception:  # the broker is away: nothing can be said yet
+            return None
+        return self.topic in topics
+
+    async def lost(self) -> bool:
+        """True once the changelog existed and the broker now answers without it."""
+        exists = await asyncio.to_thread(self._exists)
+        if exists:
+            self.seen = True
+        return bool(self.seen and exists is False)

@@ -13,6 +13,7 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.errors import SparseetyError
+from sparseety.validate import MAX_TOKENS
 
 ACCOUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -166,15 +167,13 @@ class UnaccountableResponseError(SparseetyError):
     """The upstream answered, but its usage cannot be turned into token counts."""
 
 
-#: Largest count an event carries (Avro ``int``).
-MAX_COUNT = 2**31 - 1
-
-
 def _count(usage: dict[str, Any], key: str) -> int:
+    """A usage count within the contract's bounds (:mod:`sparseety.validate`), else the response
+    is unaccountable: passed through to the client and dead-lettered, never billed."""
     value = usage.get(key)
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
         raise UnaccountableResponseError(
             f"usage.{key} is {str(value)[:40]!r}, not a token count", field=f"usage.{key}"
         )

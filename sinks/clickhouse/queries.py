@@ -298,6 +298,40 @@ def segments_sql(db: str, request_uid: str | Sequence[str], *, scope: Scope) -> 
     return sql, params
 
 
+#: A timeline segment's fields, in the order :func:`requests_by_uid_sql` packs them.
+SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate")
+
+
+def requests_by_uid_sql(db: str, uids: Sequence[str], *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Requests in ``scope`` by uid, each row with its costs (``_cost_<mode>_pico``,
+    ``_cost_priced``) and its segments (``_segments``: tuples of :data:`SEGMENT_FIELDS` in
+    position order, sources masked as :func:`segments_sql` does), in one query."""
+    where, params = scope.where("r")
+    seg_sql, seg_params = segments_sql(db, uids, scope=scope)
+    params.update(seg_params)
+    params["uids"] = list(uids)
+    packed = ", ".join(f"g.{f}" for f in SEGMENT_FIELDS)
+    # the joined sides name nothing as requests_v does, so the row keeps its plain column names
+    sql = (
+        "SELECT r.* EXCEPT (_version), c._cost_list_pico AS _cost_list_pico, "
+        "c._cost_actual_pico AS _cost_actual_pico, c._cost_amortized_pico AS _cost_amortized_pico, "
+        "c._cost_gpu_pico AS _cost_gpu_pico, c._cost_priced AS _cost_priced, s._segments AS _segments "
+        f"FROM {db}.requests_v AS r "
+        "INNER JOIN (SELECT c.request_uid AS _c_uid, c.list_pico AS _cost_list_pico, "
+        "c.actual_pico AS _cost_actual_pico, "
+        "c.actual_pico + ifNull(d.delta_pico, 0) AS _cost_amortized_pico, "
+        "c.gpu_pico AS _cost_gpu_pico, c.tokens_priced AS _cost_priced "
+        f"FROM {db}.request_costs_v AS c "
+        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid "
+        "WHERE has({uids:Array(String)}, c.request_uid)) AS c ON r.request_uid = c._c_uid "
+        "LEFT JOIN (SELECT g.request_uid AS _s_uid, "
+        f"arraySort(x -> x.1, groupArray(tuple({packed}))) AS _segments "
+        f"FROM ({seg_sql}) AS g GROUP BY g.request_uid) AS s ON r.request_uid = s._s_uid "
+        f"WHERE has({{uids:Array(String)}}, r.request_uid) AND {where}"
+    )
+    return sql, params
+
+
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
     """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
     select, keys, _ = _group(by, bucket, "c")
@@ -498,46 +532,19 @@ class Queries:
     ) -> dict[str, dict[str, Any]]:
         """Several requests as :meth:`request` answers them, uid -> request (absent: not found).
 
-        Three queries however many uids (rows, costs, segments): the dashboard asks for up to a
-        hundred timelines, and a query per uid took seconds.
+        One query however many uids (row, costs and segments joined): the dashboard asks for up
+        to a hundred timelines, and a query per uid took seconds.
         """
         uids = list(dict.fromkeys(request_uids))
         if not uids:
             return {}
-        where, params = scope.where()
-        params["uids"] = uids
-        rows = self.store.query(
-            f"SELECT * EXCEPT (_version) FROM {self.db}.requests_v "
-            f"WHERE has({{uids:Array(String)}}, request_uid) AND {where}",
-            params,
-        )
-        if not rows:
-            return {}
-        found = {r["request_uid"]: r for r in _finish(rows)}
-        wanted = [u for u in uids if u in found]
-        costs = self._run(
-            (
-                "SELECT c.request_uid AS request_uid, c.list_pico AS list_pico, "
-                "c.actual_pico AS actual_pico, "
-                "c.actual_pico + ifNull(d.delta_pico, 0) AS amortized_pico, c.gpu_pico AS gpu_pico, "
-                "c.tokens_priced AS tokens_priced "
-                f"FROM {self.db}.request_costs_v AS c "
-                f"LEFT JOIN {self.db}.amortized_delta_v AS d ON c.request_uid = d.request_uid "
-                "WHERE has({uids:Array(String)}, c.request_uid)",
-                {"uids": wanted},
-            )
-        )
-        segments: dict[str, list[dict[str, Any]]] = {u: [] for u in wanted}
-        for seg in self.store.query(*segments_sql(self.db, wanted, scope=scope)):
-            segments[seg.pop("request_uid")].append(seg)
         out: dict[str, dict[str, Any]] = {}
-        for c in costs:
-            r = found[c["request_uid"]]
-            r["cost"] = {m: c[f"{m}_usd"] for m in ("list", "actual", "amortized", "gpu")}
-            r["cost"]["priced"] = bool(c["tokens_priced"])
-            r["segments"] = segments[c["request_uid"]]
-            out[c["request_uid"]] = r
-        return {u: out[u] for u in wanted if u in out}
+        for r in self._run(requests_by_uid_sql(self.db, uids, scope=scope)):
+            r["cost"] = {m: r.pop(f"_cost_{m}_usd") for m in ("list", "actual", "amortized", "gpu")}
+            r["cost"]["priced"] = bool(r.pop("_cost_priced"))
+            r["segments"] = [dict(zip(SEGMENT_FIELDS, seg, strict=True)) for seg in r.pop("_segments")]
+            out[r["request_uid"]] = r
+        return {u: out[u] for u in uids if u in out}
 
 
 # --- lookups: one object by its id (None = not stored, or outside the caller's scope) ----------

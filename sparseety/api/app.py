@@ -271,6 +271,27 @@ async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, An
 def _router() -> APIRouter:
     api = APIRouter(prefix="/api/v1")
 
+    # Before the lookups: "requests/batch" is never a request uid (uids are engine_id/request_id).
+    @api.get("/requests/batch", tags=["requests"])
+    async def requests_batch(
+        who: Caller,
+        back: Back,
+        s: Scoped,
+        request_id: Annotated[
+            list[str],
+            Query(
+                description=f"These requests in full (as /requests/UID answers each), in this order, "
+                f"in one query; at most {params.MAX_DASHBOARD_REQUESTS}."
+            ),
+        ] = [],  # noqa: B006
+    ) -> JSONResponse:
+        """Several requests in full in one query (the dashboard's batch); unknown or out-of-scope
+        ones are left out."""
+        scope = s.scope(who, back.clock())
+        uids = params.request_ids(request_id)
+        found = await back.query("requests_by_uid", back.queries.requests_by_uid, uids, scope=scope)
+        return _rows("requests", scope, list(found.values()), request_id=uids)
+
     @api.get("/requests/{request_id:path}/timeline", tags=["requests"])
     async def timeline(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
         """A request's token timeline: counts per status and the run-length segments."""

@@ -21,13 +21,14 @@ import httpx
 
 from sparseety.api.auth import api_dir, read_admin_token
 from sparseety.api.encode import decode_rows, decode_value
+from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.export import check_format, rows_file
-from sparseety.sinks.clickhouse.queries import QUERIES, QueryError, QuerySpec, Scope
+from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, QueryError, QuerySpec, Scope
 
 
 class RemoteApiError(SparseetyError):
@@ -235,17 +236,25 @@ class RemoteQueries:
         body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
             return None
-        out: dict[str, Any] = {}
-        for k, v in body.items():
-            if spec.echo_key and k == spec.key:
-                continue
-            if k in spec.money_objects:
-                out[k] = {
-                    m: (x if isinstance(x, bool) else decode_value(f"{m}_usd", x)) for m, x in v.items()
-                }
-            else:
-                out[k] = decode_value(k, v)
-        return out
+        return _decode_lookup(spec, body)
+
+    def requests_by_uid(
+        self, request_uids: Sequence[str], *, scope: Scope = EVERYTHING
+    ) -> dict[str, dict[str, Any]]:
+        """Like :meth:`Queries.requests_by_uid`: one API call per
+        :data:`~sparseety.api.params.MAX_DASHBOARD_REQUESTS` uids."""
+        uids = list(dict.fromkeys(request_uids))
+        if _sees_nothing(scope):
+            return {}
+        spec = BY_NAME["request"]
+        out = {}
+        for i in range(0, len(uids), MAX_DASHBOARD_REQUESTS):
+            chunk = uids[i : i + MAX_DASHBOARD_REQUESTS]
+            body = self._get("/api/v1/requests/batch", {"request_id": chunk, **_scope_params(scope)})
+            for raw in body["rows"]:
+                r = _decode_lookup(spec, raw)
+                out[r["request_uid"]] = r
+        return {u: out[u] for u in uids if u in out}
 
     # --- ApiQueries' additions ---------------------------------------------------------------
 
@@ -267,6 +276,19 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+
+def _decode_lookup(spec: QuerySpec, body: dict[str, Any]) -> dict[str, Any]:
+    """A lookup's answer as the API serves it, typed as the library returns it."""
+    out: dict[str, Any] = {}
+    for k, v in body.items():
+        if spec.echo_key and k == spec.key:
+            continue
+        if k in spec.money_objects:
+            out[k] = {m: (x if isinstance(x, bool) else decode_value(f"{m}_usd", x)) for m, x in v.items()}
+        else:
+            out[k] = decode_value(k, v)
+    return out
 
 
 def _remote_method(spec: QuerySpec) -> Callable[..., Any]:

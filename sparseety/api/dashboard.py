@@ -90,11 +90,8 @@ def collect(
 
 
 def _requests(queries: Any, uids: list[str], scope: Scope) -> list[dict[str, Any] | None]:
-    """The requests in ``uids``' order: in one batch where the queries can (the local library)."""
-    batch = getattr(queries, "requests_by_uid", None)
-    if batch is None:  # a RemoteQueries asks the API one request at a time
-        return [queries.request(uid, scope=scope) for uid in uids]
-    by_uid = batch(uids, scope=scope)
+    """The requests in ``uids``' order, in one batch (one query locally, one API call remotely)."""
+    by_uid = queries.requests_by_uid(uids, scope=scope)
     return [by_uid.get(uid) for uid in uids]
 
 

@@ -16,15 +16,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.lifecycle import pid_alive, ready_file, terminate
+from sparseety.lifecycle import clear_ready, pid_alive, ready_file, terminate
 
 Progress = Callable[[str], None]
+
+#: How long a worker or store that outlived the broker gets to stop (it cannot reach Kafka, so
+#: its shutdown only flushes what it holds locally).
+ORPHAN_STOP_S = 20.0
 
 
 class StackError(SparseetyError):
@@ -119,10 +124,16 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while not ready():
             if self._pid(name) is None:
-                raise StackError(f"{name} exited during start; see {self._log(name)}", part=name)
+                raise StackError(
+                    f"{name} exited during start; see {self._log(name)}, then run "
+                    "`sparseety down && sparseety up`",
+                    part=name,
+                )
             if time.monotonic() > deadline:
                 raise StackError(
-                    f"{name} not ready after {timeout_s:.0f} s; see {self._log(name)}", part=name
+                    f"{name} not ready after {timeout_s:.0f} s; see {self._log(name)}, then run "
+                    "`sparseety down && sparseety up`",
+                    part=name,
                 )
             time.sleep(0.3)
 
@@ -135,6 +146,8 @@ class Stack:
             StackError: a part exited or stayed unhealthy (its log path is in the message).
             BrokerError, PortInUseError: the broker could not start.
         """
+        if self.broker.pid() is None:
+            self._stop_orphans(progress)
         progress(f"broker: starting on {self.broker.bootstrap}")
         self.broker.start()
         if self._pid("store") is None:
@@ -155,6 +168,37 @@ class Stack:
             pid = self._spawn(name, ["worker"], extra)
             self._wait(name, lambda p=pid: self._ready("worker", p), timeout_s)  # type: ignore[misc]
         return self.status()
+
+    def _stop_orphans(self, progress: Progress) -> None:
+        """Stop workers and the store that outlived the broker, before a new one starts.
+
+        The embedded broker keeps topics, committed offsets and the workers' changelogs in memory
+        (``sparseety.broker``), so a new one starts empty. A worker or store still running holds
+        positions and state for a log that no longer exists: left alone, the worker hung on its
+        lost changelog and folded nothing more (issue 12). Stopped now, while no
+        broker runs, they cannot commit their old positions into the new one; started afresh
+        below, they read the new log from its start, which is where the producers' journals
+        drain. The store flushes what it buffered to ClickHouse on the way out.
+        """
+        stale = [n for n in [*self._worker_names(), "store"] if self._pid(n) is not None]
+        if not stale:
+            return
+        progress(
+            "broker: not running, and its in-memory topics, offsets and changelogs are gone; "
+            f"restarting {', '.join(stale)} so they start on the new broker's log"
+        )
+        pids = {name: pid for name in stale if (pid := self._pid(name)) is not None}
+        # all at once: none can reach Kafka, so no order matters and the waits overlap
+        with ThreadPoolExecutor(max_workers=len(pids) or 1) as pool:
+            outcomes = pool.map(lambda pid: terminate(pid, ORPHAN_STOP_S, group=True), pids.values())
+            stopped = dict(zip(pids, outcomes, strict=True))
+        for name, pid in pids.items():
+            if not stopped[name]:
+                progress(f"{name}: did not stop in {ORPHAN_STOP_S:.0f} s, killed it")
+                # a killed process leaves its readiness file behind
+                clear_ready(ready_file(self.cfg.data_path, name.split("-")[0], pid))
+        for name in stale:
+            self._pid_file(name).unlink(missing_ok=True)
 
     def down(self, progress: Progress = lambda _: None, timeout_s: float = 30.0) -> list[str]:
         """Stop every part (workers, then the store, then the broker); return what was stopped."""

@@ -441,6 +441,13 @@ def test_remote_queries_return_what_the_library_returns(client: TestClient, loca
         assert remote.request(rec["request_uid"]) == local.request(rec["request_uid"])
         assert remote.tokens_statistics(rec["request_uid"]) == local.tokens_statistics(rec["request_uid"])
     assert remote.request("nope") is None and remote.tokens_statistics("nope") is None
+    uids = [*[rec["request_uid"] for rec in dataset()][::-1], "nope"]
+    batch = remote.requests_by_uid(uids)  # one API call, in the order asked, unknown ones left out
+    assert list(batch) == [u for u in uids if u != "nope"]
+    assert batch == local.requests_by_uid(uids) == {u: local.request(u) for u in batch}
+    acme = Scope(tenants=("acme",))
+    assert remote.requests_by_uid(uids, scope=acme) == local.requests_by_uid(uids, scope=acme)
+    assert uid("e1", "r3") not in remote.requests_by_uid(uids, scope=acme)
     assert remote.request(uid("e1", "r3"), scope=Scope(tenants=("acme",))) is None
     assert remote.health() == local.health(now_ns=NOW)
     assert remote.cost(scope=Scope(tenants=())) == []

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from sparseety import events as ev
-from sparseety.producers.proxy.accounting import Exchange, event_data, session_of, split_events, tenant_of
+from sparseety.producers.proxy.accounting import (
+    Exchange,
+    UnaccountableResponseError,
+    event_data,
+    session_of,
+    split_events,
+    tenant_of,
+)
+from sparseety.validate import MAX_TOKENS
 
 
 def _chunk(**body: object) -> bytes:
@@ -74,6 +83,18 @@ def test_non_streamed_and_failed_requests() -> None:
     y = Exchange(arrival_ts_ns=1, body={}, tenant="")
     y.on_json(400, {"error": "bad"})
     assert y.payloads("r")[1][1]["finish_reason"] == "error"
+
+
+@pytest.mark.parametrize("bad", [MAX_TOKENS + 1, 2**31 - 1, -1, "abc", 1.5, True])
+def test_usage_outside_the_contracts_bounds_is_unaccountable(bad: object) -> None:
+    """The proxy applies the contract's bound (sparseety.validate), not one of its own."""
+    x = Exchange(arrival_ts_ns=1, body={}, tenant="")
+    x.on_json(200, {"id": "c", "usage": {"prompt_tokens": 5, "completion_tokens": bad}})
+    with pytest.raises(UnaccountableResponseError):
+        x.payloads("c")
+    ok = Exchange(arrival_ts_ns=1, body={}, tenant="")
+    ok.on_json(200, {"id": "c", "usage": {"prompt_tokens": MAX_TOKENS, "completion_tokens": 0}})
+    assert ok.payloads("c")[1][1]["num_prompt_tokens"] == MAX_TOKENS
 
 
 def test_tenant_precedence() -> None:
