@@ -41,8 +41,11 @@ from tests import factories as f
 BS = 16
 
 
-def synthetic(batch: int, steps: int, prompt: int = 512) -> tuple[list[dict[str, Any]], int]:
-    """Events of a steady decode batch; returns (events, request-steps)."""
+def synthetic(
+    batch: int, steps: int, prompt: int = 512, finish_every: int = 1
+) -> tuple[list[dict[str, Any]], int]:
+    """Events of a steady decode batch where one request finishes and one is admitted every
+    ``finish_every`` steps; returns (events, request-steps)."""
     events: list[dict[str, Any]] = []
     seq = 0
     t = 1_700_000_000_000_000_000
@@ -121,6 +124,8 @@ def synthetic(batch: int, steps: int, prompt: int = 512) -> tuple[list[dict[str,
             live[rid] = computed + n
         request_steps += len(rows)
         add(ev.STEP_BATCH, f.step_batch(step, rows, duration_ns=20_000_000))
+        if step % finish_every:
+            continue
         done = next(iter(live))
         out = live.pop(done) - prompt + 1
         add(ev.REQUEST_FINISHED, f.request_finished(done, prompt=prompt, output=out, cached=4 * BS))
