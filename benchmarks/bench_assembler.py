@@ -7,7 +7,10 @@ one is admitted (prompt 512 tokens, 4 cached blocks), so the stream carries Requ
 StepBatch, RequestFinished and KV events in realistic proportions. Reported (medians of --runs):
 
 * fold: ``Assembler.apply`` alone on decoded events (the pure logic);
-* decode+fold: Avro single-object decoding + validation + fold (what a worker core does per event);
+* decode+fold: Avro single-object decoding + validation + fold (what a worker core does per event),
+  for the same events written twice: by a schema-v2 producer (StepBatch integer columns as Avro
+  arrays, ``schemas/history/EngineEvent.v2.avsc``) and by the current v3 producer (packed int32
+  ``bytes`` columns, ``sparseety/packed.py``); the runs interleave, so both see the same load;
 * with --worker: the real Faust worker against the embedded broker, events produced up front,
   timed from the first output to the last (request-steps/s through the whole worker).
 
@@ -17,6 +20,7 @@ Also the serialized state of one 128k-token request (chunked prefill, half the p
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from sparseety.schema_store import SchemaStore
+from sparseety.schema_store import SchemaStore, schema_dir
 from sparseety.serde import Decoder, Encoder
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.state import MemoryStore
@@ -37,8 +41,11 @@ from tests import factories as f
 BS = 16
 
 
-def synthetic(batch: int, steps: int, prompt: int = 512) -> tuple[list[dict[str, Any]], int]:
-    """Events of a steady decode batch; returns (events, request-steps)."""
+def synthetic(
+    batch: int, steps: int, prompt: int = 512, finish_every: int = 1
+) -> tuple[list[dict[str, Any]], int]:
+    """Events of a steady decode batch where one request finishes and one is admitted every
+    ``finish_every`` steps; returns (events, request-steps)."""
     events: list[dict[str, Any]] = []
     seq = 0
     t = 1_700_000_000_000_000_000
@@ -117,6 +124,8 @@ def synthetic(batch: int, steps: int, prompt: int = 512) -> tuple[list[dict[str,
             live[rid] = computed + n
         request_steps += len(rows)
         add(ev.STEP_BATCH, f.step_batch(step, rows, duration_ns=20_000_000))
+        if step % finish_every:
+            continue
         done = next(iter(live))
         out = live.pop(done) - prompt + 1
         add(ev.REQUEST_FINISHED, f.request_finished(done, prompt=prompt, output=out, cached=4 * BS))
@@ -141,6 +150,15 @@ def decode_fold(blobs: list[bytes]) -> float:
         ev.validate_engine_event(e)
         asm.apply(e)
     return time.perf_counter() - start
+
+
+def encodings(events: list[dict[str, Any]]) -> dict[str, list[bytes]]:
+    """The events as a v2 producer and as the current (v3, packed) producer write them."""
+    store = SchemaStore.load()
+    v2 = json.loads((schema_dir() / "history" / "EngineEvent.v2.avsc").read_text())
+    old = Encoder(store.with_current(v2), "EngineEvent")
+    new = Encoder(store, "EngineEvent")
+    return {"v2 arrays": [old.encode(e) for e in events], "v3 packed": [new.encode(e) for e in events]}
 
 
 def long_request_state() -> tuple[int, int]:
@@ -205,24 +223,24 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help="also measure the real Faust worker")
     args = ap.parse_args()
     events, request_steps = synthetic(args.batch, args.steps)
-    enc = Encoder(SchemaStore.load(), "EngineEvent")
-    blobs = [enc.encode(e) for e in events]
+    blobs = encodings(events)
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    sizes = ", ".join(f"{k} {sum(map(len, b)) / len(b):,.0f} B/event" for k, b in blobs.items())
     print(
         f"workload: batch {args.batch}, {args.steps} steps, {len(events)} events, "
-        f"{request_steps} request-steps, "
-        f"{sum(len(b) for b in blobs) / len(blobs):,.0f} B/event"
+        f"{request_steps} request-steps; {sizes}"
     )
-    fold_s = statistics.median(fold(events) for _ in range(args.runs))
-    dec_s = statistics.median(decode_fold(blobs) for _ in range(args.runs))
-    print(
-        f"fold:         {request_steps / fold_s:>12,.0f} request-steps/s"
-        f"  ({len(events) / fold_s:,.0f} events/s)"
-    )
-    print(
-        f"decode+fold:  {request_steps / dec_s:>12,.0f} request-steps/s"
-        f"  ({len(events) / dec_s:,.0f} events/s)"
-    )
+    times: dict[str, list[float]] = {"fold": []} | {k: [] for k in blobs}
+    for _ in range(args.runs):  # interleaved, so a load change hits every variant alike
+        times["fold"].append(fold(events))
+        for k, b in blobs.items():
+            times[k].append(decode_fold(b))
+    for k, ts in times.items():
+        s = statistics.median(ts)
+        label = k if k == "fold" else f"decode+fold {k}"
+        print(
+            f"{label + ':':<26}{request_steps / s:>12,.0f} request-steps/s  ({len(events) / s:,.0f} events/s)"
+        )
     size, segments = long_request_state()
     print(f"128k-token request state: {size / 1024:,.0f} KiB serialized, {segments} segments")
     if args.worker:

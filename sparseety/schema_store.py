@@ -177,6 +177,12 @@ class SchemaStore:
         except KeyError:
             raise SchemaError(f"unknown wire record {name!r}", name=name) from None
 
+    def with_current(self, schema: Mapping[str, Any]) -> SchemaStore:
+        """A copy whose current version of that record is ``schema`` (standalone JSON): an
+        encoder on it writes as a producer of that version did (tests, benchmarks)."""
+        w = _wire(schema)
+        return SchemaStore({**self.current, w.name: w}, {**self.by_fingerprint, w.fingerprint: w})
+
     def with_writer(self, schema: Mapping[str, Any]) -> SchemaStore:
         """A copy that also knows ``schema`` (standalone JSON) as a writer version."""
         w = _wire(schema)

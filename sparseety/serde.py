@@ -28,8 +28,10 @@ from sparseety.errors import (
     TruncatedPayloadError,
     UnknownSchemaError,
 )
+from sparseety.packed import from_wire, to_wire, writes_packed
 from sparseety.schema_store import SchemaStore, WireSchema, full_name
 
+_ENGINE_EVENT = full_name("EngineEvent")
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 REGISTRY_MAGIC = b"\x00"
 _SINGLE_HEADER = len(SINGLE_OBJECT_MAGIC) + 8
@@ -61,6 +63,8 @@ class Encoder:
         topic: str | None = None,
     ) -> None:
         self.wire: WireSchema = store.wire(record)
+        # StepBatch's integer columns travel packed when this schema has the v3 fields.
+        self._pack = self.wire.name == _ENGINE_EVENT and writes_packed(self.wire.parsed)
         if registry is None:
             self._header = SINGLE_OBJECT_MAGIC + self.wire.fingerprint_bytes
         else:
@@ -75,6 +79,8 @@ class Encoder:
         """Encode one record (a dict; unions of records as ``(full_name, dict)`` tuples)."""
         buf = io.BytesIO()
         buf.write(self._header)
+        if self._pack:
+            datum = to_wire(datum)
         try:
             fastavro.schemaless_writer(buf, self.wire.parsed, datum)
         except Exception as exc:  # fastavro raises ValueError, TypeError, KeyError, ...
@@ -179,4 +185,11 @@ class Decoder:
             )
         if not isinstance(datum, dict):
             raise CorruptPayloadError(f"{writer.name} did not decode to a record", raw=data)
+        if writer.name == _ENGINE_EVENT:
+            try:
+                from_wire(datum)
+            except ValueError as exc:
+                raise CorruptPayloadError(
+                    f"{writer.name} payload is corrupt: {exc}", raw=data, record=writer.name
+                ) from exc
         return writer.name, datum

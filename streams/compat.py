@@ -19,9 +19,20 @@ its piece is deleted here and its caller keeps working through the same function
    and ``_key_partition`` map (Faust has no public per-partition key listing). Tansu reports the
    high watermark at record-batch granularity and Faust's recovery reads up to the watermark, so
    it would miss the rest of the last batch: every flush ends with a lone marker record.
+   Faust's ``Table.send_changelog`` costs ~0.25 ms of CPU per record here (``send_soon``, its
+   producer buffer, ``publish_message``, sensors, then aiokafka's ``send``); a worker at batch 256
+   rewrites every live request's state at each flush, so that path alone cost several times the
+   fold (``benchmarks/bench_worker.py --profile``). The records go as aiokafka record batches
+   (``create_batch``/``send_batch``) on the producer Faust started (its private ``_producer``),
+   to the same changelog topic and partition, in the same order.
 4. **Holding a message unacked** (:func:`hold_unacked`, :class:`FaustPartitions`): Faust's
    ``take_events`` acks a batch's events when the body returns, whatever happened; an extra
    reference (``incref``) leaves a message unacked, so its offset is not committed.
+6. **The terminal spinner** (:func:`without_spinner`): faust-streaming's ``Worker`` keeps its
+   progress spinner when the log level is WARN or above and then sets the root logger to DEBUG
+   (``Worker._setup_spinner_handler``), so with ``--loglevel warning`` every aiokafka debug
+   message (several per produced batch) is formatted for the spinner: seen as the largest item
+   of a worker profile after the fold. Workers run without it.
 5. **Time bounds** (:func:`offsets_for_time`, :func:`outside_time_range`): Tansu answers
    ``offsets_for_times`` at record-batch granularity (the batch holding the time, so records
    before it come too) and its high watermark is batch-granular as well, so a replay filters by
@@ -244,21 +255,45 @@ class ChangelogTable:
         """Store and send ``items`` in order, then the deletions; wait for the changelog's acks,
         then write the marker on its own (so a batch-granular watermark still covers them)."""
         store = self.table.data
-        pending: list[Awaitable[Any]] = []
+        records: list[tuple[bytes, bytes | None]] = []
         for key, value in items:
             store.data[key] = value
             store._key_partition[key] = self.partition
-            pending.append(self.table.send_changelog(self.partition, key, value))
+            records.append((key, value))
         for key in deleted:
             store.data.pop(key, None)
             store._key_partition.pop(key, None)
-            pending.append(self.table.send_changelog(self.partition, key, None))
-        if not pending:
+            records.append((key, None))
+        if not records:
             return
-        await asyncio.gather(*pending)
+        await self._send(records)
         self.flushes += 1
-        marker = f"m|{self.partition}".encode()
-        await self.table.send_changelog(self.partition, marker, str(self.flushes).encode())
+        await self._send([(f"m|{self.partition}".encode(), str(self.flushes).encode())])
+
+    async def _send(self, records: list[tuple[bytes, bytes | None]]) -> None:
+        """Send ``records`` to this partition of the changelog as record batches; return once
+        all are acknowledged (see item 3 above)."""
+        producer = self.table.app.producer._ensure_producer()  # the started AIOKafkaProducer
+        topic = self.table.changelog_topic.get_topic_name()
+        pending: list[Awaitable[Any]] = []
+        batch = producer.create_batch()
+        for key, value in records:
+            if batch.append(key=key, value=value, timestamp=None) is None:
+                if batch.record_count():
+                    pending.append(await producer.send_batch(batch, topic, partition=self.partition))
+                    batch = producer.create_batch()
+                if batch.append(key=key, value=value, timestamp=None) is None:
+                    # Larger than a whole batch: aiokafka sends it alone (up to the request size).
+                    pending.append(await producer.send(topic, value, key=key, partition=self.partition))
+        if batch.record_count():
+            pending.append(await producer.send_batch(batch, topic, partition=self.partition))
+        await asyncio.gather(*pending)
+
+
+def without_spinner(worker: Any) -> None:
+    """Run a ``faust.Worker`` without its terminal spinner (see item 6 above); call before
+    ``execute_from_commandline``, which configures logging."""
+    worker.spinner = None
 
 
 # --- 4. holding a message unacked -----------------------------------------------------------

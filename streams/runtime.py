@@ -16,7 +16,7 @@ import faust
 
 from sparseety.config import Config
 from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
-from sparseety.streams.compat import faust_broker_settings
+from sparseety.streams.compat import faust_broker_settings, without_spinner
 
 log = logging.getLogger("sparseety")
 
@@ -98,6 +98,7 @@ def run(
     try:
         worker = _ReadyWorker(app, *services, loglevel=loglevel, quiet=True)
         worker.ready_path = ready
+        without_spinner(worker)
         worker.execute_from_commandline()
         code = 0
     except SystemExit as exc:

@@ -17,8 +17,9 @@ States are JSON-serialisable (bytes are tagged), because Faust stores them as ch
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, ClassVar, Protocol
 
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
@@ -53,13 +54,24 @@ WINDOW_COUNTERS = (
 )
 
 
+_FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
 class _Record:
     """Dataclass <-> JSON list, in field order (compact, and fast to build)."""
 
     TAG: ClassVar[str]
 
     def to_json(self) -> list[Any]:
-        return [self.TAG, *(getattr(self, f.name) for f in fields(self))]  # type: ignore[arg-type]
+        # One C-level attrgetter per class: dataclasses.fields() per call was a visible share of
+        # the worker's changelog writes (benchmarks/bench_worker.py --profile).
+        get = _FIELD_GETTERS.get(type(self))
+        if get is None:
+            names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+            one = attrgetter(names[0])
+            get = attrgetter(*names) if len(names) > 1 else (lambda obj: (one(obj),))
+            _FIELD_GETTERS[type(self)] = get
+        return [self.TAG, *get(self)]
 
     @classmethod
     def from_json(cls, data: list[Any]) -> Any:

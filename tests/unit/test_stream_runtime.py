@@ -13,20 +13,61 @@ from sparseety.streams.compat import ChangelogTable
 from sparseety.streams.state import HeadState, TableStore, decode_state
 
 
-class FakeTable:
-    """What ChangelogTable uses of a Faust table: its memory store and send_changelog."""
+class FakeBatch:
+    """aiokafka's BatchBuilder as ChangelogTable uses it: full after ``capacity`` records."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.records: list[tuple[bytes, bytes | None]] = []
+
+    def append(self, *, key: bytes, value: bytes | None, timestamp: Any) -> Any:
+        if len(self.records) >= self.capacity or (value is not None and len(value) > 64):
+            return None  # full, or (like aiokafka) a record larger than a whole batch
+        self.records.append((key, value))
+        return object()
+
+    def record_count(self) -> int:
+        return len(self.records)
+
+
+class FakeProducer:
+    """The started AIOKafkaProducer: record batches and single sends, acknowledged at once."""
+
+    def __init__(self, sent: list[tuple[int, bytes, bytes | None]], capacity: int) -> None:
+        self.sent, self.capacity, self.batches = sent, capacity, 0
+
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch(self.capacity)
+
+    def _done(self) -> Any:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
+        assert topic == "app-state-changelog"
+        self.batches += 1
+        self.sent.extend((partition, k, v) for k, v in batch.records)
+        return self._done()
+
+    async def send(self, topic: str, value: bytes | None, *, key: bytes, partition: int) -> Any:
+        self.sent.append((partition, key, value))
+        return self._done()
+
+
+class FakeTable:
+    """What ChangelogTable uses of a Faust table: its memory store, its changelog topic's name and
+    the app's started producer."""
+
+    def __init__(self, capacity: int = 2) -> None:
         self.data = type("Store", (), {})()
         self.data.data = {}
         self.data._key_partition = {}
         self.sent: list[tuple[int, bytes, bytes | None]] = []
-
-    def send_changelog(self, partition: int, key: bytes, value: bytes | None) -> Any:
-        self.sent.append((partition, key, value))
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        fut.set_result(None)
-        return fut
+        self.producer = FakeProducer(self.sent, capacity)
+        faust_producer = type("FaustProducer", (), {"_ensure_producer": lambda _: self.producer})()
+        self.app = type("App", (), {"producer": faust_producer})()
+        self.changelog_topic = type("Topic", (), {"get_topic_name": lambda _: "app-state-changelog"})()
 
 
 def test_table_store_writes_epoch_and_head_keys_last_then_a_marker() -> None:
@@ -49,6 +90,14 @@ def test_table_store_writes_epoch_and_head_keys_last_then_a_marker() -> None:
     asyncio.run(fresh.flush())
     assert table.sent[-2] == (1, b"r|eng@1|a", None) and b"r|eng@1|a" not in table.data.data
     assert decode_state(table.data.data[b"e|eng@1"]) == {"y": b"\x00"}
+
+
+def test_changelog_records_go_in_order_as_batches_with_big_ones_alone() -> None:
+    table = FakeTable(capacity=2)
+    items = [(f"r|e@1|{i}".encode(), b"v" * (100 if i == 3 else 1)) for i in range(5)]
+    asyncio.run(ChangelogTable(table, 3).write(items, [b"r|e@1|gone"]))
+    assert table.sent == [(3, k, v) for k, v in items] + [(3, b"r|e@1|gone", None), (3, b"m|3", b"1")]
+    assert table.producer.batches == 4  # [0, 1], [2], [4, gone] (3 went alone), then the marker
 
 
 def test_nothing_dirty_writes_nothing() -> None:
