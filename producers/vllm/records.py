@@ -201,7 +201,8 @@ class RecordBuilder:
             "num_scheduled_tokens": list(scheduled_tokens.values()),
             "num_computed_before": [before.get(r, 0) for r in rids],
             "num_new_tokens": num_new,
-            "new_token_ids": token_ids,
+            # Output ids are content: only the raw privacy mode lets them leave the engine.
+            "new_token_ids": token_ids if self.policy.mode == "raw" else [],
             "spec_proposed": proposed,
             "spec_accepted": accepted,
             "preempted_req_ids": sorted(preempted),

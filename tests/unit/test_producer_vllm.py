@@ -191,6 +191,16 @@ def test_one_step_orders_admission_step_and_finish() -> None:
     )
 
 
+@pytest.mark.parametrize("mode", ["hashed", "none"])
+def test_output_ids_leave_the_engine_only_in_raw_mode(mode: str) -> None:
+    policy = PromptPolicy(PrivacyConfig(mode=mode, key="k" * 16 if mode == "hashed" else None))
+    so = _so([("a", 4)], [("b", 5)], {"a": 5, "b": 4})
+    _, step = _builder(policy=policy, spec_enabled=False).step(
+        so, _out({"a": [1], "b": [2, 3]}), None, 0, 100, 350, frozenset()
+    )
+    assert step["num_new_tokens"] == [1, 2] and step["new_token_ids"] == []
+
+
 def test_empty_steps_carry_preemptions_and_aborts_go_out_at_once() -> None:
     a = _req("a", list(range(4)))
     s, rec = _session({"a": a})
