@@ -19,10 +19,7 @@ its piece is deleted here and its caller keeps working through the same function
    and ``_key_partition`` map (Faust has no public per-partition key listing). Tansu reports the
    high watermark at record-batch granularity and Faust's recovery reads up to the watermark, so
    it would miss the rest of the last batch: every flush ends with a lone marker record.
-4. **Holding a message unacked** (:func:`hold_unacked`, :class:`FaustPartitions`): Faust's
-   ``take_events`` acks a batch's events when the body returns, whatever happened; an extra
-   reference (``incref``) leaves a message unacked, so its offset is not committed.
-5. **Time bounds** (:func:`offsets_for_time`, :func:`outside_time_range`): Tansu answers
+4. **Time bounds** (:func:`offsets_for_time`, :func:`outside_time_range`): Tansu answers
    ``offsets_for_times`` at record-batch granularity (the batch holding the time, so records
    before it come too) and its high watermark is batch-granular as well, so a replay filters by
    record timestamp and ends a partition where it stays quiet past the watermark.
@@ -37,7 +34,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import ConfigError
@@ -252,41 +249,7 @@ class ChangelogTable:
         await self.table.send_changelog(self.partition, marker, str(self.flushes).encode())
 
 
-# --- 4. holding a message unacked -----------------------------------------------------------
-
-
-class Holdable(Protocol):
-    def incref(self, n: int = 1) -> None: ...
-
-
-def hold_unacked(message: Holdable) -> None:
-    """Keep ``message`` unacked past the end of the take loop's body (see item 4 above): the
-    loop's own ack then only drops this extra reference; :meth:`FaustPartitions.ack` releases it."""
-    message.incref()
-
-
-class FaustPartitions:
-    """Pause, resume and ack over a Faust app's consumer (the sink's ``Partitions``)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    def _tps(self, tps: set[tuple[str, int]]) -> list[Any]:
-        from faust.types import TP as FaustTP
-
-        return [FaustTP(t, p) for t, p in tps]
-
-    def pause(self, tps: set[tuple[str, int]]) -> None:
-        self.app.consumer.pause_partitions(self._tps(tps))
-
-    def resume(self, tps: set[tuple[str, int]]) -> None:
-        self.app.consumer.resume_partitions(self._tps(tps))
-
-    def ack(self, message: Any) -> None:
-        message.ack(self.app.consumer)
-
-
-# --- 5. time bounds on a batch-granular broker ---------------------------------------------
+# --- 4. time bounds on a batch-granular broker ---------------------------------------------
 
 
 async def offsets_for_time(consumer: Any, tps: list[Any], ns: int, high: dict[Any, int]) -> dict[Any, int]:
