@@ -2,17 +2,18 @@
 
 The sink keeps no state between batches, so it needs no stream processor: a plain librdkafka
 consumer in the sink's own consumer group (``cfg.sink.group_id``) hands it batches of up to
-``batch_max_messages`` records (``Consumer.consume``, waiting at most ``sink.batch_interval_s``),
-and per batch:
+``batch_max_messages`` records (``Consumer.consume``, gathered for at most
+``sink.batch_interval_s``, or less once the records fetched so far are drained), and per batch:
 
 1. decode each payload; undecodable bytes, or a record that does not belong on a sink topic,
    become a DeadLetter sent to the dlq topic (reason, raw bytes, topic, partition, offset) and
    awaited until Kafka has it; a dead letter on the dlq topic that cannot be read is stored in
    ``dead_letters`` directly (re-sending it would loop). Nothing is dropped silently.
 2. add the records to the sink and flush it: rows are written before the batch is done.
-3. commit the batch's offsets (commit-after-write; at most every ``commit_interval_s``, and
-   always before a partition is given away or the process stops). A crash anywhere before that
-   re-reads the batch, and the sink's idempotent tables absorb the repeat (at-least-once).
+3. commit the batch's offsets (commit-after-write; at most every ``commit_interval_s``, when
+   the topics go quiet, and always before a partition is given away or the process stops). A
+   crash anywhere before that re-reads the batch, and the sink's idempotent tables absorb the
+   repeat (at-least-once).
 
 A partition whose write keeps failing (:class:`~sparseety.errors.SinkWriteError`) is stopped
 alone: its messages are held (their offsets are not committed), the partition is paused, and the
@@ -52,6 +53,8 @@ log = logging.getLogger("sparseety.sink")
 
 TP = tuple[str, int]
 COMPONENT = "sink"
+#: A batch is handed over early when no record arrived for this long (the fetch queue is drained).
+DRAIN_S = 0.1
 
 
 class Message(Protocol):
@@ -415,20 +418,31 @@ class SinkConsumer:
         self.partitions.committed.update(offsets)
 
     def _consume(self) -> list[Consumed]:
+        """Up to ``batch_max_messages`` records: gathered for at most ``interval_s``, and handed
+        over early once the fetched records are drained (nothing new for ``DRAIN_S``), so the end
+        of a burst is written at once instead of after the full interval."""
         from confluent_kafka import KafkaException
 
-        out = []
-        for m in self.consumer.consume(self.batch_max_messages, self.interval_s):
-            err = m.error()
-            if err is not None:
-                if err.fatal():
-                    raise KafkaException(err)
-                log.warning("sink: consumer: %s", err)
-                continue
-            tp: TP = (m.topic(), m.partition())  # type: ignore[assignment]
-            if self.partitions.accepts(tp):
-                # a null value (tombstone) is no record: b"" is dead-lettered as undecodable
-                out.append(Consumed(tp[0], tp[1], m.offset() or 0, m.key(), m.value() or b""))
+        out: list[Consumed] = []
+        deadline = time.monotonic() + self.interval_s
+        while len(out) < self.batch_max_messages:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got = self.consumer.consume(self.batch_max_messages - len(out), min(left, DRAIN_S))
+            if not got and out:
+                break
+            for m in got:
+                err = m.error()
+                if err is not None:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("sink: consumer: %s", err)
+                    continue
+                tp: TP = (m.topic(), m.partition())  # type: ignore[assignment]
+                if self.partitions.accepts(tp):
+                    # a null value (tombstone) is no record: b"" is dead-lettered as undecodable
+                    out.append(Consumed(tp[0], tp[1], m.offset() or 0, m.key(), m.value() or b""))
         return out
 
     # --- the loop -----------------------------------------------------------------------------
@@ -451,7 +465,7 @@ class SinkConsumer:
                 if self.worker.held and now - self._last_retry >= self.interval_s:
                     self._last_retry = now
                     await self.worker.retry()
-                if now - self._last_commit >= self.commit_interval_s:
+                if now - self._last_commit >= self.commit_interval_s or not batch:
                     self._last_commit = now
                     await loop.run_in_executor(self._thread, self._commit_now)
             await loop.run_in_executor(self._thread, self._commit_now)
