@@ -34,6 +34,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
@@ -311,9 +312,11 @@ def consumer_settings(cfg: Config, session_timeout_s: float) -> dict[str, Any]:
 class SinkConsumer:
     """The batch loop: consume, write, commit; rebalances and stopped partitions.
 
-    Every call into the librdkafka consumer happens on the loop's own thread (``consume`` and
-    ``commit`` in a one-thread executor, the rest between them), so the event loop stays free for
-    the API that shares it in ``sparseety store``.
+    ``consume`` and ``commit`` run on the loop's own consumer thread (a one-thread executor), so
+    the event loop stays free for the API that shares it in ``sparseety store``; the next batch is
+    gathered there while the current one is written. Rebalance callbacks run on that thread too,
+    inside ``consume``: they wait for the batch being written (``_busy``), so a partition is given
+    away only after its written offsets are committed and its buffer is dropped.
 
     Args:
         cfg: Topics, group, batch settings.
@@ -354,6 +357,7 @@ class SinkConsumer:
         self.assigned: set[TP] = set()
         self.on_ready: Callable[[], None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparseety-sink-consumer")
+        self._busy = threading.Lock()
         self._last_commit = 0.0
         self._last_retry = 0.0
 
@@ -386,17 +390,19 @@ class SinkConsumer:
 
     def _revoked(self, consumer: Any, tps: list[Any]) -> None:
         gone = {(tp.topic, tp.partition) for tp in tps}
-        self._commit_now(gone)  # what was written is committed before someone else owns it
-        self.worker.revoked(gone)
-        self.partitions.forget(gone)
-        self.assigned -= gone
+        with self._busy:  # the batch being written finishes (and is acked) first
+            self.assigned -= gone
+            self._commit_now(gone)  # what was written is committed before someone else owns it
+            self.worker.revoked(gone)
+            self.partitions.forget(gone)
         log.warning("sink: revoked partitions %s", sorted(gone))
 
     def _lost(self, consumer: Any, tps: list[Any]) -> None:
         gone = {(tp.topic, tp.partition) for tp in tps}
-        self.worker.revoked(gone)  # no commit: the group already gave them to someone else
-        self.partitions.forget(gone)
-        self.assigned -= gone
+        with self._busy:
+            self.assigned -= gone
+            self.worker.revoked(gone)  # no commit: the group already gave them to someone else
+            self.partitions.forget(gone)
         log.warning("sink: lost partitions %s", sorted(gone))
 
     def _commit_now(self, only: set[TP] | None = None) -> None:
@@ -448,28 +454,45 @@ class SinkConsumer:
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume, write and commit until ``stop`` is set; then commit, leave the group."""
+        """Consume, write and commit until ``stop`` is set; then commit, leave the group.
+
+        The next batch is gathered (on the consumer thread) while the current one is written, so
+        a record waits for at most one gathering interval plus one write, not two writes.
+        """
         loop = asyncio.get_running_loop()
         self.consumer.subscribe(
             self.topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
         )
+        gathering = loop.run_in_executor(self._thread, self._consume)
         try:
             while not stop.is_set():
-                batch = await loop.run_in_executor(self._thread, self._consume)
-                if batch:
-                    await self.worker.process(batch)
-                    for m in batch:
-                        if (m.topic, m.partition) not in self.worker.held:
-                            self.partitions.ack(m)
+                batch = await gathering
                 now = time.monotonic()
-                if self.worker.held and now - self._last_retry >= self.interval_s:
-                    self._last_retry = now
-                    await self.worker.retry()
                 if now - self._last_commit >= self.commit_interval_s or not batch:
                     self._last_commit = now
                     await loop.run_in_executor(self._thread, self._commit_now)
+                gathering = loop.run_in_executor(self._thread, self._consume)
+                with self._busy:  # a rebalance callback waits until this batch is written and acked
+                    # records of partitions given away or stopped meanwhile are not ours to write
+                    batch = [
+                        m
+                        for m in batch
+                        if (m.topic, m.partition) in self.assigned
+                        and self.partitions.accepts((m.topic, m.partition))
+                    ]
+                    if batch:
+                        await self.worker.process(batch)
+                        for m in batch:
+                            if (m.topic, m.partition) not in self.worker.held:
+                                self.partitions.ack(m)
+                    if self.worker.held and now - self._last_retry >= self.interval_s:
+                        self._last_retry = now
+                        await self.worker.retry()
+            await gathering  # not written: never acked, so re-read after a restart
             await loop.run_in_executor(self._thread, self._commit_now)
         finally:
+            if not gathering.done():
+                await asyncio.wait([gathering])
             await loop.run_in_executor(self._thread, self.consumer.close)  # leaves the group
             self._thread.shutdown(wait=False)
 
