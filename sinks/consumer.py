@@ -243,7 +243,7 @@ class SinkWorker:
 class KafkaPartitions:
     """Pause, resume and ack over a confluent-kafka consumer, and the offsets ready to commit.
 
-    ``ack`` only notes the next offset to commit; :meth:`SinkConsumer.commit` sends them. A paused
+    ``ack`` only notes the next offset to commit; the loop commits them (:class:`SinkConsumer`). A paused
     partition's messages that still arrive are dropped by the loop (:meth:`accepts`), and
     ``resume`` seeks the partition back to the first offset not yet acknowledged, so whether
     librdkafka purges a paused partition's prefetched messages or not, nothing is skipped.
