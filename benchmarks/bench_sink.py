@@ -1,18 +1,27 @@
 """Sink throughput into embedded ClickHouse (chDB), per process.
 
-Three measurements, each the median of ``--runs`` runs into a fresh database:
+Measurements, each the median of ``--rounds`` rounds (write paths into a fresh database each):
 
 * ``write``: decoded RequestAccounting records -> ClickHouseSink.add + flush (rows to every table).
 * ``decode+write``: Avro bytes as they sit in Kafka -> decode -> sink: the sink process's work per
   batch, without Kafka.
+* ``sparseety sink``: the real process (its batch consumer loop) reading a topic of an embedded
+  broker into its own chDB path: time from producing a round's records until all their offsets
+  are committed (which the sink does only after writing them).
 * ``replay`` (``--replay``): records produced to a topic of an embedded broker, then read back
   by ``sparseety.sinks.replay.Replay`` into the sink (aiokafka fetch included).
+
+The rounds interleave write, decode+write and the process on new records of the same shape, so
+the ratio process/write (per round, then the median) holds on a noisy shared machine.
 
 Records look like the assembler's output for a 2k-token prompt with a cached prefix: ``--segments``
 timeline segments and ``--blocks`` block uses each, so one record is 1 + segments + blocks rows.
 
-    .venv/bin/python benchmarks/bench_sink.py                 # write, decode+write
+    .venv/bin/python benchmarks/bench_sink.py --quick         # under 2 minutes
+    .venv/bin/python benchmarks/bench_sink.py                 # write, decode+write, the process
     .venv/bin/python benchmarks/bench_sink.py --replay        # and replay through the broker
+
+The last line: ``bench_sink: process/write ratio 0.NN; NNN rows/s`` (the process's rows/s).
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ import argparse
 import gc
 import os
 import platform
-import signal
 import statistics
 import tempfile
 import time
@@ -36,6 +44,14 @@ from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 
 T0 = 1_700_000_000 * 10**9
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def record(i: int, segments: int, blocks: int) -> dict[str, Any]:
@@ -167,7 +183,6 @@ def bench_replay(path: str, payloads: list[bytes], runs: int) -> list[tuple[floa
     from sparseety.kafka import ensure_topics, make_producer
     from sparseety.sinks.processors import identity
     from sparseety.sinks.replay import Bound, Replay
-    from tests.helpers import free_port
 
     data = tempfile.mkdtemp(prefix="bench-broker-")
     broker = EmbeddedBroker(load_config(data_dir=data, broker={"port": free_port()}))
@@ -204,12 +219,12 @@ def bench_replay(path: str, payloads: list[bytes], runs: int) -> list[tuple[floa
         broker.stop()
 
 
-def _produce(producer: Any, topic: str, values: list[bytes], last: dict[int, int]) -> None:
+def _produce(producer: Any, topic: str, values: list[bytes], last: dict[int, int], base: int = 0) -> None:
     def done(err: Any, msg: Any) -> None:
         last[msg.partition()] = max(last.get(msg.partition(), -1), msg.offset())
 
     for i, raw in enumerate(values):
-        producer.produce(topic, key=b"r%d" % i, value=raw, on_delivery=done)
+        producer.produce(topic, key=b"r%d" % (base + i), value=raw, on_delivery=done)
         if i % 5000 == 0:
             producer.poll(0)
     assert producer.flush(60) == 0
@@ -222,135 +237,84 @@ def _caught_up(watcher: Any, topic: str, last: dict[int, int]) -> bool:
     return all(tp.offset > last[tp.partition] for tp in got)
 
 
-def bench_live(payloads: list[bytes], runs: int) -> list[tuple[float, int, int]]:
-    """The real thing: ``sparseety sink`` (a Faust worker, its own process) consuming a topic of an
-    embedded broker into chDB; time from producing N records until all their offsets are committed
-    (which the sink does only after writing them)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+class LiveSink:
+    """``sparseety sink`` in its own process, consuming a topic of an embedded broker into its own
+    chDB path; :meth:`round` times producing records until all their offsets are committed (which
+    the sink does only after writing them)."""
 
-    from confluent_kafka import Consumer
+    def __init__(self, batch_records: int, rows_per_record: int) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
 
-    from sparseety.broker import EmbeddedBroker
-    from sparseety.config import to_env
-    from sparseety.kafka import ensure_topics, make_producer
-    from tests.helpers import free_port
+        from confluent_kafka import Consumer
 
-    data = Path(tempfile.mkdtemp(prefix="bench-live-"))
-    broker = EmbeddedBroker(load_config(data_dir=str(data / "broker"), broker={"port": free_port()}))
-    broker.start(create_topics=False)
-    out = []
-    try:
-        for run in range(runs):
-            topics = {k: f"live{run}.{k}" for k in ("engine_events", "timelines", "usage", "dlq")}
-            cfg = broker.client_config().replace(
-                data_dir=str(data / f"run{run}"),
-                topics={**topics, "partitions": 4},
-                sink={"group_id": f"bench-sink-{run}", "batch_interval_s": 1.0, "batch_max_rows": 200_000},
-            )
-            ensure_topics(cfg)
-            env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")} | to_env(cfg)
-            log = open(data / f"sink-{run}.log", "wb")  # noqa: SIM115 - closed below
-            sink = subprocess.Popen(
-                [
-                    str(Path(sys.executable).parent / "sparseety"),
-                    "sink",
-                    "--session-timeout",
-                    "6",
-                    "--commit-interval",
-                    "1.0",
-                    "--loglevel",
-                    "warning",
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            producer = make_producer(cfg)
-            watcher = Consumer(
-                cfg.kafka.librdkafka(**{"group.id": cfg.sink.group_id, "enable.auto.commit": False})
-            )
-            last: dict[int, int] = {}
-            try:
-                _produce(producer, cfg.topics.timelines, payloads[:4], last)  # warm-up: sink joined
-                while not _caught_up(watcher, cfg.topics.timelines, last):
-                    assert sink.poll() is None, (data / f"sink-{run}.log").read_text()[-2000:]
-                    time.sleep(0.1)
-                started = time.perf_counter()
-                _produce(producer, cfg.topics.timelines, payloads, last)
-                while not _caught_up(watcher, cfg.topics.timelines, last):
-                    assert sink.poll() is None, (data / f"sink-{run}.log").read_text()[-2000:]
-                    time.sleep(0.05)
-                out.append((time.perf_counter() - started, 0, len(payloads)))
-            finally:
-                watcher.close()
-                sink.terminate()
-                sink.wait(30)
-                log.close()
-    finally:
-        broker.stop()
-    return out
+        from sparseety.broker import EmbeddedBroker
+        from sparseety.config import to_env
+        from sparseety.kafka import ensure_topics, make_producer
 
-
-def _faust_ceiling_child(bootstrap: str, topic: str, n: int, out: Any) -> None:
-    """An agent shaped like the sink's (raw bytes, take_events) that does nothing but count."""
-    import faust
-
-    app = faust.App(
-        "bench-faust-ceiling",
-        broker=f"kafka://{bootstrap}",
-        store="memory://",
-        topic_allow_declare=False,
-        consumer_auto_offset_reset="earliest",
-        web_enabled=False,
-        broker_commit_interval=1.0,
-        datadir=tempfile.mkdtemp(prefix="bench-faust-"),
-    )
-    source = app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-    seen = {"n": 0, "first": 0.0}
-
-    @app.agent(source)
-    async def count(stream: Any) -> None:
-        async for events in stream.take_events(10_000, within=1.0):
-            if not seen["n"]:
-                seen["first"] = time.perf_counter()
-            seen["n"] += len(events)
-            if seen["n"] >= n:
-                out.put(n / (time.perf_counter() - seen["first"]))
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    from faust import Worker
-
-    Worker(app, loglevel="warning", quiet=True).execute_from_commandline()
-
-
-def bench_faust_ceiling(payloads: list[bytes]) -> float:
-    """Messages per second Faust delivers to a take_events agent that does no work (the ceiling
-    of any Faust worker consuming one message per record on this machine)."""
-    import multiprocessing
-
-    from sparseety.broker import EmbeddedBroker
-    from sparseety.kafka import ensure_topics, make_producer
-    from tests.helpers import free_port
-
-    broker = EmbeddedBroker(load_config(data_dir=tempfile.mkdtemp(), broker={"port": free_port()}))
-    broker.start(create_topics=False)
-    try:
-        cfg = broker.client_config()
-        ensure_topics(cfg, ["ceiling"], partitions=4)
-        _produce(make_producer(cfg), "ceiling", payloads, {})
-        ctx = multiprocessing.get_context("spawn")
-        out = ctx.Queue()
-        child = ctx.Process(
-            target=_faust_ceiling_child, args=(cfg.kafka.bootstrap, "ceiling", len(payloads), out)
+        self.data = Path(tempfile.mkdtemp(prefix="bench-live-"))
+        self.broker = EmbeddedBroker(
+            load_config(data_dir=str(self.data / "broker"), broker={"port": free_port()})
         )
-        child.start()
-        rate = float(out.get(timeout=600))
-        child.join(30)
-        return rate
-    finally:
-        broker.stop()
+        self.broker.start(create_topics=False)
+        topics = {k: f"live.{k}" for k in ("engine_events", "timelines", "usage", "dlq")}
+        self.cfg = self.broker.client_config().replace(
+            data_dir=str(self.data / "sink"),
+            topics={**topics, "partitions": 4},
+            # one flush per `batch_records` records, as the write path below
+            sink={"group_id": "bench-sink", "batch_max_rows": batch_records * rows_per_record},
+        )
+        ensure_topics(self.cfg)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")} | to_env(self.cfg)
+        self.log_path = self.data / "sink.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "sparseety"),
+                "sink",
+                "--session-timeout",
+                "6",
+                "--commit-interval",
+                "0.1",
+                "--loglevel",
+                "warning",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.producer = make_producer(self.cfg)
+        self.watcher = Consumer(
+            self.cfg.kafka.librdkafka(**{"group.id": self.cfg.sink.group_id, "enable.auto.commit": False})
+        )
+        self.sent = 0
+
+    def _wait(self, last: dict[int, int], interval: float) -> None:
+        while not _caught_up(self.watcher, self.cfg.topics.timelines, last):
+            assert self.proc.poll() is None, self.log_path.read_text()[-2000:]
+            time.sleep(interval)
+
+    def warm_up(self, payloads: list[bytes]) -> None:
+        last: dict[int, int] = {}
+        _produce(self.producer, self.cfg.topics.timelines, payloads, last, self.sent)
+        self.sent += len(payloads)
+        self._wait(last, 0.2)
+
+    def round(self, payloads: list[bytes]) -> float:
+        last: dict[int, int] = {}
+        started = time.perf_counter()
+        _produce(self.producer, self.cfg.topics.timelines, payloads, last, self.sent)
+        self.sent += len(payloads)
+        self._wait(last, 0.02)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+        self.broker.stop()
 
 
 def machine() -> str:
@@ -361,79 +325,78 @@ def machine() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--records", type=int, default=20_000)
+    ap.add_argument("--records", type=int, default=20_000, help="records per round")
     ap.add_argument("--segments", type=int, default=6)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--batch", type=int, default=5_000, help="records per flush (one insert per table)")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each measurement")
     ap.add_argument("--replay", action="store_true", help="also replay through an embedded broker")
-    ap.add_argument("--live", action="store_true", help="also run `sparseety sink` against a broker")
+    ap.add_argument("--quick", action="store_true", help="fewer records and rounds (under 2 minutes)")
     args = ap.parse_args()
+    if args.quick:
+        args.records, args.rounds = 10_000, 3
 
     cfg = load_config()
-    records = [record(i, args.segments, args.blocks) for i in range(args.records)]
     enc = make_encoder(cfg, "RequestAccounting", "timelines")
-    payloads = [enc.encode(r) for r in records]
+    n = args.records
+    # every round stores new requests (distinct uids), the same shape
+    rounds = [
+        [record(r * n + i, args.segments, args.blocks) for i in range(n)] for r in range(args.rounds + 1)
+    ]
+    payloads = [[enc.encode(x) for x in recs] for recs in rounds]
     path = tempfile.mkdtemp(prefix="bench-chdb-")
     # The inputs stay alive for the whole benchmark; a sink process holds no such heap. Keep the
     # collector from rescanning them on every generation-2 pass.
     gc.collect()
     gc.freeze()
     rows_per_record = 1 + args.segments + args.blocks
+    rows = n * rows_per_record
     print(f"machine: {machine()}")
     print(
-        f"{args.records} records x {rows_per_record} rows ({args.segments} segments, {args.blocks} blocks), "
-        f"{args.batch} records per flush, median of {args.runs} runs"
+        f"{n} records x {rows_per_record} rows ({args.segments} segments, {args.blocks} blocks) per round, "
+        f"{args.batch} records per flush, {args.rounds} interleaved rounds"
     )
-    bench_write(path, records[:2000], args.batch)  # warm-up: engine start, first parts
+    live = LiveSink(args.batch, rows_per_record)
+    try:
+        bench_write(path, rounds[0][:2000], args.batch)  # warm-up: engine start, first parts
+        live.warm_up(payloads[0][:2000])
+        write_s, decode_s, process_s, ratios = [], [], [], []
+        for r in range(1, args.rounds + 1):
+            w, _ = bench_write(path, rounds[r], args.batch)
+            d, _ = bench_decode_write(path, payloads[r], cfg, args.batch)
+            p = live.round(payloads[r])
+            write_s.append(w)
+            decode_s.append(d)
+            process_s.append(p)
+            ratios.append(w / p)
+            print(
+                f"round {r}: write {rows / w:,.0f} rows/s, decode+write {rows / d:,.0f}, "
+                f"sink process {rows / p:,.0f}; process/write {w / p:.2f}",
+                flush=True,
+            )
+    finally:
+        live.close()
 
-    results = []
-    for name, fn in (
-        ("write", lambda: bench_write(path, records, args.batch)),
-        ("decode+write", lambda: bench_decode_write(path, payloads, cfg, args.batch)),
-    ):
-        runs = [fn() for _ in range(args.runs)]
-        secs = [s for s, _ in runs]
-        rows = runs[0][1]
-        results.append((name, statistics.median(secs), rows, args.records, min(secs), max(secs)))
+    results = [
+        ("write", write_s),
+        ("decode+write", decode_s),
+        ("sparseety sink (broker -> consumer -> chDB)", process_s),
+    ]
     if args.replay:
-        runs3 = bench_replay(path, payloads, args.runs)
-        secs = [s for s, _, _ in runs3]
-        results.append(
-            (
-                "replay (broker -> chDB)",
-                statistics.median(secs),
-                runs3[0][1],
-                runs3[0][2],
-                min(secs),
-                max(secs),
-            )
-        )
-
-    ceiling = None
-    if args.live:
-        ceiling = bench_faust_ceiling(payloads)
-        runs4 = bench_live(payloads, args.runs)
-        secs = [s for s, _, _ in runs4]
-        rows = args.records * rows_per_record
-        results.append(
-            (
-                "sparseety sink (broker -> Faust -> chDB)",
-                statistics.median(secs),
-                rows,
-                args.records,
-                min(secs),
-                max(secs),
-            )
-        )
+        runs3 = bench_replay(path, payloads[1], args.rounds)
+        results.append(("replay (broker -> chDB)", [s for s, _, _ in runs3]))
 
     print()
-    print("| stage | rows/s (median) | records/s | rows | runs: min-max s |")
+    print("| stage | rows/s (median) | records/s | rows | rounds: min-max s |")
     print("|---|---:|---:|---:|---|")
-    for name, med, rows, recs, lo, hi in results:
-        print(f"| {name} | {rows / med:,.0f} | {recs / med:,.0f} | {rows:,} | {lo:.2f}-{hi:.2f} |")
-    if ceiling is not None:
-        print(f"\nFaust alone (take_events agent that only counts): {ceiling:,.0f} messages/s")
+    for name, secs in results:
+        med = statistics.median(secs)
+        print(f"| {name} | {rows / med:,.0f} | {n / med:,.0f} | {rows:,} | {min(secs):.2f}-{max(secs):.2f} |")
+    print(f"per-round process/write: {', '.join(f'{x:.2f}' for x in ratios)}")
+    print(
+        f"bench_sink: process/write ratio {statistics.median(ratios):.2f}; "
+        f"{rows / statistics.median(process_s):.0f} rows/s"
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,13 @@ def echo_rows(rows: Any, fmt: str) -> None:
     help="Registered sink (repeat to write to several: --sink clickhouse --sink otel).",
 )
 @click.option("--session-timeout", type=float, default=30.0, show_default=True, help="Consumer session, s.")
-@click.option("--commit-interval", type=float, default=2.8, show_default=True, help="Offset commits, s.")
+@click.option(
+    "--commit-interval",
+    type=float,
+    default=2.8,
+    show_default=True,
+    help="Least time between offset commits (each follows a write), s.",
+)
 @click.option(
     "--loglevel", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"])
 )
@@ -72,7 +78,7 @@ def sink_cmd(
     commit_interval: float,
     loglevel: str,
 ) -> None:
-    """Write the timelines, usage and dlq topics to the store (a Faust worker).
+    """Write the timelines, usage and dlq topics to the store (a batch consumer loop).
 
     Batches are written before their offsets are committed (at-least-once); the tables are
     idempotent, so nothing is counted twice. This process owns an embedded (chDB) store.
@@ -80,9 +86,8 @@ def sink_cmd(
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.lifecycle import exit_after
     from sparseety.sinks.base import load_sink_class
-    from sparseety.sinks.consumer import create_app
+    from sparseety.sinks.consumer import SinkConsumer, run
     from sparseety.sinks.fanout import FanOutSink
-    from sparseety.streams.runtime import run
 
     cfg = c.cfg
     names = list(dict.fromkeys(sink_names))
@@ -91,16 +96,11 @@ def sink_cmd(
     ensure_topics(cfg, [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq])
     sink = classes[0].from_config(cfg) if len(classes) == 1 else FanOutSink.from_config(cfg, names=names)
     try:
-        app = create_app(
-            cfg,
-            sink,
-            session_timeout_s=session_timeout,
-            commit_interval_s=commit_interval,
-        )
+        loop = SinkConsumer(cfg, sink, session_timeout_s=session_timeout, commit_interval_s=commit_interval)
     except BaseException:
         logging.getLogger("sparseety.sink").exception("the sink failed")
         exit_after(sink.close, 1)  # a stalled chDB shutdown must not keep a stopped process alive
-    run(app, cfg=cfg, role="sink", loglevel=loglevel, cleanup=sink.close)
+    run(loop, cfg=cfg, role="sink", loglevel=loglevel, cleanup=sink.close)
 
 
 # --- replay ------------------------------------------------------------------------------------

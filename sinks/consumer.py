@@ -1,25 +1,31 @@
-"""``sparseety sink``: a Faust worker that writes the timelines, usage and dlq topics to a sink.
+"""``sparseety sink``: a batch consumer loop that writes the timelines, usage and dlq topics to a sink.
 
-Per batch of events (``stream.take_events(max, within)``, about one batch per
-``sink.batch_interval_s``):
+The sink keeps no state between batches, so it needs no stream processor: a plain librdkafka
+consumer in the sink's own consumer group (``cfg.sink.group_id``) hands it batches of up to
+``batch_max_messages`` records (``Consumer.consume``, gathered for at most
+``sink.batch_interval_s``, or less once the records fetched so far are drained), and per batch:
 
 1. decode each payload; undecodable bytes, or a record that does not belong on a sink topic,
    become a DeadLetter sent to the dlq topic (reason, raw bytes, topic, partition, offset) and
    awaited until Kafka has it; a dead letter on the dlq topic that cannot be read is stored in
    ``dead_letters`` directly (re-sending it would loop). Nothing is dropped silently.
-2. add the records to the sink and flush it: rows are written before the body returns.
-3. return: Faust acks the batch's events, then at its next commit flushes its producer and
-   commits the acked offsets. A crash anywhere before that re-reads the batch, and the sink's
-   idempotent tables absorb the repeat.
+2. add the records to the sink and flush it: rows are written before the batch is done.
+3. commit the batch's offsets (commit-after-write; at most every ``commit_interval_s``, when
+   the topics go quiet, and always before a partition is given away or the process stops). A
+   crash anywhere before that re-reads the batch, and the sink's idempotent tables absorb the
+   repeat (at-least-once).
 
 A partition whose write keeps failing (:class:`~sparseety.errors.SinkWriteError`) is stopped
-alone: its events are held unacked (so its offset cannot be committed past them), the
-partition is paused, and a timer retries the buffered batches; once written, the held events
-are acked and the partition resumes. The other partitions keep flowing.
+alone: its messages are held (their offsets are not committed), the partition is paused, and the
+loop retries the buffered batches every ``batch_interval_s``; once written, the held offsets are
+committed and the partition resumes. The other partitions keep flowing.
 
-The store is opened once per process (:class:`~sparseety.sinks.clickhouse.client.Store`);
-:func:`create_app` takes an open store so the process that owns an embedded chDB path can also
-serve queries from it (the HTTP API runs beside the sink in one process).
+Rebalances (another sink process joins the group, or one leaves) give partitions away: their
+buffered rows and held messages are dropped, never committed, so the new owner re-reads them
+from the last commit.
+
+The store is opened once per process (:class:`~sparseety.sinks.clickhouse.client.Store`); the
+``sparseety store`` process runs this loop and the HTTP API in one event loop over one store.
 """
 
 from __future__ import annotations
@@ -27,25 +33,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
-from sparseety.kafka import make_decoder, make_encoder
+from sparseety.kafka import make_decoder, make_encoder, make_producer
+from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
 from sparseety.sinks.base import FlushResult, Sink
-from sparseety.streams.compat import FaustPartitions, hold_unacked
 
 log = logging.getLogger("sparseety.sink")
 
 TP = tuple[str, int]
 COMPONENT = "sink"
+#: A batch is handed over early when no record arrived for this long (the fetch queue is drained).
+DRAIN_S = 0.1
 
 
 class Message(Protocol):
-    """What the worker uses of a Faust message."""
+    """What the worker uses of a consumed message."""
 
     topic: str
     partition: int
@@ -53,11 +67,20 @@ class Message(Protocol):
     key: bytes | None
     value: bytes
 
-    def incref(self, n: int = 1) -> None: ...
+
+@dataclass(slots=True)
+class Consumed:
+    """A record as the batch loop read it (librdkafka's message, copied out of its accessors)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
 
 
 class Partitions(Protocol):
-    """Consumer controls the worker needs (Faust's in production, fakes in tests)."""
+    """Consumer controls the worker needs (the Kafka consumer's in production, fakes in tests)."""
 
     def pause(self, tps: set[TP]) -> None: ...
 
@@ -67,11 +90,11 @@ class Partitions(Protocol):
 
 
 def fail_closed() -> None:
-    """Exit at once, acknowledging nothing.
+    """Exit at once, committing nothing.
 
-    An unexpected error must not reach Faust's take loop: it would ack the batch on its way out
-    and the next commit would skip records that were never written. Exiting without cleanup
-    leaves the offsets where they are, and the restarted sink re-reads the batch.
+    An unexpected error must not let the loop go on to commit the batch: its records may never
+    have been written. Exiting without cleanup leaves the offsets where they are, and the
+    restarted sink re-reads the batch.
     """
     log.critical("sink: unexpected error; exiting without acknowledging the batch", exc_info=True)
     logging.shutdown()
@@ -79,7 +102,7 @@ def fail_closed() -> None:
 
 
 class SinkWorker:
-    """Runs batches of consumed messages through a sink (the Faust-independent part).
+    """Runs batches of consumed messages through a sink (the Kafka-independent part).
 
     Args:
         sink: Where records go.
@@ -87,7 +110,9 @@ class SinkWorker:
         dlq_topic: The dead-letter topic (its own unreadable records are stored, not re-sent).
         send_dead_letters: Coroutine that sends ``[(key, DeadLetter record)]`` to the dlq topic
             and returns once Kafka acknowledged them.
-        partitions: Pause/resume/ack controls.
+        partitions: Pause/resume/ack controls. A message of a batch is acknowledged (its offset may
+            be committed) when :meth:`process` returns, unless its partition is held; held
+            messages are passed to ``partitions.ack`` once written.
         max_rows: Write as soon as this many rows are buffered, also within a batch.
     """
 
@@ -132,7 +157,7 @@ class SinkWorker:
                 fail_closed()
 
     async def retry(self) -> None:
-        """Write what failed before (called by a timer while partitions are stopped)."""
+        """Write what failed before (called by the loop while partitions are stopped)."""
         if not self.sink.pending_batches():
             return
         async with self.lock:
@@ -198,9 +223,8 @@ class SinkWorker:
             return
         stopped = set()
         for m in messages:
-            hold_unacked(m)  # its offset is not committed until it is written and acked
             tp = (m.topic, m.partition)
-            self.held[tp].append(m)
+            self.held[tp].append(m)  # not acked: its offset is not committed until it is written
             stopped.add(tp)
         self.partitions.pause(stopped)
         log.error("sink: stopped %s until their writes succeed", sorted(stopped))
@@ -216,65 +240,320 @@ class SinkWorker:
             log.warning("sink: resumed %s", sorted(done))
 
 
-def create_app(
-    cfg: Config,
-    sink: Sink,
-    *,
-    session_timeout_s: float = 30.0,
-    commit_interval_s: float = 2.8,
-    take_max: int = 10_000,
-) -> Any:
-    """The sink's Faust app (its own consumer group, ``cfg.sink.group_id``).
+class KafkaPartitions:
+    """Pause, resume and ack over a confluent-kafka consumer, and the offsets ready to commit.
 
-    Topics must exist (``sparseety.kafka.ensure_topics``): Faust would otherwise create them with
-    the broker's default partition count.
+    ``ack`` only notes the next offset to commit; the loop commits them (:class:`SinkConsumer`). A paused
+    partition's messages that still arrive are dropped by the loop (:meth:`accepts`), and
+    ``resume`` seeks the partition back to the first offset not yet acknowledged, so whether
+    librdkafka purges a paused partition's prefetched messages or not, nothing is skipped.
     """
-    from sparseety.streams.runtime import create_app as create_faust_app
-    from sparseety.streams.runtime import raw_topic, send_awaited
 
-    app = create_faust_app(
-        cfg,
-        cfg.sink.group_id,
-        session_timeout_s=session_timeout_s,
-        topic_allow_declare=False,
-        broker_rebalance_timeout=max(session_timeout_s, 10.0),
-        broker_commit_interval=commit_interval_s,
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.paused: set[TP] = set()
+        self.acked: dict[TP, int] = {}  # next offset to commit, per partition
+        self.committed: dict[TP, int] = {}
+
+    def _tps(self, tps: set[TP], offsets: dict[TP, int] | None = None) -> list[Any]:
+        from confluent_kafka import TopicPartition
+
+        if offsets is None:
+            return [TopicPartition(t, p) for t, p in sorted(tps)]
+        return [TopicPartition(t, p, offsets[(t, p)]) for t, p in sorted(tps)]
+
+    def pause(self, tps: set[TP]) -> None:
+        self.consumer.pause(self._tps(tps))
+        self.paused |= tps
+
+    def resume(self, tps: set[TP]) -> None:
+        self.paused -= tps
+        self.consumer.resume(self._tps(tps))
+        for tp in tps:
+            if tp in self.acked:
+                self.consumer.seek(self._tps({tp}, self.acked)[0])
+
+    def ack(self, message: Any) -> None:
+        tp = (message.topic, message.partition)
+        self.acked[tp] = max(self.acked.get(tp, 0), message.offset + 1)
+
+    def accepts(self, tp: TP) -> bool:
+        return tp not in self.paused
+
+    def to_commit(self, only: set[TP] | None = None) -> dict[TP, int]:
+        return {
+            tp: off
+            for tp, off in self.acked.items()
+            if (only is None or tp in only) and off > self.committed.get(tp, -1)
+        }
+
+    def forget(self, tps: set[TP]) -> None:
+        for tp in tps:
+            self.paused.discard(tp)
+            self.acked.pop(tp, None)
+            self.committed.pop(tp, None)
+
+
+def consumer_settings(cfg: Config, session_timeout_s: float) -> dict[str, Any]:
+    """librdkafka settings of the sink's group consumer: nothing committed automatically."""
+    return cfg.kafka.librdkafka(
+        **{
+            "group.id": cfg.sink.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": int(session_timeout_s * 1000),
+            "heartbeat.interval.ms": int(min(3.0, session_timeout_s / 3) * 1000),
+            "fetch.wait.max.ms": 100,
+            "enable.partition.eof": False,
+        }
     )
-    source = raw_topic(app, cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq)
-    dlq = raw_topic(app, cfg.topics.dlq)
-    encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)
 
-    async def send_dead_letters(items: list[tuple[bytes | None, dict[str, Any]]]) -> None:
-        await send_awaited(
-            dlq,
-            [
-                (key or f"{r['topic']}/{r['partition']}/{r['offset']}".encode(), encoder.encode(r))
-                for key, r in items
-            ],
+
+class SinkConsumer:
+    """The batch loop: consume, write, commit; rebalances and stopped partitions.
+
+    ``consume`` and ``commit`` run on the loop's own consumer thread (a one-thread executor), so
+    the event loop stays free for the API that shares it in ``sparseety store``; the next batch is
+    gathered there while the current one is written. Rebalance callbacks run on that thread too,
+    inside ``consume``: they wait for the batch being written (``_busy``), so a partition is given
+    away only after its written offsets are committed and its buffer is dropped.
+
+    Args:
+        cfg: Topics, group, batch settings.
+        sink: Where records go (open; closed by the caller).
+        session_timeout_s: Group session timeout.
+        commit_interval_s: Least time between offset commits (commits only ever follow writes).
+        batch_max_messages: Most messages one batch takes.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        sink: Sink,
+        *,
+        session_timeout_s: float = 30.0,
+        commit_interval_s: float = 2.8,
+        batch_max_messages: int = 20_000,
+    ) -> None:
+        from confluent_kafka import Consumer
+
+        self.cfg = cfg
+        self.topics = [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq]
+        self.consumer = Consumer(consumer_settings(cfg, session_timeout_s))
+        self.partitions = KafkaPartitions(self.consumer)
+        self.producer = make_producer(cfg)
+        self.encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)
+        self.worker = SinkWorker(
+            sink,
+            make_decoder(cfg),
+            cfg.topics.dlq,
+            self.send_dead_letters,
+            self.partitions,
+            max_rows=cfg.sink.batch_max_rows,
         )
+        self.interval_s = cfg.sink.batch_interval_s
+        self.commit_interval_s = commit_interval_s
+        self.batch_max_messages = batch_max_messages
+        self.assigned: set[TP] = set()
+        self.on_ready: Callable[[], None] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparseety-sink-consumer")
+        self._busy = threading.Lock()
+        self._last_commit = 0.0
+        self._last_retry = 0.0
 
-    worker = SinkWorker(
-        sink,
-        make_decoder(cfg),
-        cfg.topics.dlq,
-        send_dead_letters,
-        FaustPartitions(app),
-        max_rows=cfg.sink.batch_max_rows,
-    )
-    app.sparseety_sink = worker  # type: ignore[attr-defined]
-    within = cfg.sink.batch_interval_s
+    # --- Kafka side -------------------------------------------------------------------------
 
-    @app.agent(source)
-    async def write(stream: Any) -> None:
-        async for events in stream.take_events(take_max, within=within):
-            await worker.process([e.message for e in events])
+    async def send_dead_letters(self, items: list[tuple[bytes | None, dict[str, Any]]]) -> None:
+        """Produce dead letters and return once Kafka acknowledged every one of them."""
+        errors: list[Any] = []
 
-    @app.timer(max(within, 1.0))
-    async def retry_stopped() -> None:
-        await worker.retry()
+        def delivered(err: Any, msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
 
-    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
-    async def _revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-        worker.revoked({(tp.topic, tp.partition) for tp in revoked})
+        for key, r in items:
+            key = key or f"{r['topic']}/{r['partition']}/{r['offset']}".encode()
+            self.producer.produce(
+                self.cfg.topics.dlq, key=key, value=self.encoder.encode(r), on_delivery=delivered
+            )
+        left = await asyncio.to_thread(self.producer.flush, 60)
+        if left or errors:
+            raise RuntimeError(f"dead letters not acknowledged by Kafka: {left} left, errors {errors[:3]}")
 
-    return app
+    def _assigned(self, consumer: Any, tps: list[Any]) -> None:
+        got = {(tp.topic, tp.partition) for tp in tps}
+        self.assigned = got
+        log.warning("sink: assigned partitions %s", sorted(got))
+        if self.on_ready is not None:
+            self.on_ready()
+            self.on_ready = None
+
+    def _revoked(self, consumer: Any, tps: list[Any]) -> None:
+        gone = {(tp.topic, tp.partition) for tp in tps}
+        with self._busy:  # the batch being written finishes (and is acked) first
+            self.assigned -= gone
+            self._commit_now(gone)  # what was written is committed before someone else owns it
+            self.worker.revoked(gone)
+            self.partitions.forget(gone)
+        log.warning("sink: revoked partitions %s", sorted(gone))
+
+    def _lost(self, consumer: Any, tps: list[Any]) -> None:
+        gone = {(tp.topic, tp.partition) for tp in tps}
+        with self._busy:
+            self.assigned -= gone
+            self.worker.revoked(gone)  # no commit: the group already gave them to someone else
+            self.partitions.forget(gone)
+        log.warning("sink: lost partitions %s", sorted(gone))
+
+    def _commit_now(self, only: set[TP] | None = None) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        offsets = self.partitions.to_commit(only)
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())],
+                asynchronous=False,
+            )
+        except KafkaException as exc:
+            # not fatal: the rows are written; the next commit (or the new owner's re-read,
+            # absorbed by the idempotent tables) covers these offsets
+            log.warning("sink: offset commit failed: %s", exc)
+            return
+        self.partitions.committed.update(offsets)
+
+    def _consume(self) -> list[Consumed]:
+        """Up to ``batch_max_messages`` records: gathered for at most ``interval_s``, and handed
+        over early once the fetched records are drained (nothing new for ``DRAIN_S``), so the end
+        of a burst is written at once instead of after the full interval."""
+        from confluent_kafka import KafkaException
+
+        out: list[Consumed] = []
+        deadline = time.monotonic() + self.interval_s
+        while len(out) < self.batch_max_messages:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got = self.consumer.consume(self.batch_max_messages - len(out), min(left, DRAIN_S))
+            if not got and out:
+                break
+            for m in got:
+                err = m.error()
+                if err is not None:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("sink: consumer: %s", err)
+                    continue
+                tp: TP = (m.topic(), m.partition())  # type: ignore[assignment]
+                if self.partitions.accepts(tp):
+                    # a null value (tombstone) is no record: b"" is dead-lettered as undecodable
+                    out.append(Consumed(tp[0], tp[1], m.offset() or 0, m.key(), m.value() or b""))
+        return out
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume, write and commit until ``stop`` is set; then commit, leave the group.
+
+        The next batch is gathered (on the consumer thread) while the current one is written, so
+        a record waits for at most one gathering interval plus one write, not two writes.
+        """
+        loop = asyncio.get_running_loop()
+        self.consumer.subscribe(
+            self.topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
+        )
+        gathering = loop.run_in_executor(self._thread, self._consume)
+        try:
+            while not stop.is_set():
+                batch = await gathering
+                now = time.monotonic()
+                if now - self._last_commit >= self.commit_interval_s or not batch:
+                    self._last_commit = now
+                    await loop.run_in_executor(self._thread, self._commit_now)
+                gathering = loop.run_in_executor(self._thread, self._consume)
+                with self._busy:  # a rebalance callback waits until this batch is written and acked
+                    # records of partitions given away or stopped meanwhile are not ours to write
+                    batch = [
+                        m
+                        for m in batch
+                        if (m.topic, m.partition) in self.assigned
+                        and self.partitions.accepts((m.topic, m.partition))
+                    ]
+                    if batch:
+                        await self.worker.process(batch)
+                        for m in batch:
+                            if (m.topic, m.partition) not in self.worker.held:
+                                self.partitions.ack(m)
+                    if self.worker.held and now - self._last_retry >= self.interval_s:
+                        self._last_retry = now
+                        await self.worker.retry()
+            await gathering  # not written: never acked, so re-read after a restart
+            await loop.run_in_executor(self._thread, self._commit_now)
+        finally:
+            if not gathering.done():
+                await asyncio.wait([gathering])
+            await loop.run_in_executor(self._thread, self.consumer.close)  # leaves the group
+            self._thread.shutdown(wait=False)
+
+
+async def serve(
+    sink_consumer: SinkConsumer,
+    ready: Path,
+    *,
+    started: Callable[[], Awaitable[None]] | None = None,
+    stopping: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run the loop (and whatever ``started``/``stopping`` bring up beside it) until SIGTERM/SIGINT.
+
+    The readiness file appears once the group gave this process its partitions (and ``started``
+    returned)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if started is not None:
+        await started()
+    sink_consumer.on_ready = lambda: mark_ready(ready)
+    try:
+        await sink_consumer.run(stop)
+    finally:
+        clear_ready(ready)
+        if stopping is not None:
+            await stopping()
+
+
+def run(
+    sink_consumer: SinkConsumer,
+    *,
+    cfg: Config,
+    role: str,
+    loglevel: str = "info",
+    cleanup: Callable[[], object] | None = None,
+    started: Callable[[], Awaitable[None]] | None = None,
+    stopping: Callable[[], Awaitable[None]] | None = None,
+) -> NoReturn:
+    """Run the sink loop until SIGTERM/SIGINT, then exit the process.
+
+    While it runs, ``<data_dir>/run/<role>-<pid>.ready`` announces readiness
+    (:func:`sparseety.lifecycle.ready_file`). ``cleanup`` runs on the way out, bounded in time
+    (:func:`sparseety.lifecycle.exit_after`: a stalled chDB shutdown must not keep a stopped
+    process alive).
+    """
+    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    ready = ready_file(cfg.data_path, role)
+    clear_ready(ready)
+
+    def finish() -> None:
+        clear_ready(ready)
+        if cleanup is not None:
+            cleanup()
+
+    code = 1
+    try:
+        asyncio.run(serve(sink_consumer, ready, started=started, stopping=stopping))
+        code = 0
+    except BaseException:
+        log.exception("the %s failed", role)
+    finally:
+        exit_after(finish, code)

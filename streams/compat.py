@@ -25,10 +25,7 @@ its piece is deleted here and its caller keeps working through the same function
    fold (``benchmarks/bench_worker.py --profile``). The records go as aiokafka record batches
    (``create_batch``/``send_batch``) on the producer Faust started (its private ``_producer``),
    to the same changelog topic and partition, in the same order.
-4. **Holding a message unacked** (:func:`hold_unacked`, :class:`FaustPartitions`): Faust's
-   ``take_events`` acks a batch's events when the body returns, whatever happened; an extra
-   reference (``incref``) leaves a message unacked, so its offset is not committed.
-6. **The terminal spinner** (:func:`without_spinner`): faust-streaming's ``Worker`` keeps its
+4. **The terminal spinner** (:func:`without_spinner`): faust-streaming's ``Worker`` keeps its
    progress spinner when the log level is WARN or above and then sets the root logger to DEBUG
    (``Worker._setup_spinner_handler``), so with ``--loglevel warning`` every aiokafka debug
    message (several per produced batch) is formatted for the spinner: seen as the largest item
@@ -57,7 +54,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import ConfigError
@@ -290,44 +287,13 @@ class ChangelogTable:
         await asyncio.gather(*pending)
 
 
+# --- 4. the terminal spinner ------------------------------------------------------------------
+
+
 def without_spinner(worker: Any) -> None:
-    """Run a ``faust.Worker`` without its terminal spinner (see item 6 above); call before
+    """Run a ``faust.Worker`` without its terminal spinner (see item 4 above); call before
     ``execute_from_commandline``, which configures logging."""
     worker.spinner = None
-
-
-# --- 4. holding a message unacked -----------------------------------------------------------
-
-
-class Holdable(Protocol):
-    def incref(self, n: int = 1) -> None: ...
-
-
-def hold_unacked(message: Holdable) -> None:
-    """Keep ``message`` unacked past the end of the take loop's body (see item 4 above): the
-    loop's own ack then only drops this extra reference; :meth:`FaustPartitions.ack` releases it."""
-    message.incref()
-
-
-class FaustPartitions:
-    """Pause, resume and ack over a Faust app's consumer (the sink's ``Partitions``)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    def _tps(self, tps: set[tuple[str, int]]) -> list[Any]:
-        from faust.types import TP as FaustTP
-
-        return [FaustTP(t, p) for t, p in tps]
-
-    def pause(self, tps: set[tuple[str, int]]) -> None:
-        self.app.consumer.pause_partitions(self._tps(tps))
-
-    def resume(self, tps: set[tuple[str, int]]) -> None:
-        self.app.consumer.resume_partitions(self._tps(tps))
-
-    def ack(self, message: Any) -> None:
-        message.ack(self.app.consumer)
 
 
 # --- 5. time bounds on a batch-granular broker ---------------------------------------------

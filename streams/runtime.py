@@ -1,5 +1,6 @@
-"""The Faust runtime shared by the assembler worker (``streams/app.py``) and the sink
-(``sinks/consumer.py``): the app factory, raw topics, awaited sends and the run-and-exit wrapper.
+"""The Faust runtime of the assembler worker (``streams/app.py``): the app factory, raw topics,
+awaited sends and the run-and-exit wrapper. (The sink needs no stream processor: it is a plain
+batch consumer loop, ``sinks/consumer.py``.)
 
 Workarounds for Faust's and the brokers' quirks are not here but in ``streams/compat.py``.
 """

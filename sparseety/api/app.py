@@ -1,7 +1,7 @@
 """The FastAPI application: query endpoints, collect jobs, metrics and the dashboard.
 
 ``create_api(backend)`` builds the app over a :class:`~sparseety.api.backend.Backend`; the
-server module runs it (beside the Faust sink, or alone). Routes mirror the query library so the
+server module runs it (beside the sink loop, or alone). Routes mirror the query library so the
 CLI can use them remotely (:class:`~sparseety.api.client.RemoteQueries`). ``docs/api.md`` is the
 reference; OpenAPI docs are at ``/docs``.
 

@@ -1,7 +1,7 @@
 """What the HTTP handlers share: the store, queries, tokens, jobs, metrics and the sink (if any).
 
 Every store call goes through :meth:`Backend.query`, which runs it on the store's own thread
-(:meth:`Store.arun`), so the event loop — shared with the Faust sink in ``sparseety store`` — never
+(:meth:`Store.arun`), so the event loop — shared with the sink loop in ``sparseety store`` — never
 waits on ClickHouse; it also times each query for ``sparseety:store_query_duration_seconds``.
 """
 

@@ -1,7 +1,7 @@
 """The two process models that serve the API over a store this process owns.
 
-* :func:`run_store` — ``sparseety store``: the Faust sink worker and the API in ONE process and one
-  event loop (uvicorn runs as a Faust service), sharing one :class:`Store`. This is the embedded
+* :func:`run_store` — ``sparseety store``: the sink's batch consumer loop and the API in ONE process
+  and one event loop, sharing one :class:`Store`. This is the embedded
   stack's store process: chDB lets one process open a data path, so everything else (CLI queries,
   dashboards, collect jobs) goes through this process's API.
 * :func:`run_api` — ``sparseety api``: the API alone over the store (when no sink runs).
@@ -16,7 +16,6 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
 from sparseety.api.auth import TokenTable, check_exposure, remove_admin_token, write_admin_token
 from sparseety.api.backend import Backend
@@ -46,20 +45,6 @@ def _api_server(cfg: Config, backend: Backend, loglevel: str, access_log: bool) 
     )
 
 
-def _api_service(server: ApiServer) -> Any:
-    """A mode Service that starts and stops ``server`` with the Faust worker."""
-    from mode import Service
-
-    class ApiService(Service):
-        async def on_start(self) -> None:
-            await server.start()
-
-        async def on_stop(self) -> None:
-            await server.stop()
-
-    return ApiService()
-
-
 def run_store(
     cfg: Config,
     *,
@@ -78,8 +63,7 @@ def run_store(
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
-    from sparseety.sinks.consumer import create_app
-    from sparseety.streams.runtime import run
+    from sparseety.sinks.consumer import SinkConsumer, run
 
     check_exposure(cfg.api.host, cfg.api.tokens)
     wait_for_kafka(cfg)
@@ -100,14 +84,24 @@ def run_store(
 
     try:
         sink = ClickHouseSink.from_config(cfg, store=store)  # migrates; leaves the store open
-        app = create_app(cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s)
+        loop = SinkConsumer(
+            cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s
+        )
         tokens, admin = _tokens(cfg)
-        backend = Backend(cfg, store, tokens=tokens, sink_worker=app.sparseety_sink)
+        backend = Backend(cfg, store, tokens=tokens, sink_worker=loop.worker)
         server = _api_server(cfg, backend, loglevel, access_log)
     except BaseException:
         log.exception("the store process failed")
         exit_after(cleanup, 1)  # a stalled chDB shutdown must not keep a stopped process alive
-    run(app, _api_service(server), cfg=cfg, role="store", loglevel=loglevel, cleanup=cleanup)
+    run(
+        loop,
+        cfg=cfg,
+        role="store",
+        loglevel=loglevel,
+        cleanup=cleanup,
+        started=server.start,
+        stopping=server.stop,
+    )
 
 
 async def _serve_until_signalled(server: ApiServer, ready: Path) -> None:

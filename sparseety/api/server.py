@@ -1,6 +1,6 @@
 """Serving the API on the caller's event loop, and the endpoint file local clients read.
 
-:class:`ApiServer` runs uvicorn as a task of the running loop — beside the Faust sink in
+:class:`ApiServer` runs uvicorn as a task of the running loop — beside the sink loop in
 ``sparseety store``, or alone in ``sparseety api`` — and leaves signal handling to its host. It
 binds its socket itself, so port 0 works (tests), and then records where it listens in
 ``<data_dir>/api/endpoint.json`` for the CLI (:mod:`sparseety.api.client`).
@@ -33,7 +33,8 @@ class ApiServerError(SparseetyError):
 
 
 class _HostedServer(uvicorn.Server):
-    """uvicorn inside a host that owns the signals (Faust's worker, or :func:`run_api`)."""
+    """uvicorn inside a host that owns the signals (:func:`sparseety.sinks.consumer.serve` in
+    ``sparseety store``, or :func:`run_api`)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

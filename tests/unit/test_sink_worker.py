@@ -1,4 +1,4 @@
-"""SinkWorker, the Faust-independent part of ``sparseety sink``: dead letters for bad input, and a
+"""SinkWorker, the Kafka-independent part of ``sparseety sink``: dead letters for bad input, and a
 partition whose write keeps failing held unacked and paused until its data is written."""
 
 from __future__ import annotations
@@ -29,11 +29,6 @@ class Msg:
     offset: int
     value: bytes
     key: bytes | None = b"k"
-    refs: int = 1
-    acked: bool = False
-
-    def incref(self, n: int = 1) -> None:
-        self.refs += n
 
 
 @dataclass
@@ -48,7 +43,6 @@ class Controls:
         self.paused -= tps
 
     def ack(self, message: Msg) -> None:
-        message.refs -= 1
         self.acked.append(message)
 
 
@@ -131,7 +125,7 @@ def test_bad_input_is_dead_lettered_with_its_position() -> None:
     assert sink.stored[1][1]["error_type"] == "TruncatedPayloadError"
     assert sink.stored[1][1]["value"] == b"\xc3\x01short"
     assert worker.dead_letters == 2 and worker.records == 1
-    assert controls.paused == set() and all(m.refs == 1 for m in msgs)  # nothing held
+    assert controls.paused == set() and worker.held == {}  # nothing held
 
 
 def test_a_failing_partition_is_held_and_paused_until_written() -> None:
@@ -140,10 +134,10 @@ def test_a_failing_partition_is_held_and_paused_until_written() -> None:
     worker, controls, _ = make_worker(sink)
     msgs = [accounting(0, 0), accounting(1, 1), accounting(2, 1)]
     asyncio.run(worker.process(msgs))
-    # partition 0 written; partition 1 kept in the sink, its messages held (the take loop's own
-    # ack then leaves them unacked, so their offsets cannot be committed) and the partition paused
+    # partition 0 written; partition 1 kept in the sink, its messages held (the loop does not
+    # commit their offsets) and the partition paused
     assert [s[4] for s in sink.stored] == [0]
-    assert [m.refs for m in msgs] == [1, 2, 2]
+    assert worker.held == {("timelines", 1): msgs[1:]}
     assert controls.paused == {("timelines", 1)}
     asyncio.run(worker.retry())
     assert controls.paused == {("timelines", 1)} and controls.acked == []
@@ -151,7 +145,7 @@ def test_a_failing_partition_is_held_and_paused_until_written() -> None:
     asyncio.run(worker.retry())
     assert [s[4] for s in sink.stored] == [0, 1, 2]
     assert controls.paused == set()
-    assert controls.acked == msgs[1:] and [m.refs for m in msgs] == [1, 1, 1]
+    assert controls.acked == msgs[1:] and worker.held == {}
 
 
 def test_revoked_partitions_drop_their_buffer_and_held_messages() -> None:
@@ -201,4 +195,4 @@ def test_a_large_batch_is_written_in_parts_before_its_end() -> None:
     msgs = [accounting(i) for i in range(5)]
     asyncio.run(worker.process(msgs))
     assert writes == [2, 2, 1] and len(sink.stored) == 5
-    assert all(m.refs == 1 for m in msgs) and controls.paused == set()  # nothing held
+    assert worker.held == {} and controls.paused == set()  # nothing held

@@ -1,0 +1,280 @@
+"""vLLM with the SparSEEty plugin on vs off, and an A/A control (off vs off), in one run.
+
+Three engines serve the same tiny local Llama (``sparseety/stack/tiny_models.py``, CPU vLLM), each
+in its own process in vLLM's real multiprocess layout (EngineCore + worker): ``off-a`` and
+``off-b`` are plain vLLM, ``on`` has the plugin active, publishing to an embedded broker on this
+machine, with KV cache events enabled as a user enables them for SparSEEty. They take turns on the
+same workload, round after round (the order reversed every other round), so drift on this shared
+machine hits every side alike. Per round and engine:
+
+* throughput: generated tokens / wall time of ``LLM.generate``;
+* TTFT p50 and p99 over the round's requests (vLLM's own ``first_token_latency``);
+* TPOT: mean time per output token after the first (``(last_token_ts - first_token_ts) /
+  (tokens - 1)``, vLLM's own timestamps), the median over requests;
+* peak RSS: the high-water mark (``VmHWM``) summed over the engine's processes.
+
+The per-round ratios are ``on / off-a`` and, as the noise floor, ``off-b / off-a``; the script
+prints their medians, every per-round ratio, and as its last line::
+
+    bench_engine: on/off throughput 0.NN; ttft_p99 N.NN; tpot N.NN; rss +N MiB
+
+(TTFT/TPOT as on/off ratios of the medians; RSS as on minus off-a, median over rounds.)
+
+A tiny model on CPU is a harsh case: its steps take a few milliseconds, so the fixed cost per
+step weighs far more than beside a GPU step of 6-30 ms; the producer's thread, the broker and the
+engine share 2 cores.
+
+    .venv/bin/python benchmarks/bench_engine.py --quick          # 3 rounds, small workload
+    .venv/bin/python benchmarks/bench_engine.py --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = Path(os.environ.get("TINY_MODEL_CACHE", "~/.cache/sparseety-tiny-models")).expanduser()
+SYSTEMS = [
+    "You are the billing assistant of the serving fleet. Answer in one short paragraph. " * 4,
+    "Explain the scheduler: every step it decides which requests run and which blocks are freed. " * 4,
+    "Numbers such as 0, 1, 2, 3, 42, 100, 256 and 1024 appear in logs, tables and invoices. " * 4,
+    "Translate every sentence into French, then explain each word of the translation. " * 4,
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def tree_peak_rss_mib(pid: int) -> float:
+    """Sum of ``VmHWM`` (peak resident set) over ``pid`` and its descendants, MiB."""
+    pids, total = [pid], 0.0
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) / 1024
+        pids += [int(c) for c in children]
+    return total
+
+
+def child(model: str, kv_events: bool) -> None:
+    """Engine driver: answers ``run <requests> <max_tokens>`` with its figures."""
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if kv_events:
+        kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "null"}
+    llm = LLM(
+        model=model,
+        enable_prefix_caching=True,
+        block_size=32,
+        max_model_len=1024,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,  # per-request timestamps (TTFT, TPOT), on both sides alike
+        **kwargs,
+    )
+    print("READY", flush=True)
+    for round_no, line in enumerate(sys.stdin, start=1):
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        n, max_tokens = int(cmd[1]), int(cmd[2])
+        prompts = [SYSTEMS[i % len(SYSTEMS)] + f"Round {round_no}, question {i}: why?" for i in range(n)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        ttft, tpot = [], []
+        for o in outs:
+            m = o.metrics
+            if m is None:
+                continue
+            ttft.append(m.first_token_latency)
+            k = len(o.outputs[0].token_ids)
+            if k > 1 and m.last_token_ts > m.first_token_ts:
+                tpot.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+        print(
+            "RESULT " + json.dumps({"tokens": tokens, "seconds": dt, "ttft": ttft, "tpot": tpot}), flush=True
+        )
+    llm.llm_engine.engine_core.shutdown()
+
+
+class Engine:
+    def __init__(self, name: str, model: Path, env: dict[str, str], kv_events: bool, log: Path) -> None:
+        self.name = name
+        self.log_path = log
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        args = [sys.executable, __file__, "--child", str(model)] + (["--kv-events"] if kv_events else [])
+        self.proc = subprocess.Popen(
+            args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                return
+        raise RuntimeError(f"{self.name} engine exited; see {self.log_path}")
+
+    def run(self, requests: int, max_tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"run {requests} {max_tokens}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                res: dict[str, Any] = json.loads(line[7:])
+                res["rss_mib"] = tree_peak_rss_mib(self.proc.pid)
+                return res
+        raise RuntimeError(f"{self.name} engine exited; see {self.log_path}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def figures(res: dict[str, Any]) -> dict[str, float]:
+    """One engine's round: throughput, TTFT p50/p99, TPOT (median), peak RSS."""
+    return {
+        "tput": res["tokens"] / res["seconds"],
+        "ttft_p50": percentile(res["ttft"], 0.5),
+        "ttft_p99": percentile(res["ttft"], 0.99),
+        "tpot": statistics.median(res["tpot"]),
+        "rss": res["rss_mib"],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2], "--kv-events" in sys.argv)
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 32 requests x 32 tokens")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.requests, args.max_tokens = 3, 32, 32
+    sys.path.insert(0, str(ROOT))
+    from sparseety.broker import EmbeddedBroker
+    from sparseety.config import load_config, to_env
+    from sparseety.kafka import ensure_topics
+    from sparseety.stack.tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama", MODEL_CACHE / "llama")
+    with tempfile.TemporaryDirectory(prefix="sparseety-bench-") as tmp:
+        cfg = load_config(data_dir=tmp, broker={"port": free_port()})
+        broker = EmbeddedBroker(cfg)
+        broker.start(create_topics=False)
+        ecfg = broker.client_config().replace(
+            topics={**cfg.topics.model_dump(), "engine_events": "bench.engine-events", "partitions": 1},
+            producer={"engine_name": "bench-on"},
+        )
+        ensure_topics(ecfg, [ecfg.topics.engine_events])
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+        base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)})
+        started = time.monotonic()
+        engines = {
+            "off-a": Engine("off-a", model, dict(base), False, Path(tmp) / "off-a.log"),
+            "on": Engine("on", model, {**base, **to_env(ecfg)}, True, Path(tmp) / "on.log"),
+            "off-b": Engine("off-b", model, dict(base), False, Path(tmp) / "off-b.log"),
+        }
+        rounds: list[dict[str, dict[str, float]]] = []
+        try:
+            for e in engines.values():
+                e.wait_ready()
+            print(f"engines ready in {time.monotonic() - started:.0f} s", flush=True)
+            for e in engines.values():  # warm-up round, not counted
+                e.run(args.requests, args.max_tokens)
+            order = list(engines)
+            for r in range(args.rounds):
+                got = {name: figures(engines[name].run(args.requests, args.max_tokens)) for name in order}
+                rounds.append(got)
+                order.reverse()
+                print(
+                    f"round {r + 1}: "
+                    + "; ".join(
+                        f"{n} {g['tput']:.0f} tok/s ttft p50/p99 {g['ttft_p50'] * 1e3:.0f}/"
+                        f"{g['ttft_p99'] * 1e3:.0f} ms tpot {g['tpot'] * 1e3:.1f} ms rss {g['rss']:.0f} MiB"
+                        for n, g in got.items()
+                    )
+                    + f"; on/off {got['on']['tput'] / got['off-a']['tput']:.3f}"
+                    f", A/A {got['off-b']['tput'] / got['off-a']['tput']:.3f}",
+                    flush=True,
+                )
+        finally:
+            for e in engines.values():
+                e.close()
+            logs = "\n".join(e.log_path.read_text(errors="replace") for e in engines.values())
+            broker.stop()
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(g[name][key] for g in rounds)
+
+    print(f"\n{args.requests} requests x {args.max_tokens} tokens per round, {args.rounds} rounds")
+    print("| figure | off-a | off-b | on | A/A off-b/off-a | on/off-a | per-round on/off-a | per-round A/A |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    for key, label, scale in (
+        ("tput", "throughput, tok/s", 1.0),
+        ("ttft_p50", "TTFT p50, ms", 1e3),
+        ("ttft_p99", "TTFT p99, ms", 1e3),
+        ("tpot", "TPOT, ms", 1e3),
+        ("rss", "peak RSS, MiB", 1.0),
+    ):
+        per_on = [g["on"][key] / g["off-a"][key] for g in rounds]
+        per_aa = [g["off-b"][key] / g["off-a"][key] for g in rounds]
+        print(
+            f"| {label} | {med('off-a', key) * scale:.1f} | {med('off-b', key) * scale:.1f} | "
+            f"{med('on', key) * scale:.1f} | {med('off-b', key) / med('off-a', key):.3f} | "
+            f"{med('on', key) / med('off-a', key):.3f} | {', '.join(f'{x:.2f}' for x in per_on)} | "
+            f"{', '.join(f'{x:.2f}' for x in per_aa)} |"
+        )
+    for line in logs.splitlines():
+        if "sparseety producer" in line and "stopped:" in line:
+            print("producer:", line.split("stopped:", 1)[1].strip())
+        elif "sparseety" in line and ("WARNING" in line or "ERROR" in line):
+            print("on engine:", line)
+    rss_delta = statistics.median(g["on"]["rss"] - g["off-a"]["rss"] for g in rounds)
+    print(
+        f"bench_engine: on/off throughput {med('on', 'tput') / med('off-a', 'tput'):.2f}; "
+        f"ttft_p99 {med('on', 'ttft_p99') / med('off-a', 'ttft_p99'):.2f}; "
+        f"tpot {med('on', 'tpot') / med('off-a', 'tpot'):.2f}; rss {rss_delta:+.0f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
