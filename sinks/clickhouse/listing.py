@@ -45,21 +45,11 @@ def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, 
     ``source_request_uid`` is hidden from a tenant-scoped reader as in a single timeline
     (:func:`~sparseety.sinks.clickhouse.queries.segments_sql`).
     """
-    from sparseety.sinks.clickhouse.queries import ANOTHER_TENANT
+    from sparseety.sinks.clickhouse.queries import hidden_source
 
     where, params = scope.where("s")
     params["limit"] = limit
-    source, join = "s.source_request_uid", ""
-    if scope.tenants is not None:
-        params["another"] = ANOTHER_TENANT
-        source = (
-            "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
-            "s.source_request_uid, {another:String})"
-        )
-        join = (
-            f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
-            "ON s.source_request_uid = src.request_uid"
-        )
+    source, join = hidden_source(db, scope, params)
     sql = (
         "SELECT s.request_uid AS request_uid, s.tenant AS tenant, s.model AS model, "
         "s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "

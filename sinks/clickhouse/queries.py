@@ -260,6 +260,25 @@ def prefix_evictions_sql(
 ANOTHER_TENANT = "another tenant"
 
 
+def hidden_source(db: str, scope: Scope, params: dict[str, Any]) -> tuple[str, str]:
+    """``(source expression, join)`` for ``source_request_uid`` of the segments aliased ``s``: as
+    stored for an unscoped reader, else :data:`ANOTHER_TENANT` unless the source request is one of
+    the scope's tenants' (adds the query parameters it needs to ``params``)."""
+    if scope.tenants is None:
+        return "s.source_request_uid", ""
+    params["tenants"] = list(scope.tenants)
+    params["another"] = ANOTHER_TENANT
+    source = (
+        "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
+        "s.source_request_uid, {another:String})"
+    )
+    join = (
+        f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
+        "ON s.source_request_uid = src.request_uid"
+    )
+    return source, join
+
+
 def segments_sql(db: str, request_uid: str | Sequence[str], *, scope: Scope) -> tuple[str, dict[str, Any]]:
     """A request's timeline segments, in position order.
 
@@ -277,19 +296,7 @@ def segments_sql(db: str, request_uid: str | Sequence[str], *, scope: Scope) -> 
         params = {"uids": list(request_uid)}
         which, uid_col = "has({uids:Array(String)}, s.request_uid)", "s.request_uid AS request_uid, "
         order = "s.request_uid, s.start"
-    source = "s.source_request_uid"
-    join = ""
-    if scope.tenants is not None:
-        params["tenants"] = list(scope.tenants)
-        params["another"] = ANOTHER_TENANT
-        source = (
-            "if(s.source_request_uid IS NULL OR has({tenants:Array(String)}, src.tenant), "
-            "s.source_request_uid, {another:String})"
-        )
-        join = (
-            f"LEFT JOIN (SELECT request_uid, tenant FROM {db}.requests_v) AS src "
-            "ON s.source_request_uid = src.request_uid"
-        )
+    source, join = hidden_source(db, scope, params)
     sql = (
         f"SELECT {uid_col}s.start AS start, s.end AS end, s.kind AS kind, s.status AS status, "
         f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "

@@ -215,7 +215,17 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
             type=click.Choice(plain.dims),
             help=f"Group by (repeatable; default {plain.group_by}).",
         )(cmd)
+    return _with_params(cmd, specs, switches)
+
+
+def _with_params(cmd: Any, specs: list[QuerySpec], switches: dict[str, Any]) -> click.Command:
+    """Add every registry param of ``specs`` as an option (a bool as a flag) and register ``cmd``
+    as ``sparseety query <the first spec's command>``."""
+    plain = specs[0]
     for p in reversed([p for s in specs for p in s.params]):
+        if p.type is bool:
+            cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
+            continue
         default = 0 if p.name in switches else p.default
         cmd = click.option(
             f"--{p.wire}",
@@ -226,7 +236,7 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
             help=p.doc,
         )(cmd)
     cmd.__doc__ = plain.doc.split("\n\n")[0]
-    return query.command(plain.cli_name)(cmd)
+    return query.command(plain.cli_name)(cmd)  # type: ignore[no-any-return]
 
 
 def _lookup_command(specs: list[QuerySpec]) -> click.Command:
@@ -267,21 +277,7 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
                 click.echo()
             echo_rows(table, fmt)
 
-    for p in reversed([p for s in specs for p in s.params]):
-        if p.type is bool:
-            cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
-            continue
-        default = 0 if p.name in switches else p.default
-        cmd = click.option(
-            f"--{p.wire}",
-            p.name,
-            type=click.Choice(p.choices) if p.choices else p.type,
-            default=default,
-            show_default=default is not None,
-            help=p.doc,
-        )(cmd)
-    cmd.__doc__ = plain.doc.split("\n\n")[0]
-    return query.command(plain.cli_name)(cmd)
+    return _with_params(cmd, specs, switches)
 
 
 for _name, _specs in commands().items():
