@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("TINY_MODEL_CACHE", "~/.cache/sparseety-tiny-models")).expanduser()
 # --quick: (rounds, requests per round, max tokens per request); the rest of its time is starting
 # two engines (about a minute on a quiet 2-core machine).
-QUICK = (9, 64, 64)
+QUICK = (9, 64, 48)
 AA_KINDS = {
     "two-engines": "off-b is a second plain engine (noise between two identical engines)",
     "one-engine": "off-b is a second series of rounds on off-a's engine, interleaved with off-a "
