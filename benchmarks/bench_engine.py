@@ -35,7 +35,7 @@ A tiny model on CPU is a harsh case: its steps take a few milliseconds, so the f
 step weighs far more than beside a GPU step of 6-30 ms; the producer's thread, the broker and the
 engine share 2 cores.
 
-    .venv/bin/python benchmarks/bench_engine.py --quick   # 2 engines (one-engine A/A), QUICK
+    .venv/bin/python benchmarks/bench_engine.py --quick   # 2 engines (one-engine A/A), 9 rounds of 64 x 48
     .venv/bin/python benchmarks/bench_engine.py --rounds 8  # 3 engines (two-engines A/A)
 """
 
@@ -98,7 +98,8 @@ def child(model: str, kv_events: bool) -> None:
     """Engine driver: answers ``run <requests> <max_tokens> <tag>`` with its figures.
 
     ``tag`` goes into every prompt after the shared system prompts, so that a series never reuses
-    another series' cached prompt tail on the same engine (one-engine A/A); tags have one length.
+    another series' cached prompt tail on the same engine (one-engine A/A); the tags of one round
+    have one length.
     """
     from vllm import LLM, SamplingParams
 
