@@ -1,11 +1,21 @@
 """vLLM with the SparSEEty plugin on vs off, and an A/A control (off vs off), in one run.
 
-Three engines serve the same tiny local Llama (``sparseety/stack/tiny_models.py``, CPU vLLM), each
-in its own process in vLLM's real multiprocess layout (EngineCore + worker): ``off-a`` and
-``off-b`` are plain vLLM, ``on`` has the plugin active, publishing to an embedded broker on this
-machine, with KV cache events enabled as a user enables them for SparSEEty. They take turns on the
-same workload, round after round (the order reversed every other round), so drift on this shared
-machine hits every side alike. Per round and engine:
+Engines serve the same tiny local Llama (``sparseety/stack/tiny_models.py``, CPU vLLM), each in
+its own process in vLLM's real multiprocess layout (EngineCore + worker): ``off-a`` is plain vLLM,
+``on`` has the plugin active, publishing to an embedded broker on this machine, with KV cache events
+enabled as a user enables them for SparSEEty. The A/A control ``off-b`` is one of two kinds
+(``--aa``), named in the output:
+
+* ``two-engines`` (the default): a second plain engine, started like ``off-a``. Its ratio to
+  ``off-a`` is the noise floor between two identical engines: the measurement's noise plus
+  whatever differs from one engine process to another.
+* ``one-engine`` (``--quick``'s): a second series of rounds on ``off-a``'s own engine, interleaved
+  with the first (``off-a``, ``on``, ``off-b``, then reversed). Its ratio is the noise of the
+  measurement on this machine, without engine-to-engine variation; it saves one engine start
+  (three vLLM processes, 1-3 minutes here), and peak RSS has no A/A (same processes).
+
+The series take turns on the same workload, round after round (the order reversed every other
+round), so drift on this shared machine hits every side alike. Per round and series:
 
 * throughput: generated tokens / wall time of ``LLM.generate``;
 * TTFT p50 and p99 over the round's requests (vLLM's own ``first_token_latency``);
@@ -14,7 +24,8 @@ machine hits every side alike. Per round and engine:
 * peak RSS: the high-water mark (``VmHWM``) summed over the engine's processes.
 
 The per-round ratios are ``on / off-a`` and, as the noise floor, ``off-b / off-a``; the script
-prints their medians, every per-round ratio, and as its last line::
+prints the A/A kind, their medians, every per-round ratio, the run's duration, and as its last
+line::
 
     bench_engine: on/off throughput 0.NN; ttft_p99 N.NN; tpot N.NN; rss +N MiB
 
@@ -24,8 +35,8 @@ A tiny model on CPU is a harsh case: its steps take a few milliseconds, so the f
 step weighs far more than beside a GPU step of 6-30 ms; the producer's thread, the broker and the
 engine share 2 cores.
 
-    .venv/bin/python benchmarks/bench_engine.py --quick          # 3 rounds, small workload
-    .venv/bin/python benchmarks/bench_engine.py --rounds 8
+    .venv/bin/python benchmarks/bench_engine.py --quick   # 2 engines (one-engine A/A), 9 rounds of 64 x 48
+    .venv/bin/python benchmarks/bench_engine.py --rounds 8  # 3 engines (two-engines A/A)
 """
 
 from __future__ import annotations
@@ -44,6 +55,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("TINY_MODEL_CACHE", "~/.cache/sparseety-tiny-models")).expanduser()
+# --quick: (rounds, requests per round, max tokens per request); the rest of its time is starting
+# two engines (about a minute on a quiet 2-core machine).
+QUICK = (9, 64, 48)
+AA_KINDS = {
+    "two-engines": "off-b is a second plain engine (noise between two identical engines)",
+    "one-engine": "off-b is a second series of rounds on off-a's engine, interleaved with off-a "
+    "(noise of the measurement only, not engine-to-engine; no RSS control)",
+}
 SYSTEMS = [
     "You are the billing assistant of the serving fleet. Answer in one short paragraph. " * 4,
     "Explain the scheduler: every step it decides which requests run and which blocks are freed. " * 4,
@@ -76,7 +95,12 @@ def tree_peak_rss_mib(pid: int) -> float:
 
 
 def child(model: str, kv_events: bool) -> None:
-    """Engine driver: answers ``run <requests> <max_tokens>`` with its figures."""
+    """Engine driver: answers ``run <requests> <max_tokens> <tag>`` with its figures.
+
+    ``tag`` goes into every prompt after the shared system prompts, so that a series never reuses
+    another series' cached prompt tail on the same engine (one-engine A/A); the tags of one round
+    have one length.
+    """
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
@@ -93,12 +117,12 @@ def child(model: str, kv_events: bool) -> None:
         **kwargs,
     )
     print("READY", flush=True)
-    for round_no, line in enumerate(sys.stdin, start=1):
+    for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
-        n, max_tokens = int(cmd[1]), int(cmd[2])
-        prompts = [SYSTEMS[i % len(SYSTEMS)] + f"Round {round_no}, question {i}: why?" for i in range(n)]
+        n, max_tokens, tag = int(cmd[1]), int(cmd[2]), cmd[3]
+        prompts = [SYSTEMS[i % len(SYSTEMS)] + f"Round {tag}, question {i}: why?" for i in range(n)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -136,9 +160,9 @@ class Engine:
                 return
         raise RuntimeError(f"{self.name} engine exited; see {self.log_path}")
 
-    def run(self, requests: int, max_tokens: int) -> dict[str, Any]:
+    def run(self, requests: int, max_tokens: int, tag: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"run {requests} {max_tokens}\n")
+        self.proc.stdin.write(f"run {requests} {max_tokens} {tag}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
@@ -147,14 +171,22 @@ class Engine:
                 return res
         raise RuntimeError(f"{self.name} engine exited; see {self.log_path}")
 
-    def close(self) -> None:
+    def quit(self) -> None:
+        """Asks the engine to shut down; ``close`` waits for it (all engines stop together)."""
         if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
             try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.quit()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -179,22 +211,36 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         child(sys.argv[2], "--kv-events" in sys.argv)
         return
+    started = time.monotonic()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 32 requests x 32 tokens")
+    parser.add_argument(
+        "--aa",
+        choices=AA_KINDS,
+        default=None,
+        help="A/A control kind (default two-engines; --quick: one-engine)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="{} rounds of {} requests x {} tokens, one-engine A/A: under 2 minutes on a quiet 2-core "
+        "machine".format(*QUICK),
+    )
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.requests, args.max_tokens = 3, 32, 32
+        args.rounds, args.requests, args.max_tokens = QUICK
+    aa = args.aa or ("one-engine" if args.quick else "two-engines")
     sys.path.insert(0, str(ROOT))
     from sparseety.broker import EmbeddedBroker
     from sparseety.config import load_config, to_env
     from sparseety.kafka import ensure_topics
     from sparseety.stack.tiny_models import build_tiny_model
 
+    print(f"A/A control: {AA_KINDS[aa]}", flush=True)
     model = build_tiny_model("llama", MODEL_CACHE / "llama")
     with tempfile.TemporaryDirectory(prefix="sparseety-bench-") as tmp:
         cfg = load_config(data_dir=tmp, broker={"port": free_port()})
@@ -207,22 +253,36 @@ def main() -> None:
         ensure_topics(ecfg, [ecfg.topics.engine_events])
         base = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
         base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)})
-        started = time.monotonic()
+        t_start = time.monotonic()
         engines = {
             "off-a": Engine("off-a", model, dict(base), False, Path(tmp) / "off-a.log"),
             "on": Engine("on", model, {**base, **to_env(ecfg)}, True, Path(tmp) / "on.log"),
-            "off-b": Engine("off-b", model, dict(base), False, Path(tmp) / "off-b.log"),
         }
+        if aa == "two-engines":
+            engines["off-b"] = Engine("off-b", model, dict(base), False, Path(tmp) / "off-b.log")
+        # Which engine serves each series; the one-engine A/A runs off-b on off-a's engine.
+        serves = {
+            "off-a": engines["off-a"],
+            "on": engines["on"],
+            "off-b": engines.get("off-b", engines["off-a"]),
+        }
+        # A distinct prompt tag for off-b only when it shares off-a's engine (its prefix cache).
+        series_tag = {"off-a": "0", "on": "0", "off-b": "1" if aa == "one-engine" else "0"}
         rounds: list[dict[str, dict[str, float]]] = []
         try:
             for e in engines.values():
                 e.wait_ready()
-            print(f"engines ready in {time.monotonic() - started:.0f} s", flush=True)
+            ready_s = time.monotonic() - t_start
+            print(f"{len(engines)} engines ready in {ready_s:.0f} s", flush=True)
+            t_rounds = time.monotonic()
             for e in engines.values():  # warm-up round, not counted
-                e.run(args.requests, args.max_tokens)
-            order = list(engines)
+                e.run(args.requests, args.max_tokens, "w.0")
+            order = ["off-a", "on", "off-b"]
             for r in range(args.rounds):
-                got = {name: figures(engines[name].run(args.requests, args.max_tokens)) for name in order}
+                got = {
+                    name: figures(serves[name].run(args.requests, args.max_tokens, f"{r}.{series_tag[name]}"))
+                    for name in order
+                }
                 rounds.append(got)
                 order.reverse()
                 print(
@@ -236,7 +296,10 @@ def main() -> None:
                     f", A/A {got['off-b']['tput'] / got['off-a']['tput']:.3f}",
                     flush=True,
                 )
+            rounds_s = time.monotonic() - t_rounds
         finally:
+            for e in engines.values():
+                e.quit()
             for e in engines.values():
                 e.close()
             logs = "\n".join(e.log_path.read_text(errors="replace") for e in engines.values())
@@ -245,7 +308,10 @@ def main() -> None:
     def med(name: str, key: str) -> float:
         return statistics.median(g[name][key] for g in rounds)
 
-    print(f"\n{args.requests} requests x {args.max_tokens} tokens per round, {args.rounds} rounds")
+    print(
+        f"\n{args.requests} requests x {args.max_tokens} tokens per round, {args.rounds} rounds; "
+        f"A/A control: {aa}"
+    )
     print("| figure | off-a | off-b | on | A/A off-b/off-a | on/off-a | per-round on/off-a | per-round A/A |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for key, label, scale in (
@@ -257,17 +323,26 @@ def main() -> None:
     ):
         per_on = [g["on"][key] / g["off-a"][key] for g in rounds]
         per_aa = [g["off-b"][key] / g["off-a"][key] for g in rounds]
+        if key == "rss" and aa == "one-engine":
+            # off-b's peak RSS is off-a's own processes' high-water mark: no control at all.
+            aa_cells = ["n/a (same engine)", "n/a"]
+        else:
+            aa_cells = [f"{med('off-b', key) / med('off-a', key):.3f}", ", ".join(f"{x:.2f}" for x in per_aa)]
         print(
             f"| {label} | {med('off-a', key) * scale:.1f} | {med('off-b', key) * scale:.1f} | "
-            f"{med('on', key) * scale:.1f} | {med('off-b', key) / med('off-a', key):.3f} | "
+            f"{med('on', key) * scale:.1f} | {aa_cells[0]} | "
             f"{med('on', key) / med('off-a', key):.3f} | {', '.join(f'{x:.2f}' for x in per_on)} | "
-            f"{', '.join(f'{x:.2f}' for x in per_aa)} |"
+            f"{aa_cells[1]} |"
         )
     for line in logs.splitlines():
         if "sparseety producer" in line and "stopped:" in line:
             print("producer:", line.split("stopped:", 1)[1].strip())
         elif "sparseety" in line and ("WARNING" in line or "ERROR" in line):
             print("on engine:", line)
+    print(
+        f"duration {time.monotonic() - started:.0f} s: engines ready after {ready_s:.0f} s, "
+        f"warm-up and rounds {rounds_s:.0f} s"
+    )
     rss_delta = statistics.median(g["on"]["rss"] - g["off-a"]["rss"] for g in rounds)
     print(
         f"bench_engine: on/off throughput {med('on', 'tput') / med('off-a', 'tput'):.2f}; "
