@@ -17,6 +17,7 @@ States are JSON-serialisable (bytes are tagged), because Faust stores them as ch
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -206,7 +207,9 @@ _TAGS: dict[str, type[_Record]] = {c.TAG: c for c in (RequestState, EpochState, 
 def _default(obj: Any) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         return {"$b": obj.hex()}
-    if isinstance(obj, tuple):
+    if isinstance(obj, (tuple, array)):
+        # array('i'): a packed StepBatch column as decoded (sparseety.packed), e.g. an event held
+        # in the reorder buffer; it reads back as a list of the same ints, as older events decode
         return list(obj)
     if isinstance(obj, _Record):
         return obj.to_json()

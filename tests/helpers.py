@@ -170,3 +170,17 @@ def running_broker(data_dir: Path) -> Iterator[Any]:
         yield broker
     finally:
         broker.stop()
+
+
+def plain_event(event: dict[str, Any]) -> dict[str, Any]:
+    """A decoded event with StepBatch's unpacked ``array('i')`` columns as lists (same ints), to
+    compare with the dicts the factories build."""
+    from array import array
+
+    from sparseety import events as ev
+
+    payload = event.get("payload")
+    if isinstance(payload, tuple) and payload[0] == ev.STEP_BATCH:
+        body = {k: v.tolist() if isinstance(v, array) else v for k, v in payload[1].items()}
+        return {**event, "payload": (payload[0], body)}
+    return event

@@ -7,7 +7,6 @@ import copy
 import io
 import json
 import struct
-from array import array
 from typing import Any
 
 import avro.io
@@ -30,17 +29,9 @@ from sparseety.schema_store import (
 )
 from sparseety.serde import Decoder, Encoder
 from tests import factories as f
+from tests.helpers import plain_event as plain
 
 STORE = SchemaStore.load()
-
-
-def plain(event: dict[str, Any]) -> dict[str, Any]:
-    """A decoded record with StepBatch's unpacked ``array('i')`` columns as lists (same ints)."""
-    payload = event.get("payload")
-    if isinstance(payload, tuple) and payload[0] == ev.STEP_BATCH:
-        body = {k: v.tolist() if isinstance(v, array) else v for k, v in payload[1].items()}
-        return {**event, "payload": (payload[0], body)}
-    return event
 
 
 RECORDS: list[tuple[str, dict[str, Any]]] = [("EngineEvent", e) for e in f.one_of_each()] + [
