@@ -10,10 +10,13 @@ engine-side ``Emitter`` publishing a simulated engine's events before, during an
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sparseety import events as ev
 from sparseety.api.client import RemoteQueries
@@ -192,12 +195,35 @@ def finished_uids(events: list[dict[str, Any]]) -> set[str]:
     }
 
 
-def test_a_store_that_outlived_a_broker_restart_stores_the_new_log_exactly_once(tmp_path: Path) -> None:
+def stale_commit(cfg: Config, offset: int) -> None:
+    """Commit ``offset`` for every partition of the sink's topics, from outside its group (what
+    an offsets tool does; Tansu accepts it for a group without members)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(cfg.kafka.librdkafka(**{"group.id": cfg.sink.group_id, "enable.auto.commit": False}))
+    try:
+        topics = [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq]
+        tps = [TopicPartition(t, p, offset) for t in topics for p in range(cfg.topics.partitions)]
+        c.commit(offsets=tps, asynchronous=False)
+        got = c.committed([TopicPartition(t.topic, t.partition) for t in tps], timeout=10)
+        assert {t.offset for t in got} == {offset}, got
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen-with-stale-offsets"])
+def test_a_store_that_outlived_a_broker_restart_stores_the_new_log_exactly_once(
+    tmp_path: Path, frozen: bool
+) -> None:
     """``broker stop`` + ``broker start`` behind the running store's back (what ``up`` leaves
     running when the broker is already back): the store's sink held committed offsets and fetch
     positions far beyond the new, empty topics' ends. It keeps running, says in one line that the
     broker lost its log, and every request of the new log (an engine's journal drained into it,
-    then live events, through a fresh worker) is stored exactly once."""
+    then live events, through a fresh worker) is stored exactly once.
+
+    ``frozen``: the store is stopped (SIGSTOP) across the restart and the new broker is given
+    committed offsets of the old log's size for the sink's group before it wakes; Tansu answers
+    fetches there with nothing, so a sink that started at those offsets would store nothing."""
     with running_broker(tmp_path / "broker") as broker:
         cfg = broker.client_config().replace(
             data_dir=str(tmp_path / "data"),
@@ -231,7 +257,12 @@ def test_a_store_that_outlived_a_broker_restart_stores_the_new_log_exactly_once(
             emit(em, during[:cut])  # Kafka away: held, then spilled to the journal
             journal = cfg.spill_path / "new" / "core"
             wait_for(lambda: any(journal.glob("*.seg")), 60, 0.5, "a spilled journal segment")
+            if frozen:
+                os.killpg(store.proc.pid, signal.SIGSTOP)
             EmbeddedBroker(broker.cfg).start()  # the configured topics again, empty
+            if frozen:
+                stale_commit(cfg, 10_000)
+                os.killpg(store.proc.pid, signal.SIGCONT)
             assert worker.proc.wait(60) == EXIT_LOG_LOST, worker.tail()
             fresh.start()
             assert fresh.proc is not None
