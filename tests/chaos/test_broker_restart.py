@@ -1,6 +1,7 @@
 """The embedded broker restarts under load (issue 12): its in-memory topics, offsets and the worker's
 changelog are gone, yet ``sparseety up`` brings the stack back within a bounded time and every
-request reaches the store exactly once.
+request reaches the store exactly once. A store that outlives a restart it did not see coming
+(``broker stop`` + ``broker start``) reads the new log from its start.
 
 Real parts throughout: the stack's own broker, worker and store processes started by the CLI, an
 engine-side ``Emitter`` publishing a simulated engine's events before, during and after the outage
