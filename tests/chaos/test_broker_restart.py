@@ -3,7 +3,8 @@ changelog are gone, yet ``sparseety up`` brings the stack back within a bounded 
 request reaches the store exactly once. A store that outlives a restart it did not see coming
 (``broker stop`` + ``broker start``) reads the new log from its start.
 
-Real parts throughout: the stack's own broker, worker and store processes started by the CLI, an
+Real parts throughout: the stack's own broker, worker and store processes (started by the CLI, or
+as processes of their own where the test restarts the broker behind their back), an
 engine-side ``Emitter`` publishing a simulated engine's events before, during and after the outage
 (it spills to its journal while the broker is away), and the store's SQL afterwards.
 """
