@@ -24,6 +24,11 @@ Rebalances (another sink process joins the group, or one leaves) give partitions
 buffered rows and held messages are dropped, never committed, so the new owner re-reads them
 from the last commit.
 
+A broker that lost its log (the embedded Tansu restarted under a running sink) recreates the
+topics empty: the group forgets its members, the sink's partitions are lost and assigned again,
+and an assignment whose topics have new ids starts at the new log's start, never at a position
+of the old log (``sinks/lost_log.py`` names the Tansu behaviour this guards against).
+
 The store is opened once per process (:class:`~sparseety.sinks.clickhouse.client.Store`); the
 ``sparseety store`` process runs this loop and the HTTP API in one event loop over one store.
 """
@@ -49,6 +54,7 @@ from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
 from sparseety.sinks.base import FlushResult, Sink
+from sparseety.sinks.lost_log import TopicIds, say_log_lost
 
 log = logging.getLogger("sparseety.sink")
 
@@ -254,6 +260,9 @@ class KafkaPartitions:
         self.paused: set[TP] = set()
         self.acked: dict[TP, int] = {}  # next offset to commit, per partition
         self.committed: dict[TP, int] = {}
+        #: the last acknowledged position per partition, kept when a partition goes away: what
+        #: the sink had read when the broker lost its log
+        self.last: dict[TP, int] = {}
 
     def _tps(self, tps: set[TP], offsets: dict[TP, int] | None = None) -> list[Any]:
         from confluent_kafka import TopicPartition
@@ -276,6 +285,7 @@ class KafkaPartitions:
     def ack(self, message: Any) -> None:
         tp = (message.topic, message.partition)
         self.acked[tp] = max(self.acked.get(tp, 0), message.offset + 1)
+        self.last[tp] = self.acked[tp]
 
     def accepts(self, tp: TP) -> bool:
         return tp not in self.paused
@@ -355,6 +365,7 @@ class SinkConsumer:
         self.commit_interval_s = commit_interval_s
         self.batch_max_messages = batch_max_messages
         self.assigned: set[TP] = set()
+        self.topic_ids = TopicIds(cfg, self.topics)
         self.on_ready: Callable[[], None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparseety-sink-consumer")
         self._busy = threading.Lock()
@@ -382,11 +393,31 @@ class SinkConsumer:
 
     def _assigned(self, consumer: Any, tps: list[Any]) -> None:
         got = {(tp.topic, tp.partition) for tp in tps}
+        recreated = self.topic_ids.recreated()
+        if recreated:
+            self._from_new_start(consumer, tps, recreated)
         self.assigned = got
         log.warning("sink: assigned partitions %s", sorted(got))
         if self.on_ready is not None:
             self.on_ready()
             self.on_ready = None
+
+    def _from_new_start(self, consumer: Any, tps: list[Any], recreated: set[str]) -> None:
+        """The broker recreated ``recreated`` (it lost its log): start their partitions at the new
+        log's start instead of any committed position, which belongs to the old log."""
+        from confluent_kafka import OFFSET_BEGINNING
+
+        with self._busy:
+            say_log_lost(recreated, self.partitions.last)
+            old = {tp for tp in self.partitions.last if tp[0] in recreated}
+            self.worker.revoked(old & self.assigned)
+            self.partitions.forget(old)
+            for tp in old:
+                self.partitions.last.pop(tp, None)
+        for tp in tps:
+            if tp.topic in recreated:
+                tp.offset = OFFSET_BEGINNING
+        consumer.assign(tps)  # librdkafka takes these start offsets instead of the committed ones
 
     def _revoked(self, consumer: Any, tps: list[Any]) -> None:
         gone = {(tp.topic, tp.partition) for tp in tps}

@@ -1,8 +1,10 @@
 """The embedded broker restarts under load (issue 12): its in-memory topics, offsets and the worker's
 changelog are gone, yet ``sparseety up`` brings the stack back within a bounded time and every
-request reaches the store exactly once.
+request reaches the store exactly once. A store that outlives a restart it did not see coming
+(``broker stop`` + ``broker start``) reads the new log from its start.
 
-Real parts throughout: the stack's own broker, worker and store processes started by the CLI, an
+Real parts throughout: the stack's own broker, worker and store processes (started by the CLI, or
+as processes of their own where the test restarts the broker behind their back), an
 engine-side ``Emitter`` publishing a simulated engine's events before, during and after the outage
 (it spills to its journal while the broker is away), and the store's SQL afterwards.
 """
@@ -10,10 +12,13 @@ engine-side ``Emitter`` publishing a simulated engine's events before, during an
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sparseety import events as ev
 from sparseety.api.client import RemoteQueries
@@ -182,3 +187,112 @@ def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path) -> None
             assert not ready_file(cfg.data_path, "worker", pid).exists()
         finally:
             worker.stop()
+
+
+def finished_uids(events: list[dict[str, Any]]) -> set[str]:
+    return {
+        f"{e['engine_id']}/{e['payload'][1]['request_id']}"
+        for e in events
+        if e["payload"][0] == ev.REQUEST_FINISHED
+    }
+
+
+def stale_commit(cfg: Config, offset: int) -> None:
+    """Commit ``offset`` for every partition of the sink's topics, from outside its group (what
+    an offsets tool does; Tansu accepts it for a group without members)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(cfg.kafka.librdkafka(**{"group.id": cfg.sink.group_id, "enable.auto.commit": False}))
+    try:
+        topics = [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq]
+        tps = [TopicPartition(t, p, offset) for t in topics for p in range(cfg.topics.partitions)]
+        c.commit(offsets=tps, asynchronous=False)
+        got = c.committed([TopicPartition(t.topic, t.partition) for t in tps], timeout=10)
+        assert {t.offset for t in got} == {offset}, got
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen-with-stale-offsets"])
+def test_a_store_that_outlived_a_broker_restart_stores_the_new_log_exactly_once(
+    tmp_path: Path, frozen: bool
+) -> None:
+    """``broker stop`` + ``broker start`` behind the running store's back (what ``up`` leaves
+    running when the broker is already back): the store's sink held committed offsets and fetch
+    positions far beyond the new, empty topics' ends. It keeps running, says in one line that the
+    broker lost its log, and every request of the new log (an engine's journal drained into it,
+    then live events, through a fresh worker) is stored exactly once.
+
+    ``frozen``: the store is stopped (SIGSTOP) across the restart and the new broker is given
+    committed offsets of the old log's size for the sink's group before it wakes; Tansu answers
+    fetches there with nothing, so a sink that started at those offsets would store nothing."""
+    with running_broker(tmp_path / "broker") as broker:
+        cfg = broker.client_config().replace(
+            data_dir=str(tmp_path / "data"),
+            api={"port": free_port()},
+            worker={"session_timeout_s": 6.0, "tick_interval_s": 1.0, "take_within_s": 0.1},
+            producer={"memory_limit_bytes": 1024 * 1024, "heartbeat_interval_s": 3600, "flush_timeout_s": 5},
+        )
+        ensure_topics(cfg)
+        store_args = ["store", "--session-timeout", "6", "--commit-interval", "0.5", "--loglevel", "info"]
+        store = ComponentProcess(cfg, store_args, tmp_path / "store.log").start()
+        worker = ComponentProcess(cfg, ["worker"], tmp_path / "worker-0.log").start()
+        fresh = ComponentProcess(cfg, ["worker"], tmp_path / "worker-1.log")
+        # more records before the restart than the new log gets at first, so the sink's old
+        # positions lie past every new partition's end
+        before = SimEngine(engine="old", epoch="e1", seed=7).run(workload(300, seed=7))
+        # an engine serving through the outage: past the client's 1 MiB, part of it is spilled
+        during = SimEngine(engine="new", epoch="e1", seed=8).run(workload(800, seed=8, max_prompt=120))
+        cut = len(during) * 4 // 5
+        expected = finished_uids(before) | finished_uids(during)
+        em: Emitter | None = None
+        try:
+            assert store.proc is not None and worker.proc is not None
+            ready = cfg.data_path
+            wait_for(lambda: ready_file(ready, "store", store.proc.pid).exists(), 120, 0.5, "store")
+            wait_for(lambda: ready_file(ready, "worker", worker.proc.pid).exists(), 120, 0.5, "worker")
+            produce_events(cfg, before)
+            wait_for(lambda: set(stored_uids(cfg)) >= finished_uids(before), 120, 1.0, "the first requests")
+
+            broker.stop()
+            em = Emitter(cfg, engine_name="new", epoch="e1", stall_s=2.0)
+            emit(em, during[:cut])  # Kafka away: held, then spilled to the journal
+            journal = cfg.spill_path / "new" / "core"
+            wait_for(lambda: any(journal.glob("*.seg")), 60, 0.5, "a spilled journal segment")
+            if frozen:
+                os.killpg(store.proc.pid, signal.SIGSTOP)
+            EmbeddedBroker(broker.cfg).start()  # the configured topics again, empty
+            if frozen:
+                stale_commit(cfg, 10_000)
+                os.killpg(store.proc.pid, signal.SIGCONT)
+            assert worker.proc.wait(60) == EXIT_LOG_LOST, worker.tail()
+            fresh.start()
+            assert fresh.proc is not None
+            wait_for(lambda: ready_file(ready, "worker", fresh.proc.pid).exists(), 120, 0.5, "worker")
+            started = time.monotonic()
+            emit(em, during[cut:])
+            assert em.wait_idle(120), em.counters()
+            counters = em.counters()
+            assert counters["dropped"] == 0 and counters["drained"] == counters["spilled"] > 0, counters
+            try:
+                wait_for(lambda: set(stored_uids(cfg)) >= expected, 180, 1.0, "the new requests")
+            finally:
+                print(
+                    f"stored {len(set(stored_uids(cfg)) & finished_uids(during))} of "
+                    f"{len(finished_uids(during))} requests of the new log, "
+                    f"{time.monotonic() - started:.1f} s after the last was emitted; {counters}"
+                )
+                print("--- store\n" + store.tail(30))
+            assert store.alive()
+            assert store.tail(400).count("sink: the broker lost its log") == 1
+        finally:
+            if em is not None:
+                em.close(5)
+            fresh.stop()
+            worker.stop()
+            store.stop()
+        with Store.open(cfg) as db:  # the rows themselves, not the deduplicating view
+            rows = db.query(f"SELECT request_uid FROM {db.database}.requests")
+        uids = [r["request_uid"] for r in rows]
+        print(f"requests table: {len(uids)} rows, {len(set(uids))} uids, {len(expected)} expected")
+        assert len(uids) == len(set(uids)) and set(uids) == expected
