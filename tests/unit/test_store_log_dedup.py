@@ -8,6 +8,7 @@ dedup on the writing side (as ``sparseety ingest --format vllm-log`` publishes).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
-from sparseety.stack.analyze import InputResult, Options, fold_input, plan
+from sparseety.stack.analyze import InputResult, Options, analyze, fold_input, plan
 from tests.helpers import chdb_config, throwaway_store
 from tests.recorded import DATA
 
@@ -103,3 +104,26 @@ def test_a_request_in_the_plugin_and_the_log_is_counted_once_and_the_plugin_wins
                 p["prompt_tokens"],
                 p["output_tokens"],
             )
+
+
+def test_analyze_writing_both_sources_stores_what_the_plugin_alone_gives(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """``analyze --clickhouse`` writes the log's copies too (its usage window includes them); the
+    store's answers equal those of the recording alone."""
+    rec, _ = _fold()
+    cfg = chdb_config(tmp_path_factory)
+    with throwaway_store(chdb_config(tmp_path_factory)) as plugin_only, throwaway_store(cfg) as both:
+        migrate(plugin_only)
+        _write(plugin_only, rec)
+        analyze(
+            cfg,
+            [LOG, RECORDING],
+            tmp_path / "out",
+            opts=Options(model="tiny"),
+            clickhouse_dsn=cfg.clickhouse_dsn,
+            clickhouse_database=cfg.clickhouse.database,
+        )
+        assert _totals(Queries(both)) == _totals(Queries(plugin_only))
+        n = both.query(f"SELECT count() AS n FROM {both.table('requests')} FINAL")[0]["n"]
+        assert n == len(rec.rows) + 8  # both sources' rows are kept
