@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from sparseety import events as ev
 from sparseety.config import load_config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
@@ -61,9 +60,10 @@ def test_a_request_in_the_plugin_and_the_log_is_counted_once_and_the_plugin_wins
     log_ids = {r["request_id"] for r in log.rows}
     assert log_ids and log_ids <= set(plugin_ids)  # every log request is one of the plugin's
     assert {r["request_uid"] for r in log.rows}.isdisjoint(r["request_uid"] for r in rec.rows)
-    with throwaway_store(chdb_config(tmp_path_factory)) as plugin_only, throwaway_store(
-        chdb_config(tmp_path_factory)
-    ) as both:
+    with (
+        throwaway_store(chdb_config(tmp_path_factory)) as plugin_only,
+        throwaway_store(chdb_config(tmp_path_factory)) as both,
+    ):
         migrate(plugin_only)
         migrate(both)
         _write(plugin_only, rec)
@@ -79,7 +79,9 @@ def test_a_request_in_the_plugin_and_the_log_is_counted_once_and_the_plugin_wins
             assert sum(u[0] for u in alone["usage"]) == len(log.rows)
         _write(both, second)
         _write(both, log)  # a replay of the log changes nothing
-        raw = both.query(f"SELECT engine_kind, count() AS n FROM {both.table('requests')} FINAL GROUP BY engine_kind")
+        raw = both.query(
+            f"SELECT engine_kind, count() AS n FROM {both.table('requests')} FINAL GROUP BY engine_kind"
+        )
         assert {r["engine_kind"]: r["n"] for r in raw} == {"vllm": len(rec.rows), "vllm_log": len(log.rows)}
         q = Queries(both)
         got = _totals(q)
