@@ -11,7 +11,8 @@ suffix makes the id unique per server process, so equal ids are the same request
 The rule: a step-level accounting always wins over a request-level one of the same key (it
 observed the steps; the log's times and cached tokens are modelled). Between two of the same
 level, the first one seen is kept. :func:`dedup_step` is the fold; it returns the decisions that
-change: ``(request_uid, counted, duplicate_of)``.
+change: ``(request_uid, counted, duplicate_of)``. The store applies the same rule in its views
+(``sinks/clickhouse/migrations/008_log_dedup.sql``), so it holds whatever order or path wrote the rows.
 """
 
 from __future__ import annotations

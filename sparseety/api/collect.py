@@ -187,7 +187,8 @@ class VllmLogJob:
     them as request-level requests, ``engine_kind = vllm_log``).
 
     A request the store already holds from a step-level source (the plugin: same engine request
-    id, :mod:`sparseety.streams.source_dedup`) is not published: it would be counted twice.
+    id, :mod:`sparseety.streams.source_dedup`) is not published: the store's views would hide it
+    (migration 008_log_dedup), so publishing it would only store a row no answer reads.
     """
 
     def __init__(self, cfg: Config, store: Store, spec: VllmLogSpec) -> None:

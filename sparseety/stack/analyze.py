@@ -23,7 +23,9 @@ Outputs in ``--out``:
 
 Inputs: a recording or JSONL file per input; the segments of a rotated vLLM log
 (``server.log.1 server.log``) are one input, named after the log. Recordings are folded before
-logs, so that a log's duplicates of a recording are known when the log is written to ClickHouse.
+logs, so that a log's duplicates of a recording are known before the log is reported. In
+ClickHouse every record is written, duplicates included: the store's views count each request
+once, whatever the order (``sinks/clickhouse/migrations/008_log_dedup.sql``).
 """
 
 from __future__ import annotations
@@ -519,13 +521,14 @@ def analyze(
                 _write_table(out_dir / f"{inp.name}.{fmt}", result.rows, [*ROW_FIELDS, "modelled"], fmt)
                 meta = {k: v for k, v in report.items() if k != "requests"}
                 (out_dir / f"{inp.name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            duplicates = _count(result.rows, dedup, all_rows, dups)
+            _count(result.rows, dedup, all_rows, dups)
             if sink is not None:
                 topic = f"analyze:{inp.name}"
                 try:
+                    # A duplicate (a log's copy of a plugin-accounted request) is written too: the
+                    # store's views hide it and net it out of the log's usage windows, which
+                    # include it (migration 008_log_dedup), so the store counts it once as here.
                     for offset, (name, record) in enumerate(result.records):
-                        if name == ev.REQUEST_ACCOUNTING and record["request_uid"] in duplicates:
-                            continue  # accounted by the plugin already: stored once
                         if sink.accepts(name):
                             sink.add(name, record, topic=topic, partition=0, offset=offset)
                     sink.flush()  # retried inside the sink (sink.max_retries)
