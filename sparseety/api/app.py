@@ -35,7 +35,7 @@ from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import AuthError, Principal
 from sparseety.api.backend import JOB_KINDS, Backend
-from sparseety.api.collect import CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
+from sparseety.api.collect import AnalyzeSpec, CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
@@ -334,11 +334,13 @@ def _router() -> APIRouter:
         who: Caller,
         back: Back,
         spec: Annotated[
-            Annotated[ReplaySpec | IngestSpec, Field(discriminator="kind")] | VllmLogSpec, Body()
+            Annotated[ReplaySpec | IngestSpec | AnalyzeSpec, Field(discriminator="kind")] | VllmLogSpec,
+            Body(),
         ],
     ) -> JSONResponse:
-        """Submit an offline job: replay a topic range into the store, ingest a trace file
-        (``kind``), or parse a vLLM server log (the seed's ``trace_source: vllm_log`` body)."""
+        """Submit an offline job: replay a topic range into the store, ingest a trace file, analyze
+        trace files into reports (``kind``), or parse a vLLM server log (the seed's
+        ``trace_source: vllm_log`` body)."""
         who.require_admin("collect jobs")
         return JSONResponse(back.submit(spec), status_code=202)
 

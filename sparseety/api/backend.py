@@ -13,7 +13,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sparseety.api.auth import TokenTable
-from sparseety.api.collect import IngestJob, IngestSpec, ReplayJob, ReplaySpec, VllmLogJob, VllmLogSpec
+from sparseety.api.collect import (
+    AnalyzeJob,
+    AnalyzeSpec,
+    IngestJob,
+    IngestSpec,
+    ReplayJob,
+    ReplaySpec,
+    VllmLogJob,
+    VllmLogSpec,
+)
 from sparseety.api.jobs import Job, JobManager
 from sparseety.api.metrics import ApiMetrics
 from sparseety.api.queries import ApiQueries
@@ -23,7 +32,7 @@ from sparseety.sinks.clickhouse.queries import Scope
 
 log = logging.getLogger("sparseety.api")
 T = TypeVar("T")
-JOB_KINDS = ("replay", "ingest", "vllm_log")
+JOB_KINDS = ("replay", "ingest", "vllm_log", "analyze")
 
 
 class Backend:
@@ -73,20 +82,22 @@ class Backend:
         finally:
             self.metrics.query_seconds.labels(name).observe(time.perf_counter() - started)
 
-    def submit(self, spec: ReplaySpec | IngestSpec | VllmLogSpec) -> dict[str, Any]:
+    def submit(self, spec: ReplaySpec | IngestSpec | VllmLogSpec | AnalyzeSpec) -> dict[str, Any]:
         """Check a collect spec and queue its job; returns the job's snapshot.
 
         Raises:
             CollectSpecError, ReplayError, PluginLoadError: the spec cannot run (a 400).
         """
-        job: ReplayJob | IngestJob | VllmLogJob
+        job: ReplayJob | IngestJob | VllmLogJob | AnalyzeJob
         if isinstance(spec, ReplaySpec):
             job = ReplayJob(self.cfg, self.store, spec)
+        elif isinstance(spec, AnalyzeSpec):
+            job = AnalyzeJob(self.cfg, spec)
         elif isinstance(spec, VllmLogSpec):
             job = VllmLogJob(self.cfg, self.store, spec)
         else:
             job = IngestJob(self.cfg, spec)
-        unit = "records" if isinstance(spec, ReplaySpec) else "bytes"
+        unit = {ReplaySpec: "records", AnalyzeSpec: "inputs"}.get(type(spec), "bytes")
         submitted = self.jobs.submit(spec.kind, job.params(), job, unit=unit)
         snapshot = self.jobs.get(submitted.id)
         assert snapshot is not None

@@ -6,6 +6,9 @@
 * ``ingest``: publish a trace file (on this machine) to the engine-events topic
   (:func:`~sparseety.producers.logs.ingest.ingest`); the assembler folds it like a live engine,
   or a replay job of the engine-events topic folds it into the store.
+* ``analyze``: fold trace files offline into per-input reports and a summary in a directory on
+  this machine (:func:`~sparseety.sinks.analyze.analyze`, as ``sparseety analyze``); nothing is
+  published and the store is not written (``sparseety analyze --clickhouse`` does that).
 
 Specs are checked when submitted (bounds, processor, file), so a bad one is a 400, not a failed job.
 """
@@ -57,6 +60,21 @@ class IngestSpec(BaseModel):
     tenant: str = Field("", description="Tenant of JSONL lines that name none.")
     model: str = Field("", description="Model of JSONL lines that name none.")
     strict: bool = Field(False, description="Publish nothing if any line is bad.")
+
+
+class AnalyzeSpec(BaseModel):
+    """Fold trace files offline into reports (``sparseety analyze``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["analyze"]
+    inputs: list[str] = Field(min_length=1, description="Trace files on the API's machine.")
+    out: str = Field(description="Report directory on the API's machine (a rerun skips finished inputs).")
+    format: Literal["json", "csv", "parquet"] = Field("json", description="Reports' format.")
+    input_format: Literal["auto", "recording", "jsonl", "vllm-log"] = "auto"
+    tenant: str = Field("", description="Tenant of requests whose trace names none.")
+    model: str = Field("", description="Model of requests whose trace names none.")
+    retries: int = Field(1, ge=0, le=5, description="Extra attempts of an input that failed.")
 
 
 class LogFilters(BaseModel):
@@ -254,3 +272,33 @@ class VllmLogJob:
             log_window_s=self.spec.window_seconds,
         )
         return {**report.to_dict(), "already_accounted": len(skipped)}
+
+
+class AnalyzeJob:
+    """A checked analyze spec: every input exists before the job is queued."""
+
+    def __init__(self, cfg: Config, spec: AnalyzeSpec) -> None:
+        self.cfg, self.spec = cfg, spec
+        missing = [p for p in spec.inputs if not Path(p).expanduser().is_file()]
+        if missing:
+            raise CollectSpecError(
+                f"no trace file at {', '.join(missing)} on the API's machine", path=missing[0]
+            )
+        self.out = Path(spec.out).expanduser()
+
+    def params(self) -> dict[str, Any]:
+        return {"inputs": self.spec.inputs, "out": str(self.out), "format": self.spec.format}
+
+    def __call__(self, ctx: Any) -> dict[str, Any]:
+        from sparseety.sinks.analyze import Options, analyze
+
+        summary = analyze(
+            self.cfg,
+            [Path(p).expanduser() for p in self.spec.inputs],
+            self.out,
+            fmt=self.spec.format,
+            opts=Options(self.spec.input_format, self.spec.tenant, self.spec.model),
+            retries=self.spec.retries,
+            progress=lambda done, total, _name: ctx.progress(done, total),
+        )
+        return {"out": str(self.out), **summary.to_dict()}

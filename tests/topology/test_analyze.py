@@ -10,8 +10,8 @@ from typing import Any
 
 from sparseety.config import Config
 from sparseety.kafka import ensure_topics
+from sparseety.sinks.analyze import analyze
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.stack.analyze import analyze
 from tests.helpers import ComponentProcess, latest_by_key, produce_raw, read_topic, wait_for
 from tests.recorded import DATA, load_scenario, raw_events, scenarios
 from tests.topology.test_sink_consumer import all_committed, committed

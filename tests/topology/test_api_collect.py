@@ -188,3 +188,30 @@ def test_ingest_command_publishes_and_reports_bad_lines(kafka_cfg: Config, tmp_p
     assert ev.payload(started)["tenant"] == "acme"
     strict = CliRunner().invoke(main, ["ingest", str(path), "--strict"], env=env)
     assert strict.exit_code == 2 and "nothing was published" in strict.output
+
+
+def test_analyze_job_writes_the_reports_sparseety_analyze_writes(
+    kafka_cfg: Config, api: TestClient, tmp_path: Path
+) -> None:
+    from sparseety.sinks.analyze import Options, analyze
+    from tests.recorded import DATA
+
+    inputs = [str(DATA / "vllm_log" / "server.log"), str(DATA / "vllm_log" / "plugin-events.bin")]
+    job = run_job(api, {"kind": "analyze", "inputs": inputs, "out": str(tmp_path / "api"), "model": "tiny"})
+    direct = analyze(kafka_cfg, inputs, tmp_path / "cli", opts=Options(model="tiny"))
+    result = job["result"]
+    assert result["analysed"] == 2 and result["failed"] == 0
+    assert result["totals"] == direct.totals and result["totals"]["requests"] > 0
+    assert len(result["duplicates"]) == len(direct.duplicates) == 8  # the log's copies, counted once
+    for name in ("summary.json", "server.log.json", "plugin-events.bin.json"):
+        api_file, cli_file = tmp_path / "api" / name, tmp_path / "cli" / name
+        assert json.loads(api_file.read_text())["totals"] == json.loads(cli_file.read_text())["totals"]
+    # a rerun skips both finished inputs; a missing input is refused before any job runs
+    again = run_job(api, {"kind": "analyze", "inputs": inputs, "out": str(tmp_path / "api")})
+    assert again["result"]["skipped_finished"] == 2
+    r = api.post(
+        "/api/v1/collect",
+        json={"kind": "analyze", "inputs": [str(tmp_path / "none.bin")], "out": str(tmp_path)},
+        headers=ADMIN,
+    )
+    assert r.status_code == 400 and "no trace file" in r.json()["message"]

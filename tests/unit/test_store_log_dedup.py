@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from sparseety.config import load_config
+from sparseety.sinks.analyze import InputResult, Options, analyze, fold_input, plan
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
-from sparseety.stack.analyze import InputResult, Options, analyze, fold_input, plan
 from tests.helpers import chdb_config, throwaway_store
 from tests.recorded import DATA
 
