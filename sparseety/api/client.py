@@ -28,7 +28,7 @@ from sparseety.config import Config
 from sparseety.errors import SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.export import check_format, rows_file
-from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, QueryError, QuerySpec, Scope
+from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, Param, QueryError, QuerySpec, Scope
 
 
 class RemoteApiError(SparseetyError):
@@ -161,13 +161,7 @@ class RemoteQueries:
         **arguments: Any,
     ) -> list[dict[str, Any]]:
         """Like :meth:`Queries.ask`: one registry query, through its route."""
-        params: dict[str, Any] = {}
-        for p in spec.params:
-            value = arguments.pop(p.name, p.default)
-            if value is not None:
-                params[p.wire] = value
-        if arguments:
-            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        params = _wire_params(spec, spec.params, arguments)
         if spec.group_by is not None:
             params["group_by"] = ",".join((spec.group_by,) if by is None else by)
         if spec.bucket and bucket is not None:
@@ -190,13 +184,7 @@ class RemoteQueries:
         arguments.pop("allowed", None)  # the server decides from the caller's token
         if _sees_nothing(scope):
             return None if spec.key is not None else rows_file([], fmt)
-        params: dict[str, Any] = {"format": fmt}
-        for p in spec.call_params:
-            value = arguments.pop(p.name, p.default)
-            if value is not None:
-                params[p.wire] = value
-        if arguments:
-            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        params = {**_wire_params(spec, spec.call_params, arguments), "format": fmt}
         path = spec.api_path
         if spec.key is not None:
             if key is None:
@@ -224,14 +212,8 @@ class RemoteQueries:
         assert spec.key is not None
         if _sees_nothing(scope):
             return None
-        params: dict[str, Any] = {}
         arguments.pop("allowed", None)  # the server decides from the caller's token
-        for p in spec.call_params:
-            value = arguments.pop(p.name, p.default)
-            if value is not None:
-                params[p.wire] = value
-        if arguments:
-            raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+        params = _wire_params(spec, spec.call_params, arguments)
         path = self._key_path(spec, key, params)
         body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
@@ -276,6 +258,19 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+
+def _wire_params(spec: QuerySpec, declared: Sequence[Param], arguments: dict[str, Any]) -> dict[str, Any]:
+    """The query string of ``arguments`` (each declared param by its wire name, defaults filled,
+    None left out); an argument the spec does not declare is a TypeError, as in the library."""
+    params: dict[str, Any] = {}
+    for p in declared:
+        value = arguments.pop(p.name, p.default)
+        if value is not None:
+            params[p.wire] = value
+    if arguments:
+        raise TypeError(f"{spec.name}() got unexpected arguments {sorted(arguments)}")
+    return params
 
 
 def _decode_lookup(spec: QuerySpec, body: dict[str, Any]) -> dict[str, Any]:
