@@ -41,10 +41,10 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.errors import DecodeError, SparseetyError
+from sparseety.errors import SparseetyError
 from sparseety.kafka import make_decoder
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
-from sparseety.producers.logs.format import detect_format, iter_recording
+from sparseety.producers.logs.format import detect_format, recording_events
 from sparseety.producers.logs.ingest import IngestReport, file_digest, jsonl_requests
 from sparseety.producers.logs.jsonl import TraceEpoch
 from sparseety.producers.logs.vllm_log import VllmLogParser, log_base, log_epoch, read_log, rotation_order
@@ -242,31 +242,12 @@ def _name(p: Path) -> str:
 
 
 def _recording_events(cfg: Config, path: Path, result: InputResult) -> Iterator[dict[str, Any]]:
-    decoder = make_decoder(cfg)
     with path.open("rb") as fh:
-        records = iter_recording(fh)
-        while True:
-            try:
-                item = next(records, None)
-            except BadTraceLineError as exc:
-                result.bad_line(path, exc)
-                return
-            if item is None:
-                return
-            n, value = item
-            try:
-                name, record = decoder.decode(value)
-                if name != ev.ENGINE_EVENT:
-                    raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
-                ev.validate_engine_event(record, value)  # what the worker checks before folding
-            except DecodeError as exc:
-                result.bad_line(path, BadTraceLineError(n, f"{type(exc).__name__}: {exc}", raw=value))
-                continue
-            except BadTraceLineError as exc:
-                exc.raw = value
-                result.bad_line(path, exc)
-                continue
-            yield record
+        for _, _, item in recording_events(fh, make_decoder(cfg)):
+            if isinstance(item, BadTraceLineError):
+                result.bad_line(path, item)
+            else:
+                yield item
 
 
 def _jsonl_events(path: Path, result: InputResult, opts: Options) -> Iterator[dict[str, Any]]:

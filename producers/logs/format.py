@@ -15,9 +15,14 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
+from sparseety import events as ev
+from sparseety.errors import DecodeError
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
+
+if TYPE_CHECKING:
+    from sparseety.serde import Decoder
 
 Format = Literal["recording", "jsonl", "vllm-log"]
 FORMATS: tuple[str, ...] = ("auto", "recording", "jsonl", "vllm-log")
@@ -60,6 +65,38 @@ def iter_recording(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
         if len(value) < size:
             raise BadTraceLineError(n, f"truncated record ({len(value)} of {size} bytes)")
         yield n, value
+
+
+def recording_events(
+    stream: BinaryIO, decoder: Decoder
+) -> Iterator[tuple[int, bytes | None, dict[str, Any] | BadTraceLineError]]:
+    """Each record of a recording as ``(record number, its bytes, the EngineEvent it holds)``, or
+    with the :class:`BadTraceLineError` that says why it holds none (raw bytes attached): not
+    decodable, another record type, or an event the worker would reject. A framing error (a cut
+    or implausible length) ends the stream with its error and ``None`` bytes."""
+    records = iter_recording(stream)
+    while True:
+        try:
+            item = next(records, None)
+        except BadTraceLineError as exc:
+            yield exc.line, None, exc
+            return
+        if item is None:
+            return
+        n, value = item
+        try:
+            name, record = decoder.decode(value)
+            if name != ev.ENGINE_EVENT:
+                raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
+            ev.validate_engine_event(record, value)  # what the worker checks before folding
+        except DecodeError as exc:
+            yield n, value, BadTraceLineError(n, f"{type(exc).__name__}: {exc}", raw=value)
+            continue
+        except BadTraceLineError as exc:
+            exc.raw = value
+            yield n, value, exc
+            continue
+        yield n, value, record
 
 
 def detect_format(head: bytes) -> Format:

@@ -26,10 +26,9 @@ from typing import Any, BinaryIO
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.deadletter_limits import MAX_DEAD_LETTER_BYTES
-from sparseety.errors import DecodeError
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
-from sparseety.producers.logs.format import Format, detect_format, iter_recording
+from sparseety.producers.logs.format import Format, detect_format, recording_events
 from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
 from sparseety.producers.logs.vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
 
@@ -252,34 +251,18 @@ def _recording_events(
     path: Path, report: IngestReport, cfg: Config, progress: Progress | None
 ) -> Iterator[tuple[int, dict[str, Any], bytes]]:
     """(record number, decoded EngineEvent, original bytes) of a recording's valid records."""
-    decoder = make_decoder(cfg)
     with path.open("rb") as fh:
-        records = iter_recording(fh)
-        while True:
-            try:
-                item = next(records, None)
-            except BadTraceLineError as exc:
-                report.bad_line(exc)
-                return
-            if item is None:
-                return
-            n, value = item
-            report.bytes_read += 4 + len(value)
-            report.records_read += 1
-            if progress and n % _PROGRESS_EVERY == 0:
-                progress(report.bytes_read, report.total_bytes)
-            try:
-                name, record = decoder.decode(value)
-                if name != ev.ENGINE_EVENT:
-                    raise BadTraceLineError(n, f"{name.rsplit('.', 1)[-1]} is not an engine event")
-                ev.validate_engine_event(record, value)
-            except DecodeError as exc:
-                report.bad_line(BadTraceLineError(n, f"{type(exc).__name__}: {exc}"), value)
+        for n, value, item in recording_events(fh, make_decoder(cfg)):
+            if value is not None:
+                report.bytes_read += 4 + len(value)
+                report.records_read += 1
+                if progress and n % _PROGRESS_EVERY == 0:
+                    progress(report.bytes_read, report.total_bytes)
+            if isinstance(item, BadTraceLineError):
+                report.bad_line(item)
                 continue
-            except BadTraceLineError as exc:
-                report.bad_line(exc, value)
-                continue
-            yield n, record, value
+            assert value is not None  # only a framing error comes without bytes
+            yield n, item, value
 
 
 def _check(
