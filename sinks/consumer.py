@@ -52,7 +52,7 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import make_decoder, make_encoder, make_producer
-from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
+from sparseety.lifecycle import clear_ready, mark_ready, run_then_exit
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.lost_log import TopicIds, say_log_lost
 
@@ -564,27 +564,13 @@ def run(
     started: Callable[[], Awaitable[None]] | None = None,
     stopping: Callable[[], Awaitable[None]] | None = None,
 ) -> NoReturn:
-    """Run the sink loop until SIGTERM/SIGINT, then exit the process.
-
-    While it runs, ``<data_dir>/run/<role>-<pid>.ready`` announces readiness
-    (:func:`sparseety.lifecycle.ready_file`). ``cleanup`` runs on the way out, bounded in time
-    (:func:`sparseety.lifecycle.exit_after`: a stalled chDB shutdown must not keep a stopped
-    process alive).
-    """
+    """Run the sink loop until SIGTERM/SIGINT, then exit the process
+    (:func:`sparseety.lifecycle.run_then_exit`: readiness file, bounded ``cleanup``)."""
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    ready = ready_file(cfg.data_path, role)
-    clear_ready(ready)
-
-    def finish() -> None:
-        clear_ready(ready)
-        if cleanup is not None:
-            cleanup()
-
-    code = 1
-    try:
-        asyncio.run(serve(sink_consumer, ready, started=started, stopping=stopping))
-        code = 0
-    except BaseException:
-        log.exception("the %s failed", role)
-    finally:
-        exit_after(finish, code)
+    run_then_exit(
+        cfg.data_path,
+        role,
+        lambda ready: asyncio.run(serve(sink_consumer, ready, started=started, stopping=stopping)),
+        cleanup=cleanup,
+        log=log,
+    )

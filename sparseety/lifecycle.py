@@ -76,6 +76,42 @@ def exit_after(cleanup: Callable[[], object], code: int = 0, timeout_s: float = 
     os._exit(code)
 
 
+def run_then_exit(
+    data_path: Path,
+    role: str,
+    body: Callable[[Path], object],
+    *,
+    cleanup: Callable[[], object] | None = None,
+    log: logging.Logger,
+) -> NoReturn:
+    """Run a component process's ``body(ready_path)`` until it returns, then end the process.
+
+    ``<data_dir>/run/<role>-<pid>.ready`` (:func:`ready_file`) is cleared first and on the way
+    out; ``body`` marks it when the component is ready. ``cleanup`` runs bounded in time
+    (:func:`exit_after`: a stalled chDB shutdown must not keep a stopped process alive). The exit
+    status is 0 when ``body`` returned, a ``SystemExit``'s code, or 1 on any other error (logged
+    to ``log``).
+    """
+    ready = ready_file(data_path, role)
+    clear_ready(ready)
+
+    def finish() -> None:
+        clear_ready(ready)
+        if cleanup is not None:
+            cleanup()
+
+    code = 1
+    try:
+        body(ready)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        log.exception("the %s failed", role)
+    finally:
+        exit_after(finish, code)
+
+
 def ready_file(data_path: Path, role: str, pid: int | None = None) -> Path:
     """``<data_dir>/run/<role>-<pid>.ready``: present while process ``pid`` (default: this one)
     in role ``worker``, ``sink``, ``store`` or ``api`` is ready; what supervisors wait for."""

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import faust
 
 from sparseety.config import Config
-from sparseety.lifecycle import clear_ready, exit_after, mark_ready, ready_file
+from sparseety.lifecycle import mark_ready, run_then_exit
 from sparseety.streams.compat import faust_broker_settings, without_spinner
 
 log = logging.getLogger("sparseety")
@@ -80,32 +80,13 @@ def run(
     loglevel: str = "info",
     cleanup: Callable[[], object] | None = None,
 ) -> NoReturn:
-    """Run ``app`` (and ``services`` beside it) until SIGTERM/SIGINT, then exit the process.
+    """Run ``app`` (and ``services`` beside it) until SIGTERM/SIGINT, then exit the process
+    (:func:`sparseety.lifecycle.run_then_exit`: readiness file, bounded ``cleanup``)."""
 
-    While it runs, ``<data_dir>/run/<role>-<pid>.ready`` announces readiness
-    (:func:`sparseety.lifecycle.ready_file`). ``cleanup`` runs on the way out, bounded in time
-    (:func:`sparseety.lifecycle.exit_after`: a stalled chDB shutdown must not keep a stopped
-    process alive).
-    """
-    ready = ready_file(cfg.data_path, role)
-    clear_ready(ready)
-
-    def finish() -> None:
-        clear_ready(ready)
-        if cleanup is not None:
-            cleanup()
-
-    code = 1
-    try:
+    def body(ready: Path) -> None:
         worker = _ReadyWorker(app, *services, loglevel=loglevel, quiet=True)
         worker.ready_path = ready
         without_spinner(worker)
         worker.execute_from_commandline()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        log.exception("the %s failed", role)
-        raise
-    finally:
-        exit_after(finish, code)
+
+    run_then_exit(cfg.data_path, role, body, cleanup=cleanup, log=log)
