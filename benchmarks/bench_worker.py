@@ -26,7 +26,8 @@ The last two lines are the issue-13 targets::
 
 ``--profile PATH`` runs the workers of the last round under cProfile and writes ``PATH.256`` and
 ``PATH.4`` (read them with ``python -m pstats``); profiling slows the worker, so that round's
-figures are not the ones to quote.
+figures are not the ones to quote. ``--py-spy PATH`` samples them instead (py-spy, from the dev
+extra; collapsed stacks, read with ``benchmarks/stacks.py``), which barely slows the worker.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -149,8 +153,22 @@ main()
 """
 
 
+def start_py_spy(pid: int, path: str) -> subprocess.Popen[bytes]:
+    """Sample ``pid`` with py-spy (collapsed stacks, idle frames left out) until SIGINT."""
+    exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    command = [exe, "record", "--pid", str(pid), "--rate", "1000", "--format", "raw", "-o", path]
+    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the workload starts
+    return sampler
+
+
 def run_worker(
-    base: Config, tmp: Path, tag: str, events: list[dict[str, Any]], profile: str | None
+    base: Config,
+    tmp: Path,
+    tag: str,
+    events: list[dict[str, Any]],
+    profile: str | None,
+    py_spy: str | None = None,
 ) -> tuple[float, float]:
     """Worker (CPU seconds, wall seconds) to turn ``events`` into their timelines."""
     from sparseety.kafka import ensure_topics
@@ -178,11 +196,15 @@ def run_worker(
         counter.wait(1, worker, 180)
         time.sleep(0.5)  # let the warm-up batch's changelog write and commit settle
         n_closed = 1 + sum(1 for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED)
+        sampler = start_py_spy(worker.proc.pid, py_spy) if py_spy else None
         cpu0, wall0 = cpu_seconds(worker.proc.pid), time.monotonic()
         produce(cfg, events)
         print(f"  produced in {time.monotonic() - wall0:.2f} s", flush=True)
         wall1 = counter.wait(n_closed, worker, 600)
         cpu1 = cpu_seconds(worker.proc.pid)
+        if sampler is not None:
+            sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            sampler.wait(60)
         return cpu1 - cpu0, wall1 - wall0
     finally:
         counter.close()
@@ -199,6 +221,10 @@ def main() -> None:
     ap.add_argument("--steps-4", type=int, default=20000, help="engine steps of the batch-4 workload")
     ap.add_argument("--only", type=int, choices=(4, 256), help="run one workload (no target lines)")
     ap.add_argument("--profile", help="write cProfiles of the last round's workers to PATH.<batch>")
+    ap.add_argument(
+        "--py-spy",
+        help="sample the last round's workers with py-spy (collapsed stacks) into PATH.<batch>",
+    )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps_256, args.steps_4 = 1, 400, 4000
@@ -233,7 +259,9 @@ def main() -> None:
         for r in range(args.rounds):
             for batch, (events, request_steps) in workloads.items():
                 profile = f"{args.profile}.{batch}" if args.profile and r == args.rounds - 1 else None
-                cpu, wall = run_worker(base, tmp, f"b{batch}r{r}", events, profile)
+                last = r == args.rounds - 1
+                sampled = f"{args.py_spy}.{batch}" if args.py_spy and last else None
+                cpu, wall = run_worker(base, tmp, f"b{batch}r{r}", events, profile, sampled)
                 fold_s = fold_cpu(base.worker, events, 3)
                 res = results[batch]
                 res["worker"].append(cpu)

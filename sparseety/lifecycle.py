@@ -4,6 +4,7 @@ announce that a process is ready."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -76,6 +77,23 @@ def exit_after(cleanup: Callable[[], object], code: int = 0, timeout_s: float = 
     os._exit(code)
 
 
+#: Allocations of container objects between two young-generation collections in a component
+#: process (CPython's default is 700). The worker and the sink allocate millions of short-lived
+#: lists and dicts a second while holding large long-lived state, and at the default each
+#: collection that reaches the older generations walks all of that state: it cost the worker
+#: about a third of its CPU time (``benchmarks/bench_worker.py``, docs/benchmarks.md). Cycles
+#: are still collected, only less often; the young generation stays a few MB.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Collect less often in a long-running component (see :data:`GC_YOUNG_THRESHOLD`), and never
+    again walk what exists at start-up (modules, the app objects): ``gc.freeze``."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def run_then_exit(
     data_path: Path,
     role: str,
@@ -86,6 +104,7 @@ def run_then_exit(
 ) -> NoReturn:
     """Run a component process's ``body(ready_path)`` until it returns, then end the process.
 
+    The process's garbage collector is tuned for throughput first (:func:`tune_gc`).
     ``<data_dir>/run/<role>-<pid>.ready`` (:func:`ready_file`) is cleared first and on the way
     out; ``body`` marks it when the component is ready. ``cleanup`` runs bounded in time
     (:func:`exit_after`: a stalled chDB shutdown must not keep a stopped process alive). The exit
@@ -94,6 +113,7 @@ def run_then_exit(
     """
     ready = ready_file(data_path, role)
     clear_ready(ready)
+    tune_gc()
 
     def finish() -> None:
         clear_ready(ready)

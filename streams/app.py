@@ -1,6 +1,7 @@
 """The Faust worker: a thin shell that decodes, calls the assembler, sends, and checkpoints.
 
-Per batch of events (``take_events``), per partition:
+Per batch of events (``compat.deliver_in_batches``: up to ``worker.take_max`` records or
+``worker.take_within_s`` seconds, straight from Faust's consumer), per partition:
 
 1. decode each event (bad bytes or invalid events become DeadLetter records: never dropped);
 2. fold it with the partition's :class:`~streams.assembler.Assembler`;
@@ -8,7 +9,7 @@ Per batch of events (``take_events``), per partition:
 4. write the state keys the batch changed to the changelog-backed table, epoch keys last
    (``TableStore`` over ``compat.ChangelogTable``).
 
-Faust acks the batch's events after the body returns and commits offsets only after flushing
+The batch's records are acked after the handler returns, and Faust commits offsets only after flushing
 its producer, so a crash at any point replays events whose effects are either absent or
 recognised by the per-key seq guards (see ``streams/state.py``). Outputs are keyed and
 deterministic: re-sent ones overwrite themselves downstream.
@@ -32,7 +33,14 @@ from sparseety.kafka import make_decoder, make_encoder
 from sparseety.lifecycle import clear_ready, ready_file
 from sparseety.streams import metrics
 from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.compat import ChangelogTable, LostLogWatch, Record, Refetcher, fill_holes
+from sparseety.streams.compat import (
+    ChangelogTable,
+    LostLogWatch,
+    Record,
+    Refetcher,
+    deliver_in_batches,
+    fill_holes,
+)
 from sparseety.streams.runtime import create_app as create_faust_app
 from sparseety.streams.runtime import raw_topic, send_awaited
 from sparseety.streams.state import TableStore
@@ -104,15 +112,14 @@ class AssemblerWorker:
             pair = self.partitions[partition] = (store, Assembler(self.cfg.worker, store))
         return pair
 
-    async def process(self, events: list[Any]) -> None:
+    async def process(self, records: list[Record]) -> None:
         async with self.lock:
-            await self._process(events)
+            await self._process(records)
 
-    async def _process(self, events: list[Any]) -> None:
+    async def _process(self, records: list[Record]) -> None:
         by_partition: dict[int, list[Record]] = defaultdict(list)
-        for event in events:
-            m = event.message
-            by_partition[m.partition].append(Record(m.topic, m.partition, m.offset, m.key, m.value))
+        for record in records:
+            by_partition[record.partition].append(record)
         for partition, batch in by_partition.items():
             batch = await self._fill_holes(partition, batch)
             if not batch:
@@ -200,7 +207,6 @@ def create_app(cfg: Config) -> faust.App:
         consumer_max_fetch_size=STATE_RECORD_MAX_BYTES,
     )
 
-    source = raw_topic(app, cfg.topics.engine_events)
     topics = {
         TIMELINES: raw_topic(app, cfg.topics.timelines),
         USAGE: raw_topic(app, cfg.topics.usage),
@@ -217,10 +223,9 @@ def create_app(cfg: Config) -> faust.App:
     worker = AssemblerWorker(app, cfg, table, topics)
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
-    @app.agent(source)
-    async def assemble(stream: Any) -> None:
-        async for batch in stream.take_events(w.take_max, within=w.take_within_s):
-            await worker.process(batch)
+    deliver_in_batches(
+        app, cfg.topics.engine_events, worker.process, max_records=w.take_max, within_s=w.take_within_s
+    )
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def _revoked(sender: Any, *args: Any, **kwargs: Any) -> None:

@@ -354,3 +354,121 @@ class LostLogWatch:
         if exists:
             self.seen = True
         return bool(self.seen and exists is False)
+
+
+# --- 7. batches straight from the consumer --------------------------------------------------
+
+BatchHandler = Callable[[list[Record]], Awaitable[None]]
+
+
+def deliver_in_batches(
+    app: Any, topic: str, handler: BatchHandler, *, max_records: int, within_s: float
+) -> None:
+    """Make ``app``'s consumer hand the records of ``topic`` to ``handler`` in batches.
+
+    Call before anything touches ``app.consumer``. The consumer group, the assignment, the
+    table's recovery and standby reads, offset tracking and the periodic commit stay Faust's;
+    only the delivery of ``topic``'s records changes (see :class:`_BatchDrain`).
+    """
+    if getattr(app, "_consumer", None) is not None:
+        raise RuntimeError("deliver_in_batches: the app's consumer exists already")
+    if max_records <= 0 or within_s <= 0:
+        raise ConfigError("deliver_in_batches needs max_records > 0 and within_s > 0")
+    transport = app.transport
+    base = transport.Consumer
+    # An instance attribute: Transport.create_consumer instantiates ``self.Consumer``.
+    transport.Consumer = type(
+        f"Batch{base.__name__}",
+        (_BatchDrain, base),
+        {
+            "batch_topic": topic,
+            "batch_handler": staticmethod(handler),
+            "batch_max": max_records,
+            "batch_within_s": within_s,
+        },
+    )
+    # Subscribed like an agent's topic (acks on), but no channel ever receives its records.
+    app.topics.add(
+        app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    )
+
+
+class _BatchDrain:
+    """Replaces faust-streaming 0.15.3's ``Consumer._drain_messages`` for one topic.
+
+    Faust hands every fetched record to its conductor through ``wait_first(callback(message),
+    suspend_flow.wait())``: four asyncio tasks and an ``asyncio.wait`` per record, then the
+    conductor, a channel queue, a ``Stream`` and an ``Event`` before an agent sees it. At the
+    engine's small StepBatches that path cost more than decoding and folding the record
+    (``benchmarks/bench_worker.py --py-spy``, docs/benchmarks.md). Here the records of
+    ``batch_topic`` that one or more fetches return (``Consumer.getmany``, which keeps Faust's
+    flow control, generation check and active-partition filter) are collected for up to
+    ``batch_within_s`` or ``batch_max`` records, tracked as in flight (so a rebalance's
+    ``wait_empty`` waits for them), handed to ``batch_handler`` at once, and acked only after it
+    returned: Faust then commits them as it commits an agent's acks. Records of other topics (the
+    table's changelog during recovery and for standbys) go to Faust's callback as before.
+    """
+
+    batch_topic: str
+    batch_handler: BatchHandler
+    batch_max: int
+    batch_within_s: float
+
+    async def _drain_messages(self, fetcher: Any) -> None:
+        import time
+
+        me: Any = self
+        callback = me.callback
+        consumer_stopped, fetcher_stopped = me._stopped.is_set, fetcher._stopped.is_set
+        read_offset = me._read_offset
+        acks_enabled_for = me.app.topics.acks_enabled_for
+        topic, most, within = self.batch_topic, self.batch_max, self.batch_within_s
+        batch: list[Any] = []
+        first = 0.0
+        try:
+            while not (consumer_stopped() or fetcher_stopped()):
+                wait = max(0.0, within - (time.monotonic() - first)) if batch else 1.0
+                async for tp, message in me.getmany(timeout=wait):
+                    offset = message.offset
+                    last = read_offset[tp]
+                    if last is not None and offset < last:
+                        continue  # a re-delivery Faust's own loop drops too
+                    if last and offset - last > 1 and acks_enabled_for(message.topic):
+                        await me._add_gap(tp, last + 1, offset)
+                    if message.topic == topic:
+                        if not batch:
+                            first = time.monotonic()
+                        me.track_message(message)
+                        batch.append(message)
+                    else:
+                        await me.wait_first(callback(message), me.suspend_flow.wait())
+                    read_offset[tp] = offset
+                    if len(batch) >= most:  # the rest of this fetch waits in the generator
+                        await self._hand_over(batch)
+                        batch = []
+                if batch and time.monotonic() - first >= within:
+                    await self._hand_over(batch)
+                    batch = []
+        except me.consumer_stopped_errors:
+            if me.transport.app.should_stop:
+                return
+            raise
+        except asyncio.CancelledError:
+            if me.transport.app.should_stop:
+                return
+            raise
+
+    async def _hand_over(self, messages: list[Any]) -> None:
+        import time
+
+        me: Any = self
+        await self.batch_handler([Record(m.topic, m.partition, m.offset, m.key, m.value) for m in messages])
+        now = time.monotonic()
+        inbound = me.app.monitor.stream_inbound_time  # the livelock detector reads it per partition
+        for m in messages:
+            me.ack(m)
+            inbound[m.tp] = now
+        commit_every = me._commit_every
+        if commit_every is not None and me._n_acked >= commit_every:
+            me._n_acked = 0
+            await me.commit()
