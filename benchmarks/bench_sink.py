@@ -54,7 +54,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def record(i: int, segments: int, blocks: int) -> dict[str, Any]:
+def record(i: int, segments: int, blocks: int, privacy: str = "none") -> dict[str, Any]:
     engine = f"engine-{i % 8}"
     eid = f"{engine}@e1"
     segs = []
@@ -131,6 +131,13 @@ def record(i: int, segments: int, blocks: int) -> dict[str, Any]:
         "window_released_tokens": 0,
         "evicted_blocks_recomputed": 0,
         "waste_tokens": 76,
+        "session_id": "",
+        # token records (schema v3): none in mode none; in mode raw the 2,048 prompt and 256
+        # output ids, which the sink stores as one request_tokens row
+        "token_privacy": privacy,
+        "prompt_token_ids": [(i * 31 + k) % 128_000 for k in range(2048)] if privacy == "raw" else [],
+        "prompt_token_hashes": [],
+        "output_token_ids": [(i * 17 + k) % 128_000 for k in range(256)] if privacy == "raw" else [],
     }
 
 
@@ -332,6 +339,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each measurement")
     ap.add_argument("--replay", action="store_true", help="also replay through an embedded broker")
     ap.add_argument("--quick", action="store_true", help="fewer records and rounds (under 2 minutes)")
+    ap.add_argument(
+        "--privacy",
+        choices=("none", "raw"),
+        default="none",
+        help="token records: none (the issue-13 shape) or raw (2,304 token ids per request, one more row)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.records, args.rounds = 10_000, 3
@@ -341,7 +354,8 @@ def main() -> None:
     n = args.records
     # every round stores new requests (distinct uids), the same shape
     rounds = [
-        [record(r * n + i, args.segments, args.blocks) for i in range(n)] for r in range(args.rounds + 1)
+        [record(r * n + i, args.segments, args.blocks, args.privacy) for i in range(n)]
+        for r in range(args.rounds + 1)
     ]
     payloads = [[enc.encode(x) for x in recs] for recs in rounds]
     path = tempfile.mkdtemp(prefix="bench-chdb-")
@@ -349,11 +363,12 @@ def main() -> None:
     # collector from rescanning them on every generation-2 pass.
     gc.collect()
     gc.freeze()
-    rows_per_record = 1 + args.segments + args.blocks
+    rows_per_record = 1 + args.segments + args.blocks + (args.privacy == "raw")
     rows = n * rows_per_record
     print(f"machine: {machine()}")
     print(
-        f"{n} records x {rows_per_record} rows ({args.segments} segments, {args.blocks} blocks) per round, "
+        f"{n} records x {rows_per_record} rows ({args.segments} segments, {args.blocks} blocks, "
+        f"token records {args.privacy}) per round, "
         f"{args.batch} records per flush, {args.rounds} interleaved rounds"
     )
     live = LiveSink(args.batch, rows_per_record)
