@@ -12,9 +12,10 @@ a block's lifetimes are keyed by the seq that began them), so a state that was p
 partly before a crash converges when the events are replayed. Epoch keys are written last.
 
 Faust stores states as changelog values: :func:`encode_state` writes a format byte (0x01) and
-MessagePack (msgspec), a third of the encoding cost of the JSON it replaced at a similar size
-(docs/benchmarks.md). :func:`decode_state` still reads the JSON values written before (bytes
-tagged ``{"$b": hex}``): JSON text never starts with 0x01. Both formats decode to the same Python
+MessagePack (msgspec; encoding was a visible share of the worker's CPU as JSON, and MessagePack is
+several times cheaper and smaller: docs/benchmarks.md). :func:`decode_state` still reads the JSON
+values written before (bytes tagged ``{"$b": hex}``): JSON text never starts with 0x01, and a value
+holding an int beyond 64 bits is still written as JSON. Both formats decode to the same Python
 structures: lists (never tuples or arrays), bytes, and dicts keyed by str. JSON made every dict key
 a str, MessagePack keeps an int key an int, so states key their dicts by str (``pending`` by
 ``str(seq)``; ``tests/unit/test_state_codec.py`` checks that over simulated runs).
