@@ -240,11 +240,11 @@ _ENCODER = json.JSONEncoder(default=_default, separators=(",", ":"))
 
 def _enc_hook(obj: Any) -> Any:
     # msgspec writes tuples as arrays and bytes/bytearray as bin itself; it calls this for the rest.
+    # (It also writes a dataclass as a map without asking: records are top-level values only, which
+    # encode_state turns into their lists.)
     if isinstance(obj, array):
         # a packed StepBatch column held in the reorder buffer: reads back as a list, as in JSON
         return obj.tolist()
-    if isinstance(obj, _Record):  # records nest nowhere today; msgspec would write a dataclass as a map
-        return obj.to_json()
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
