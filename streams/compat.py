@@ -466,6 +466,9 @@ class _BatchDrain:
             if me.transport.app.should_stop:
                 return
             raise
+        except Exception as exc:  # the consumer service crashes, and with it the worker
+            log.exception("batch delivery of %s failed: %r", topic, exc)
+            raise
 
     async def _hand_over(self, messages: list[Any]) -> None:
         import time
