@@ -45,6 +45,9 @@ class Backend:
         sink_worker: The in-process sink worker (``sparseety store``), for its health counters.
         max_jobs: Collect jobs that run at once.
         clock: Wall clock in ns (tests).
+        regressions_every_s: Least time between two evaluations of the sparsity-regression
+            signals for ``/metrics``: their windows are hours long, and the query reads every
+            request of the baseline window, so a scrape every few seconds must not run it each time.
     """
 
     def __init__(
@@ -56,8 +59,11 @@ class Backend:
         sink_worker: Any = None,
         max_jobs: int = 1,
         clock: Callable[[], int] = time.time_ns,
+        regressions_every_s: float = 60.0,
     ) -> None:
         self.cfg = cfg
+        self.regressions_every_s = regressions_every_s
+        self._regressions_due = float("-inf")  # monotonic time of the next evaluation
         self.store = store
         self.queries = ApiQueries(store, tokenizers=cfg.api.tokenizers)
         self.tokens = tokens
@@ -131,11 +137,15 @@ class Backend:
         return health
 
     async def regressions(self) -> None:
-        """Refresh the sparsity-regression gauges (every signal, default windows, all tenants)."""
+        """Refresh the sparsity-regression gauges (every signal, default windows, all tenants), at
+        most once per ``regressions_every_s``; the gauges keep their values in between."""
+        if time.monotonic() < self._regressions_due:
+            return
         rows = await self.query(
             "regressions", self.queries.regressions, all_signals=1, scope=Scope(until_ns=self.clock())
         )
         self.metrics.set_regressions(rows)
+        self._regressions_due = time.monotonic() + self.regressions_every_s
 
     def close(self) -> None:
         """Stop the jobs (running ones at their next progress report)."""

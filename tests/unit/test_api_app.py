@@ -261,6 +261,29 @@ def test_metrics(client: TestClient) -> None:
     assert 'sparseety:jobs_active{kind="replay"} 0.0' in text
 
 
+def test_scrapes_evaluate_the_regression_signals_at_most_once_per_interval(cfg: Config, store: Store) -> None:
+    b = Backend(cfg, store, tokens=TokenTable({}, admin_token="tok-process-admin"), clock=lambda: NOW)
+    calls = []
+    evaluate = b.queries.regressions
+
+    def counted(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return evaluate(**kwargs)
+
+    b.queries.regressions = counted  # type: ignore[method-assign]
+    try:
+        with TestClient(create_api(b)) as c:
+            for _ in range(3):
+                assert c.get("/metrics").status_code == 200
+            assert len(calls) == 1
+            b.regressions_every_s = 0.0
+            b._regressions_due = float("-inf")  # the interval has passed
+            assert c.get("/metrics").status_code == 200
+            assert len(calls) == 2
+    finally:
+        b.close()
+
+
 def test_ops_docs_and_dashboard(client: TestClient) -> None:
     assert client.get("/healthz").json()["status"] == "ok"
     assert client.get("/docs").status_code == 200
