@@ -94,6 +94,40 @@ def tree_peak_rss_mib(pid: int) -> float:
     return total
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+#: Linux thread names of the plugin's threads: its background emitters (named by
+#: ``producers/supervisor.py``; Linux keeps 15 characters) and librdkafka's own threads.
+_EMITTER, _RDKAFKA = "sparseety-emitt", "rdk:"
+
+
+def tree_cpu_s(pid: int) -> tuple[float, float, float]:
+    """CPU seconds (user + system) of ``pid`` and its descendants, all threads: (total, of which
+    the plugin's emitter threads, of which librdkafka's threads)."""
+    pids, total, emitters, rdkafka = [pid], 0.0, 0.0, 0.0
+    while pids:
+        p = pids.pop()
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{p}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            fields = rest.split()
+            cpu = (int(fields[11]) + int(fields[12])) / _TICK
+            total += cpu
+            if name.startswith(_EMITTER):
+                emitters += cpu
+            elif name.startswith(_RDKAFKA):
+                rdkafka += cpu
+        pids += [int(c) for c in children]
+    return total, emitters, rdkafka
+
+
 def child(model: str, kv_events: bool) -> None:
     """Engine driver: answers ``run <requests> <max_tokens> <tag>`` with its figures.
 
@@ -162,12 +196,16 @@ class Engine:
 
     def run(self, requests: int, max_tokens: int, tag: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        cpu0, emit0, rdk0 = tree_cpu_s(self.proc.pid)
         self.proc.stdin.write(f"run {requests} {max_tokens} {tag}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 res: dict[str, Any] = json.loads(line[7:])
                 res["rss_mib"] = tree_peak_rss_mib(self.proc.pid)
+                cpu1, emit1, rdk1 = tree_cpu_s(self.proc.pid)
+                res["cpu_s"], res["emitter_cpu_s"] = cpu1 - cpu0, emit1 - emit0
+                res["rdkafka_cpu_s"] = rdk1 - rdk0
                 return res
         raise RuntimeError(f"{self.name} engine exited; see {self.log_path}")
 
@@ -198,6 +236,10 @@ def figures(res: dict[str, Any]) -> dict[str, float]:
         "ttft_p99": percentile(res["ttft"], 0.99),
         "tpot": statistics.median(res["tpot"]),
         "rss": res["rss_mib"],
+        "cpu_s": res["cpu_s"],
+        "emitter_cpu_s": res["emitter_cpu_s"],
+        "rdkafka_cpu_s": res["rdkafka_cpu_s"],
+        "broker_cpu_s": res.get("broker_cpu_s", 0.0),
     }
 
 
@@ -278,11 +320,16 @@ def main() -> None:
             for e in engines.values():  # warm-up round, not counted
                 e.run(args.requests, args.max_tokens, "w.0")
             order = ["off-a", "on", "off-b"]
+            broker_pid = broker.pid()
+
+            def run_series(name: str, r: int) -> dict[str, float]:
+                b0 = tree_cpu_s(broker_pid)[0] if broker_pid else 0.0
+                res = serves[name].run(args.requests, args.max_tokens, f"{r}.{series_tag[name]}")
+                res["broker_cpu_s"] = (tree_cpu_s(broker_pid)[0] - b0) if broker_pid else 0.0
+                return figures(res)
+
             for r in range(args.rounds):
-                got = {
-                    name: figures(serves[name].run(args.requests, args.max_tokens, f"{r}.{series_tag[name]}"))
-                    for name in order
-                }
+                got = {name: run_series(name, r) for name in order}
                 rounds.append(got)
                 order.reverse()
                 print(
@@ -334,6 +381,19 @@ def main() -> None:
             f"{med('on', key) / med('off-a', key):.3f} | {', '.join(f'{x:.2f}' for x in per_on)} | "
             f"{aa_cells[1]} |"
         )
+
+    # Where the extra CPU of the "on" rounds goes: on a CPU-only 2-core box every CPU-second the
+    # plugin's emitter thread or the broker takes is one the engine's own processes do not get.
+    def med_cpu(name: str, key: str) -> float:
+        return statistics.median(g[name][key] for g in rounds)
+
+    print(
+        "CPU seconds per round (medians): engine processes off-a "
+        f"{med_cpu('off-a', 'cpu_s'):.2f}, on {med_cpu('on', 'cpu_s'):.2f} of which the plugin's "
+        f"emitter threads {med_cpu('on', 'emitter_cpu_s'):.3f} and librdkafka's "
+        f"{med_cpu('on', 'rdkafka_cpu_s'):.3f}; the broker during on-rounds "
+        f"{med_cpu('on', 'broker_cpu_s'):.3f}, during off-a rounds {med_cpu('off-a', 'broker_cpu_s'):.3f}"
+    )
     for line in logs.splitlines():
         if "sparseety producer" in line and "stopped:" in line:
             print("producer:", line.split("stopped:", 1)[1].strip())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparseety import events as ev
+from sparseety.lifecycle import name_os_thread
 from sparseety.producers.handoff import Item
 from sparseety.producers.kafka_client import producer_settings, rdkafka_log
 from sparseety.producers.ledger import Ledger, OnDelivery, WarnOnce
@@ -73,6 +74,7 @@ class Supervisor:
 
     def _run(self) -> None:
         owner = self.owner
+        name_os_thread(self.thread.name)  # sparseety-emitter-<stream>, as top -H shows it
         try:
             self._setup()
             while True:
