@@ -413,6 +413,9 @@ class SinkConsumer:
         self.on_ready: Callable[[], None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparseety-sink-consumer")
         self._busy = threading.Lock()
+        #: set once a batch was written: a gathering that finds nothing returns at once (not at the
+        #: end of its interval), so the written offsets are committed without waiting for it
+        self._wrote = threading.Event()
         self._last_commit = 0.0
         self._last_retry = 0.0
 
@@ -501,7 +504,9 @@ class SinkConsumer:
     def _consume(self) -> list[Consumed]:
         """Up to ``batch_max_messages`` records: gathered for at most ``interval_s``, and handed
         over early once the fetched records are drained (nothing new for ``DRAIN_S``), so the end
-        of a burst is written at once instead of after the full interval."""
+        of a burst is written at once instead of after the full interval. With nothing gathered,
+        it returns after ``DRAIN_S`` once a batch was written meanwhile, so that batch's offsets
+        are committed then, not an interval later."""
         from confluent_kafka import KafkaException
 
         out: list[Consumed] = []
@@ -511,7 +516,7 @@ class SinkConsumer:
             if left <= 0:
                 break
             got = self.consumer.consume(self.batch_max_messages - len(out), min(left, DRAIN_S))
-            if not got and out:
+            if not got and (out or self._wrote.is_set()):
                 break
             for m in got:
                 err = m.error()
@@ -545,6 +550,7 @@ class SinkConsumer:
                 now = time.monotonic()
                 if now - self._last_commit >= self.commit_interval_s or not batch:
                     self._last_commit = now
+                    self._wrote.clear()  # what was written so far is committed now
                     await loop.run_in_executor(self._thread, self._commit_now)
                 gathering = loop.run_in_executor(self._thread, self._consume)
                 with self._busy:  # a rebalance callback waits until this batch is written and acked
@@ -560,6 +566,7 @@ class SinkConsumer:
                         for m in batch:
                             if (m.topic, m.partition) not in self.worker.held:
                                 self.partitions.ack(m)
+                        self._wrote.set()
                     if self.worker.held and now - self._last_retry >= self.interval_s:
                         self._last_retry = now
                         await self.worker.retry()

@@ -4,15 +4,16 @@ Decoding a RequestAccounting in Python (fastavro, then one Python object per fie
 three times what writing its rows costs, so the sink process was bound by decoding. An embedded
 (chDB) store can read an Avro object container from a local file, so for records whose writer
 schema is the current one the sink skips Python decoding: the payload bodies (the single-object
-header stripped) become one container, and one ``INSERT ... SELECT ... FROM file(path, Avro)``
-per table turns it into exactly the rows :meth:`RowBuffer.add_accounting
+header stripped) become one container, which ClickHouse parses once (``file(path, Avro)`` into a
+temporary Memory table, :func:`stage_sql`), and one ``INSERT ... SELECT`` per table turns it into
+exactly the rows :meth:`RowBuffer.add_accounting
 <sparseety.sinks.clickhouse.rows.RowBuffer.add_accounting>` makes (a unit test compares every
 row of every table).
 
 A ClickHouse server cannot read the sink's local file, so only an embedded target takes this
 path (:meth:`ClickHouseSink.takes_encoded <sparseety.sinks.clickhouse.writer.ClickHouseSink.takes_encoded>`).
 
-Checks before anything is written (:func:`check_sql`, one read-only query over the file):
+Checks before anything is written (:func:`check_sql`, one read-only query over the stage):
 
 * every body must end exactly where the record ends: the container's schema is the writer schema
   plus one trailing ``long`` field, and each body is followed by a random 62-bit nonce in that
@@ -175,13 +176,20 @@ def _quote(s: str) -> str:
     return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _source(path: str) -> str:
+def file_source(path: str) -> str:
+    """The container file as a table (``file(path, Avro)``: chDB reads an absolute path)."""
     return f"file({_quote(path)}, Avro)"
 
 
-def check_sql(path: str, nonce: int) -> str:
-    """One read of the container that parses every field of every record and returns
-    ``records, bad, <rows per table of TABLES>``; ``bad`` counts records the Python path must judge."""
+def stage_sql(stage: str, path: str) -> str:
+    """Parse the container once into a temporary Memory table ``stage`` (every field: a body
+    ClickHouse cannot parse fails here), which the check and the inserts then read."""
+    return f"CREATE TEMPORARY TABLE {stage} ENGINE = Memory AS SELECT * FROM {file_source(path)}"
+
+
+def check_sql(source: str, nonce: int) -> str:
+    """``records, bad, <rows per table of TABLES>`` of the container read as ``source``
+    (:func:`file_source` or a stage); ``bad`` counts records the Python path must judge."""
     valid = " AND ".join(
         [
             f"{NONCE_FIELD} = {nonce}",
@@ -190,22 +198,22 @@ def check_sql(path: str, nonce: int) -> str:
             "arrayAll(s -> isValidUTF8(ifNull(s.source_request_uid, '')), timeline.segments)",
             "arrayAll(b -> b.tokens >= 0, block_uses)",
             f"(NOT ({_HAS_EXPERTS}) OR (expert_num_experts >= 0 AND arrayAll(x -> x >= 0, expert_counts)))",
-            # ignore() reads every field: a field nothing reads is skipped unchecked (an enum
-            # index out of range), and such a body must fail here, before anything is written
+            # ignore() reads every field: read from the file, a field nothing reads is skipped
+            # unchecked (an enum index out of range), and such a body must fail here
             f"ignore({', '.join(sorted(FIELDS))}) = 0",
         ]
     )
     return (
         f"SELECT count(), countIf(NOT ({valid})), count(), sum(length(timeline.segments)), "
         f"sum(length(block_uses)), countIf({_HAS_EXPERTS}), countIf({_HAS_TOKENS}) "
-        f"FROM {_source(path)}"
+        f"FROM {source}"
     )
 
 
-def insert_sql(table: Table, target: str, path: str) -> str:
-    """``INSERT INTO target (columns) SELECT ... FROM file(path, Avro)`` giving ``table`` exactly
-    the rows :meth:`RowBuffer.add_accounting` gives it."""
-    src = _source(path)
+def insert_sql(table: Table, target: str, source: str) -> str:
+    """``INSERT INTO target (columns) SELECT ... FROM source`` giving ``table`` exactly the rows
+    :meth:`RowBuffer.add_accounting` gives it (``source``: :func:`file_source` or a stage)."""
+    src = source
     if table is REQUESTS:
         exprs = [
             *REQUEST_FIELDS,

@@ -362,19 +362,25 @@ class ClickHouseSink(Sink):
         return []
 
     def _write_container(self, schema_json: str, records: list[Encoded], result: FlushResult) -> None:
-        """One container file for ``records``: checked by one query, then one insert per table."""
+        """One container file for ``records``, parsed once into a temporary table; checked by one
+        query, then one insert per table from that table."""
         container = avro_batch.build_container(
             schema_json, (memoryview(e.value)[SINGLE_OBJECT_HEADER:] for e in records)
         )
         path = self._scratch_dir() / f"accounting-{os.getpid()}-{uuid.uuid4().hex}.avro"
-        path.write_bytes(container.data)
+        stage = f"sparseety_sink_stage_{uuid.uuid4().hex}"
         try:
             try:
-                _, rows = self.store.query_rows(avro_batch.check_sql(str(path), container.nonce))
+                path.write_bytes(container.data)
+                self.store.command(avro_batch.stage_sql(stage, str(path)))
+                _, rows = self.store.query_rows(avro_batch.check_sql(stage, container.nonce))
             except StoreError as exc:
                 # whatever ClickHouse says about this file (a body it cannot parse, or a store
                 # that is down): the Python path judges each record, and writes or holds them
-                raise _InsertFailed(f"checking the batch failed: {exc}", data=True) from exc
+                raise _InsertFailed(f"reading the batch failed: {exc}", data=True) from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    path.unlink()
             n, bad, per_table = avro_batch.row_counts(rows[0])
             if n != container.records or bad:
                 raise _InsertFailed(
@@ -384,18 +390,18 @@ class ClickHouseSink(Sink):
                 )
             for table in avro_batch.TABLES:
                 if per_table[table.name]:
-                    sql = avro_batch.insert_sql(table, self.target(table), str(path))
+                    sql = avro_batch.insert_sql(table, self.target(table), stage)
 
                     def insert(settings: dict[str, Any], sql: str = sql) -> object:
                         return self.store.command(sql, settings=settings)
 
                     self._attempts(table, self.max_retries, insert)
-                    # rows counted by ClickHouse over the same file in the check above
+                    # rows counted by ClickHouse over the same records in the check above
                     result.rows[table.name] = result.rows.get(table.name, 0) + per_table[table.name]
                     result.inserts += 1
         finally:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            with contextlib.suppress(Exception):
+                self.store.command(f"DROP TEMPORARY TABLE IF EXISTS {stage}")
 
     def _scratch_dir(self) -> Path:
         """Where container files live: inside the embedded store's own path (chDB reads it)."""

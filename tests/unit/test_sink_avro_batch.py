@@ -168,6 +168,7 @@ def test_fast_path_writes_the_rows_the_python_path_writes(stores: tuple[Store, S
     assert sorted(fast_result.written, key=str) == sorted(py_result.written, key=str)
     assert fast_result.inserts == 5
     assert not list((fast_store.target.path / "sparseety-sink").glob("*.avro"))  # type: ignore[operator]
+    assert fast_store.query_rows("SELECT name FROM system.tables WHERE is_temporary")[1] == []
 
     # rewriting (a crash between write and commit, then the re-read) changes nothing
     add_encoded(fast, values)
@@ -252,11 +253,13 @@ def test_container_round_trips_through_clickhouse(stores: tuple[Store, Store]) -
     path = store.target.path / "sparseety-sink-test.avro"  # type: ignore[operator]
     path.write_bytes(container.data)
     try:
-        _, rows = store.query_rows(avro_batch.check_sql(str(path), container.nonce))
+        _, rows = store.query_rows(avro_batch.check_sql(avro_batch.file_source(str(path)), container.nonce))
         records, bad, per_table = avro_batch.row_counts(rows[0])
         assert (records, bad) == (len(values), 0)
         assert per_table["requests"] == len(values)
-        _, rows = store.query_rows(avro_batch.check_sql(str(path), container.nonce + 1))
+        _, rows = store.query_rows(
+            avro_batch.check_sql(avro_batch.file_source(str(path)), container.nonce + 1)
+        )
         assert avro_batch.row_counts(rows[0])[1] == len(values)  # a wrong nonce fails every row
     finally:
         path.unlink()
