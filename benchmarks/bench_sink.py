@@ -193,7 +193,7 @@ def bench_undecoded_write(path: str, payloads: list[bytes], cfg: Config, batch: 
     store = fresh(path)
     decoder = make_decoder(cfg)
     try:
-        sink = ClickHouseSink(store, batch_max_rows=10**9)
+        sink = ClickHouseSink(store, batch_max_rows=10**9, encoded=True)
         assert sink.takes_encoded(decoder.store.wire("RequestAccounting"), decoder.store)
         started = time.perf_counter()
         rows = 0

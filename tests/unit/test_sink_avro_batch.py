@@ -305,3 +305,44 @@ def test_the_worker_dead_letters_a_refused_batch_s_bad_records(stores: tuple[Sto
     # versions of r6: optimize_on_insert)
     assert sorted(uids) == sorted(set(expected))
     assert worker.totals.rows["requests"] == len(expected) and worker.totals.undecoded == []
+
+
+def test_a_store_error_after_the_check_keeps_the_batch_buffered(stores: tuple[Store, Store]) -> None:
+    """An insert that fails on the store itself (not on the data) stops those partitions: the
+    batch stays buffered undecoded, nothing is handed back, and the next flush writes it."""
+    from sparseety.errors import SinkWriteError, StoreError
+
+    _, store = stores
+
+    class Failing:
+        """The real store, whose INSERT ... SELECT fails with a server error while ``down``."""
+
+        down = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def command(self, sql: str, *args: Any, **kwargs: Any) -> Any:
+            if self.down and sql.startswith("INSERT"):
+                raise StoreError("Code: 241. MEMORY_LIMIT_EXCEEDED", code=241, cause="DatabaseError")
+            return store.command(sql, *args, **kwargs)
+
+    failing = Failing()
+    sink = ClickHouseSink(failing, max_retries=0)  # type: ignore[arg-type]
+    values = payloads(shapes())
+    add_encoded(sink, values)
+    with pytest.raises(SinkWriteError) as err:
+        sink.flush()
+    assert err.value.result.undecoded == [] and len(err.value.result.failed) == 2
+    assert {(b.topic, b.partition) for b in sink.pending_batches()} == {("timelines", 0), ("timelines", 1)}
+    assert sink.pending_rows() == len(values)
+
+    failing.down = False
+    result = sink.flush()
+    assert result.rows["requests"] == len(values) and sink.pending_batches() == []
+    py = ClickHouseSink(stores[0], encoded=False)
+    dec = Decoder(CONTRACT)
+    for i, value in enumerate(values):
+        py.add(*dec.decode(value), topic="timelines", partition=i % 2, offset=i)
+    py.flush()
+    assert snapshot(store) == snapshot(stores[0])
