@@ -3,8 +3,11 @@
 Measurements, each the median of ``--rounds`` rounds (write paths into a fresh database each):
 
 * ``write``: decoded RequestAccounting records -> ClickHouseSink.add + flush (rows to every table).
-* ``decode+write``: Avro bytes as they sit in Kafka -> decode -> sink: the sink process's work per
+* ``decode+write``: Avro bytes as they sit in Kafka -> decode -> sink: the Python path's work per
   batch, without Kafka.
+* ``undecoded write``: the same bytes through the fast path (header read, bodies handed to chDB as
+  one Avro container, ``sinks/clickhouse/avro_batch.py``): what the sink process does per batch
+  of current-schema RequestAccounting into an embedded store, without Kafka.
 * ``sparseety sink``: the real process (its batch consumer loop) reading a topic of an embedded
   broker into its own chDB path: time from producing a round's records until all their offsets
   are committed (which the sink does only after writing them).
@@ -185,6 +188,26 @@ def bench_decode_write(path: str, payloads: list[bytes], cfg: Config, batch: int
         drop(store)
 
 
+def bench_undecoded_write(path: str, payloads: list[bytes], cfg: Config, batch: int) -> tuple[float, int]:
+    """The sink process's fast path without Kafka: header read, bodies handed to chDB as Avro."""
+    store = fresh(path)
+    decoder = make_decoder(cfg)
+    try:
+        sink = ClickHouseSink(store, batch_max_rows=10**9, encoded=True)
+        assert sink.takes_encoded(decoder.store.wire("RequestAccounting"), decoder.store)
+        started = time.perf_counter()
+        rows = 0
+        for start in range(0, len(payloads), batch):
+            for i, raw in enumerate(payloads[start : start + batch], start):
+                writer = decoder.header(raw)
+                assert writer is not None  # the consumer asks takes_encoded once per writer schema
+                sink.add_encoded(writer, raw, key=None, topic="timelines", partition=i % 4, offset=i)
+            rows += sink.flush().total_rows
+        return time.perf_counter() - started, rows
+    finally:
+        drop(store)
+
+
 def bench_replay(path: str, payloads: list[bytes], runs: int) -> list[tuple[float, int, int]]:
     from sparseety.broker import EmbeddedBroker
     from sparseety.kafka import ensure_topics, make_producer
@@ -343,7 +366,7 @@ def main() -> None:
         "--privacy",
         choices=("none", "raw"),
         default="none",
-        help="token records: none (the issue-13 shape) or raw (2,304 token ids per request, one more row)",
+        help="token records: none (an empty request_tokens row) or raw (2,304 token ids per request)",
     )
     args = ap.parse_args()
     if args.quick:
@@ -363,7 +386,8 @@ def main() -> None:
     # collector from rescanning them on every generation-2 pass.
     gc.collect()
     gc.freeze()
-    rows_per_record = 1 + args.segments + args.blocks + (args.privacy == "raw")
+    # request_tokens gets a row in mode none too (schema v3: answers can say nothing was stored)
+    rows_per_record = 1 + args.segments + args.blocks + 1
     rows = n * rows_per_record
     print(f"machine: {machine()}")
     print(
@@ -375,18 +399,21 @@ def main() -> None:
     try:
         bench_write(path, rounds[0][:2000], args.batch)  # warm-up: engine start, first parts
         live.warm_up(payloads[0][:2000])
-        write_s, decode_s, process_s, ratios = [], [], [], []
+        write_s, decode_s, undecoded_s, process_s, ratios = [], [], [], [], []
         for r in range(1, args.rounds + 1):
             w, _ = bench_write(path, rounds[r], args.batch)
             d, _ = bench_decode_write(path, payloads[r], cfg, args.batch)
+            u, got = bench_undecoded_write(path, payloads[r], cfg, args.batch)
+            assert got == rows, (got, rows)  # ClickHouse's row counts: the fast path wrote every row
             p = live.round(payloads[r])
             write_s.append(w)
             decode_s.append(d)
+            undecoded_s.append(u)
             process_s.append(p)
             ratios.append(w / p)
             print(
                 f"round {r}: write {rows / w:,.0f} rows/s, decode+write {rows / d:,.0f}, "
-                f"sink process {rows / p:,.0f}; process/write {w / p:.2f}",
+                f"undecoded write {rows / u:,.0f}, sink process {rows / p:,.0f}; process/write {w / p:.2f}",
                 flush=True,
             )
     finally:
@@ -395,6 +422,7 @@ def main() -> None:
     results = [
         ("write", write_s),
         ("decode+write", decode_s),
+        ("undecoded write (header only, chDB decodes)", undecoded_s),
         ("sparseety sink (broker -> consumer -> chDB)", process_s),
     ]
     if args.replay:

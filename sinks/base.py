@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from sparseety.config import Config
 from sparseety.errors import PluginLoadError
+from sparseety.schema_store import SchemaStore, WireSchema
 
 ENTRY_POINT_GROUP = "sparseety.sinks"
 
@@ -36,6 +37,17 @@ class Batch:
     def as_tuple(self) -> tuple[str, int, int, int]:
         """``(topic, partition, first_offset, last_offset)``, as :class:`SinkWriteError` carries it."""
         return (self.topic, self.partition, self.first_offset, self.last_offset)
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A record a sink took undecoded (:meth:`Sink.add_encoded`): the payload as Kafka holds it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
 
 
 @dataclass(eq=False)
@@ -110,6 +122,9 @@ class FlushResult:
         failed: Batches still buffered because their write kept failing.
         inserts: Insert statements issued (one per table per flush when all is well).
         rejected: Records the sink could not store (data errors) and wrote to ``dead_letters``.
+        undecoded: Records taken undecoded that the sink hands back instead of writing them (the
+            store refused the batch they came in): no longer buffered; the caller decodes each
+            one (dead-lettering those that do not decode) and adds it again with :meth:`Sink.add`.
     """
 
     rows: dict[str, int] = field(default_factory=dict)
@@ -117,6 +132,7 @@ class FlushResult:
     failed: list[Batch] = field(default_factory=list)
     inserts: int = 0
     rejected: int = 0
+    undecoded: list[Encoded] = field(default_factory=list)
 
     @property
     def total_rows(self) -> int:
@@ -131,6 +147,7 @@ class FlushResult:
         self.failed.extend(other.failed)
         self.inserts += other.inserts
         self.rejected += other.rejected
+        self.undecoded.extend(other.undecoded)
 
 
 class Sink(abc.ABC):
@@ -161,6 +178,19 @@ class Sink(abc.ABC):
         Several records may share one position (a processor may derive several records from one
         input record); a position before the previous one of the partition starts a new batch.
         """
+
+    def takes_encoded(self, writer: WireSchema, store: SchemaStore) -> bool:
+        """Whether :meth:`add_encoded` takes records of ``writer`` undecoded (``store``: the
+        contract, whose ``current`` versions readers use). By default no sink does."""
+        return False
+
+    def add_encoded(
+        self, writer: WireSchema, value: bytes, *, key: bytes | None, topic: str, partition: int, offset: int
+    ) -> None:
+        """Buffer one payload undecoded (only for writers :meth:`takes_encoded` accepts): its header
+        was read, its body was not. A flush writes it, or hands it back in
+        :attr:`FlushResult.undecoded`, never drops it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no undecoded records")
 
     @abc.abstractmethod
     def pending_rows(self) -> int:

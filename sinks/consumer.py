@@ -5,7 +5,8 @@ consumer in the sink's own consumer group (``cfg.sink.group_id``) hands it batch
 ``batch_max_messages`` records (``Consumer.consume``, gathered for at most
 ``sink.batch_interval_s``, or less once the records fetched so far are drained), and per batch:
 
-1. decode each payload; undecodable bytes, or a record that does not belong on a sink topic,
+1. decode each payload (or, for a sink that takes it undecoded, read only its header: see
+   below); undecodable bytes, or a record that does not belong on a sink topic,
    become a DeadLetter sent to the dlq topic (reason, raw bytes, topic, partition, offset) and
    awaited until Kafka has it; a dead letter on the dlq topic that cannot be read is stored in
    ``dead_letters`` directly (re-sending it would loop). Nothing is dropped silently.
@@ -14,6 +15,13 @@ consumer in the sink's own consumer group (``cfg.sink.group_id``) hands it batch
    the topics go quiet, and always before a partition is given away or the process stops). A
    crash anywhere before that re-reads the batch, and the sink's idempotent tables absorb the
    repeat (at-least-once).
+
+A sink may take records undecoded (:meth:`Sink.takes_encoded`: the ClickHouse sink, for
+RequestAccounting of the current schema into an embedded store, where ClickHouse decodes them).
+Only the header is read here, so a framing error (bad magic, unknown fingerprint, a header cut
+short) is still dead-lettered before anything is buffered. When the store refuses such a batch
+(a corrupt body), the sink hands its records back (``FlushResult.undecoded``) and this loop
+decodes each one as above: bad ones go to the dlq topic, the rest are written in Python.
 
 A partition whose write keeps failing (:class:`~sparseety.errors.SinkWriteError`) is stopped
 alone: its messages are held (their offsets are not committed), the partition is paused, and the
@@ -144,6 +152,8 @@ class SinkWorker:
         self.records = 0
         self.dead_letters = 0
         self.totals = FlushResult()
+        #: writer fingerprint -> whether the sink takes its records undecoded
+        self._undecoded: dict[int, bool] = {}
 
     async def process(self, messages: Sequence[Message]) -> None:
         """Decode, add and write one batch; hold the messages of partitions that failed."""
@@ -179,8 +189,14 @@ class SinkWorker:
             self.sink.discard(*tp)
             self.held.pop(tp, None)
 
-    def _add(self, m: Message, dead: list[tuple[bytes | None, dict[str, Any]]]) -> None:
+    def _add(
+        self, m: Message, dead: list[tuple[bytes | None, dict[str, Any]]], *, undecoded: bool = True
+    ) -> None:
+        """Buffer one message (``undecoded``: the sink may take it without decoding)."""
         try:
+            if undecoded and self._add_undecoded(m):
+                self.records += 1
+                return
             name, record = self.decoder.decode(m.value)
             if not self.sink.accepts(name):
                 raise InvalidEventError(
@@ -206,6 +222,21 @@ class SinkWorker:
             return
         self.records += 1
 
+    def _add_undecoded(self, m: Message) -> bool:
+        """Hand ``m`` to the sink undecoded if it takes its writer schema (the header is read:
+        a framing error raises DecodeError)."""
+        writer = self.decoder.header(m.value)
+        if writer is None:
+            return False
+        takes = self._undecoded.get(writer.fingerprint)
+        if takes is None:
+            takes = self._undecoded[writer.fingerprint] = self.sink.takes_encoded(writer, self.decoder.store)
+        if takes:
+            self.sink.add_encoded(
+                writer, m.value, key=m.key, topic=m.topic, partition=m.partition, offset=m.offset
+            )
+        return takes
+
     def _pending(self) -> set[TP]:
         return {(b.topic, b.partition) for b in self.sink.pending_batches()}
 
@@ -215,6 +246,7 @@ class SinkWorker:
         except SinkWriteError as exc:
             result = exc.result
             log.error("sink: %s", exc)
+        back, result.undecoded = result.undecoded, []
         self.totals.merge(result)
         if result.total_rows:
             self.writes += 1
@@ -222,6 +254,18 @@ class SinkWorker:
                 "sink: wrote %s",
                 ", ".join(f"{t}={n}" for t, n in result.rows.items()),
             )
+        if back:
+            # the store refused a batch the sink took undecoded: decode each record here, so
+            # that bad ones reach the dlq topic like any undecodable record, and write the rest
+            dead: list[tuple[bytes | None, dict[str, Any]]] = []
+            self.records -= len(back)  # counted again below, unless they turn out undecodable
+            for m in back:
+                self._add(m, dead, undecoded=False)
+            if dead:
+                await self.send_dead_letters(dead)
+                self.dead_letters += len(dead)
+            await self._flush()
+            return
         self._release()
 
     def _hold(self, messages: list[Message]) -> None:
@@ -369,6 +413,9 @@ class SinkConsumer:
         self.on_ready: Callable[[], None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparseety-sink-consumer")
         self._busy = threading.Lock()
+        #: set once a batch was written: a gathering that finds nothing returns at once (not at the
+        #: end of its interval), so the written offsets are committed without waiting for it
+        self._wrote = threading.Event()
         self._last_commit = 0.0
         self._last_retry = 0.0
 
@@ -457,7 +504,9 @@ class SinkConsumer:
     def _consume(self) -> list[Consumed]:
         """Up to ``batch_max_messages`` records: gathered for at most ``interval_s``, and handed
         over early once the fetched records are drained (nothing new for ``DRAIN_S``), so the end
-        of a burst is written at once instead of after the full interval."""
+        of a burst is written at once instead of after the full interval. With nothing gathered,
+        it returns after ``DRAIN_S`` once a batch was written meanwhile, so that batch's offsets
+        are committed then, not an interval later."""
         from confluent_kafka import KafkaException
 
         out: list[Consumed] = []
@@ -467,7 +516,7 @@ class SinkConsumer:
             if left <= 0:
                 break
             got = self.consumer.consume(self.batch_max_messages - len(out), min(left, DRAIN_S))
-            if not got and out:
+            if not got and (out or self._wrote.is_set()):
                 break
             for m in got:
                 err = m.error()
@@ -501,6 +550,7 @@ class SinkConsumer:
                 now = time.monotonic()
                 if now - self._last_commit >= self.commit_interval_s or not batch:
                     self._last_commit = now
+                    self._wrote.clear()  # what was written so far is committed now
                     await loop.run_in_executor(self._thread, self._commit_now)
                 gathering = loop.run_in_executor(self._thread, self._consume)
                 with self._busy:  # a rebalance callback waits until this batch is written and acked
@@ -516,6 +566,7 @@ class SinkConsumer:
                         for m in batch:
                             if (m.topic, m.partition) not in self.worker.held:
                                 self.partitions.ack(m)
+                        self._wrote.set()
                     if self.worker.held and now - self._last_retry >= self.interval_s:
                         self._last_retry = now
                         await self.worker.retry()

@@ -36,6 +36,8 @@ SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 REGISTRY_MAGIC = b"\x00"
 _SINGLE_HEADER = len(SINGLE_OBJECT_MAGIC) + 8
 _REGISTRY_HEADER = 5
+#: Bytes before the Avro body of a single-object payload (magic and fingerprint).
+SINGLE_OBJECT_HEADER = _SINGLE_HEADER
 
 
 def subject_for(topic: str) -> str:
@@ -117,25 +119,45 @@ class Decoder:
             raise BadMagicError(f"payload is {type(data).__name__}, not bytes", raw=None)
         data = bytes(data)
         if data[:2] == SINGLE_OBJECT_MAGIC:
-            if len(data) < _SINGLE_HEADER:
-                raise TruncatedPayloadError("single-object header cut short", raw=data)
-            fp = int.from_bytes(data[2:_SINGLE_HEADER], "little")
-            writer = self.store.by_fingerprint.get(fp)
-            if writer is None:
-                raise UnknownSchemaError(
-                    f"unknown writer schema fingerprint {fp:016x}", raw=data, fingerprint=fp
-                )
-            return self._read(data, _SINGLE_HEADER, writer)
+            return self._read(data, _SINGLE_HEADER, self._single_object_writer(data))
         if data[:1] == REGISTRY_MAGIC and self.registry is not None:
             if len(data) < _REGISTRY_HEADER:
                 raise TruncatedPayloadError("registry header cut short", raw=data)
             (schema_id,) = struct.unpack(">I", data[1:_REGISTRY_HEADER])
             return self._read(data, _REGISTRY_HEADER, self._registry_schema(schema_id, data))
-        raise BadMagicError(
+        raise self._bad_magic(data)
+
+    def _bad_magic(self, data: bytes) -> BadMagicError:
+        return BadMagicError(
             f"unknown framing {data[:2].hex() or 'empty'}: expected c301 (single-object)"
             + (" or 00 (registry)" if self.registry is not None else ""),
             raw=data,
         )
+
+    def header(self, data: bytes) -> WireSchema | None:
+        """The writer schema of a single-object payload, reading only its header (the body is
+        not looked at); None for a registry-framed payload (its schema may need the registry).
+
+        Raises:
+            BadMagicError, UnknownSchemaError, TruncatedPayloadError: as :meth:`decode` would
+            for the same header.
+        """
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            return self._single_object_writer(data)
+        if data[:1] == REGISTRY_MAGIC and self.registry is not None:
+            return None
+        raise self._bad_magic(bytes(data))
+
+    def _single_object_writer(self, data: bytes) -> WireSchema:
+        if len(data) < _SINGLE_HEADER:
+            raise TruncatedPayloadError("single-object header cut short", raw=bytes(data))
+        fp = int.from_bytes(data[2:_SINGLE_HEADER], "little")
+        writer = self.store.by_fingerprint.get(fp)
+        if writer is None:
+            raise UnknownSchemaError(
+                f"unknown writer schema fingerprint {fp:016x}", raw=bytes(data), fingerprint=fp
+            )
+        return writer
 
     def _registry_schema(self, schema_id: int, data: bytes) -> WireSchema:
         cached = self._by_id.get(schema_id)

@@ -178,10 +178,12 @@ class Store:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(engine.executor, lambda: fn(engine.client, *args))
 
-    def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
-        """Run a statement that returns no rows (DDL, mutations)."""
+    def command(
+        self, sql: str, parameters: dict[str, Any] | None = None, *, settings: dict[str, Any] | None = None
+    ) -> Any:
+        """Run a statement that returns no rows (DDL, mutations, ``INSERT ... SELECT``)."""
         try:
-            return self.run(lambda c: c.command(sql, parameters=parameters))
+            return self.run(lambda c: c.command(sql, parameters=parameters, settings=settings))
         except StoreError:
             raise
         except Exception as exc:

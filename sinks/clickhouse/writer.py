@@ -30,20 +30,30 @@ same offsets carry new records, and a position token would silently drop them.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import tenacity
 
+from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError, StoreError
-from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
+from sparseety.lifecycle import pid_alive
+from sparseety.schema_store import SchemaStore, WireSchema
+from sparseety.serde import SINGLE_OBJECT_HEADER
+from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, Encoded, FlushResult, Sink
+from sparseety.sinks.clickhouse import avro_batch
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
 from sparseety.sinks.clickhouse.tables import DEAD_LETTERS, SINK_TABLES, Table
@@ -92,6 +102,14 @@ class _Chunk(Chunk):
     #: ``(offset, record name, record, rows per table before it)`` of every record, so that a
     #: chunk that cannot be written can be split by record and its bad records dead-lettered.
     records: list[tuple[int, str, Mapping[str, Any], dict[str, int]]] = field(default_factory=list)
+    #: RequestAccounting payloads taken undecoded (:meth:`ClickHouseSink.add_encoded`), by
+    #: writer fingerprint; written together (every table) or handed back together.
+    encoded: dict[int, list[Encoded]] = field(default_factory=dict)
+    encoded_written: bool = False
+
+    def encoded_records(self) -> int:
+        """Undecoded records still to write."""
+        return 0 if self.encoded_written else sum(len(v) for v in self.encoded.values())
 
     def pending_tables(self) -> list[Table]:
         return [t for t in SINK_TABLES if t.name not in self.written and self.rows.rows(t)]
@@ -115,6 +133,9 @@ class ClickHouseSink(Sink):
         max_retries: Extra attempts per insert before it counts as failing.
         retry_backoff_s: First backoff; doubles per attempt, capped at 10 s.
         own_store: Close ``store`` in :meth:`close`.
+        encoded: Take RequestAccounting payloads of the current schema undecoded when the store
+            is embedded (:mod:`~sparseety.sinks.clickhouse.avro_batch`); False keeps every record
+            on the Python path.
         sleep: Injected for tests.
     """
 
@@ -128,6 +149,7 @@ class ClickHouseSink(Sink):
         max_retries: int = 8,
         retry_backoff_s: float = 0.5,
         own_store: bool = False,
+        encoded: bool = True,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
@@ -140,6 +162,9 @@ class ClickHouseSink(Sink):
         self._pending_rows = 0
         self._token_prefix = uuid.uuid4().hex[:12]
         self._inserts = itertools.count()
+        self.encoded = encoded
+        self._container_schemas: dict[int, str] = {}
+        self._scratch: Path | None = None
         self.totals = FlushResult()
 
     @classmethod
@@ -188,6 +213,36 @@ class ClickHouseSink(Sink):
         chunk.records.append((offset, record_name, record, mark))
         chunk.last = offset
 
+    def takes_encoded(self, writer: WireSchema, store: SchemaStore) -> bool:
+        """RequestAccounting of the current schema, into an embedded store: ClickHouse decodes it.
+
+        Older writer schemas lack fields (they are resolved in Python), and a ClickHouse server
+        cannot read the sink's local file, so both keep the Python path.
+        """
+        current = store.current.get(ev.REQUEST_ACCOUNTING)
+        return (
+            self.encoded
+            and self.store.target.kind == "chdb"
+            and writer.name == ev.REQUEST_ACCOUNTING
+            and current is not None
+            and writer.fingerprint == current.fingerprint
+            and avro_batch.fits(writer)
+        )
+
+    def add_encoded(
+        self, writer: WireSchema, value: bytes, *, key: bytes | None, topic: str, partition: int, offset: int
+    ) -> None:
+        if writer.fingerprint not in self._container_schemas:
+            if writer.name != ev.REQUEST_ACCOUNTING or not avro_batch.fits(writer):
+                raise ValueError(f"{writer.name} ({writer.fingerprint:016x}) is not taken undecoded")
+            self._container_schemas[writer.fingerprint] = avro_batch.container_schema(writer)
+        chunk = self._buffer.chunk_for(topic, partition, offset)
+        chunk.encoded.setdefault(writer.fingerprint, []).append(Encoded(topic, partition, offset, key, value))
+        chunk.last = offset
+        # its child rows are known once ClickHouse has read it: until then it counts as its one
+        # requests row (what bounds a batch here is the payload bytes, which are small)
+        self._pending_rows += 1
+
     def pending_rows(self) -> int:
         return self._pending_rows
 
@@ -201,7 +256,9 @@ class ClickHouseSink(Sink):
         return before - self._pending_rows
 
     def _recount(self) -> None:
-        self._pending_rows = sum(c.rows.rows(t) for c in self._buffer.chunks for t in c.pending_tables())
+        self._pending_rows = sum(
+            sum(c.rows.rows(t) for t in c.pending_tables()) + c.encoded_records() for c in self._buffer.chunks
+        )
 
     def _seal(self) -> list[_Chunk]:
         """Close every open chunk (later records start new ones); return all to write."""
@@ -218,7 +275,7 @@ class ClickHouseSink(Sink):
 
     def flush(self) -> FlushResult:
         result = self._write_chunks(self._seal())
-        self.totals.merge(result)
+        self.totals.merge(dataclasses.replace(result, undecoded=[]))  # handed back: not ours to count
         if result.failed:
             raise SinkWriteError(
                 f"sink could not write {len(result.failed)} batch(es) after {self.max_retries} retries: "
@@ -234,7 +291,7 @@ class ClickHouseSink(Sink):
     def _write_chunks(self, chunks: list[_Chunk]) -> FlushResult:
         """Write ``chunks``, one insert per table; the result names the chunks that failed."""
         result = FlushResult()
-        failed: list[_Chunk] = []
+        failed: list[_Chunk] = self._write_encoded(chunks, result)
         for table in SINK_TABLES:
             todo = [c for c in chunks if c not in failed and table in c.pending_tables()]
             if not todo:
@@ -254,11 +311,111 @@ class ClickHouseSink(Sink):
                         if not self._salvage(table, c, one, result):
                             failed.append(c)
         done = [c for c in chunks if c not in failed]
-        result.written.extend(c.batch for c in done)
+        # a chunk whose records were all handed back undecoded is not written: they come back
+        # through add() as new chunks
+        result.written.extend(c.batch for c in done if c.records or c.encoded)
         result.failed.extend(c.batch for c in failed)
         self._buffer.remove(done)
         self._recount()
         return result
+
+    def _write_encoded(self, chunks: list[_Chunk], result: FlushResult) -> list[_Chunk]:
+        """Write the undecoded records of ``chunks`` (:mod:`avro_batch`); return the chunks that
+        failed on a store error (they stay buffered).
+
+        When ClickHouse refuses the batch for its data (a body it cannot parse, a value the
+        Python path would judge), nothing of it is retried here: every record goes back to the
+        caller in ``result.undecoded``, which decodes them one by one (dead-lettering the bad
+        ones) and adds them again. Tables written before the refusal hold rows the rewrite
+        replaces with the same rows (same key, same ``_version``).
+        """
+        todo = [c for c in chunks if c.encoded_records()]
+        if not todo:
+            return []
+        groups: dict[int, list[Encoded]] = defaultdict(list)
+        for c in todo:
+            for fp, records in c.encoded.items():
+                groups[fp].extend(records)
+        try:
+            for fp, records in groups.items():
+                self._write_container(self._container_schemas[fp], records, result)
+        except _InsertFailed as exc:
+            if exc.data or not (exc.infra or not self._store_answers()):
+                log.warning(
+                    "sink: ClickHouse refused %d undecoded records (%s); decoding them in Python",
+                    sum(c.encoded_records() for c in todo),
+                    exc,
+                )
+                for c in todo:
+                    for records in c.encoded.values():
+                        result.undecoded.extend(records)
+                    c.encoded = {}
+                return []
+            log.error(
+                "sink: writing undecoded records for %s failed (store error): %s",
+                [c.batch for c in todo],
+                exc,
+            )
+            return todo
+        for c in todo:
+            c.encoded_written = True
+        return []
+
+    def _write_container(self, schema_json: str, records: list[Encoded], result: FlushResult) -> None:
+        """One container file for ``records``, parsed once into a temporary table; checked by one
+        query, then one insert per table from that table."""
+        container = avro_batch.build_container(
+            schema_json, (memoryview(e.value)[SINGLE_OBJECT_HEADER:] for e in records)
+        )
+        path = self._scratch_dir() / f"accounting-{os.getpid()}-{uuid.uuid4().hex}.avro"
+        stage = f"sparseety_sink_stage_{uuid.uuid4().hex}"
+        try:
+            try:
+                path.write_bytes(container.data)
+                self.store.command(avro_batch.stage_sql(stage, str(path)))
+                _, rows = self.store.query_rows(avro_batch.check_sql(stage, container.nonce))
+            except StoreError as exc:
+                # whatever ClickHouse says about this file (a body it cannot parse, or a store
+                # that is down): the Python path judges each record, and writes or holds them
+                raise _InsertFailed(f"reading the batch failed: {exc}", data=True) from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            n, bad, per_table = avro_batch.row_counts(rows[0])
+            if n != container.records or bad:
+                raise _InsertFailed(
+                    f"{bad} of {container.records} records need the Python path's judgement"
+                    + (f" (ClickHouse read {n})" if n != container.records else ""),
+                    data=True,
+                )
+            for table in avro_batch.TABLES:
+                if per_table[table.name]:
+                    sql = avro_batch.insert_sql(table, self.target(table), stage)
+
+                    def insert(settings: dict[str, Any], sql: str = sql) -> object:
+                        return self.store.command(sql, settings=settings)
+
+                    self._attempts(table, self.max_retries, insert)
+                    # rows counted by ClickHouse over the same records in the check above
+                    result.rows[table.name] = result.rows.get(table.name, 0) + per_table[table.name]
+                    result.inserts += 1
+        finally:
+            with contextlib.suppress(Exception):
+                self.store.command(f"DROP TEMPORARY TABLE IF EXISTS {stage}")
+
+    def _scratch_dir(self) -> Path:
+        """Where container files live: inside the embedded store's own path (chDB reads it)."""
+        if self._scratch is None:
+            assert self.store.target.path is not None
+            scratch = self.store.target.path / "sparseety-sink"
+            scratch.mkdir(exist_ok=True)
+            for old in scratch.glob("accounting-*.avro"):  # left by a process that crashed
+                pid = old.name.split("-")[1]
+                if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        old.unlink()
+            self._scratch = scratch
+        return self._scratch
 
     def _write(self, table: Table, chunks: list[_Chunk], result: FlushResult, retries: int) -> None:
         if len(chunks) == 1:
@@ -377,7 +534,16 @@ class ClickHouseSink(Sink):
         result.rejected += len(rejected)
 
     def _insert(self, table: Table, cols: list[list[Any]], result: FlushResult, retries: int) -> None:
-        n = len(cols[0])
+        self._attempts(
+            table,
+            retries,
+            lambda settings: self.store.insert(self.target(table), cols, table.columns, settings=settings),
+        )
+        result.rows[table.name] = result.rows.get(table.name, 0) + len(cols[0])
+        result.inserts += 1
+
+    def _attempts(self, table: Table, retries: int, insert_with: Callable[[dict[str, Any]], object]) -> None:
+        """``insert_with(settings)`` with up to ``retries`` retries; :class:`_InsertFailed` after."""
         token = f"{self._token_prefix}-{next(self._inserts)}"
 
         def warn(state: tenacity.RetryCallState) -> None:
@@ -401,17 +567,9 @@ class ClickHouseSink(Sink):
             reraise=True,
         )
         try:
-            insert(
-                self.store.insert,
-                self.target(table),
-                cols,
-                table.columns,
-                settings={"insert_deduplication_token": token},
-            )
+            insert(insert_with, {"insert_deduplication_token": token})
         except StoreError as exc:
             raise _InsertFailed(str(exc), data=is_data_error(exc), infra=is_infra_error(exc)) from exc
-        result.rows[table.name] = result.rows.get(table.name, 0) + n
-        result.inserts += 1
 
     def close(self) -> None:
         if self._own_store:

@@ -259,3 +259,65 @@ def test_a_poison_record_is_dead_lettered_and_the_partitions_move_on(
         assert letter["topic"] == cfg.topics.timelines and letter["error_type"] == "SinkDataError"
         assert (cfg.topics.timelines, letter["partition"]) in last and letter["offset"] >= 0
         assert poison["request_uid"] in letter["value"] and "end" in letter["reason"]
+
+
+def test_a_corrupt_body_on_the_fast_path_is_dead_lettered_and_the_rest_stored(
+    kafka_cfg: Config, unique: str, sink_process: Callable[..., ComponentProcess]
+) -> None:
+    """RequestAccounting of the current schema reaches the embedded store undecoded (ClickHouse
+    decodes it). A body with a valid header but bytes fastavro rejects makes ClickHouse refuse
+    the batch; the sink then decodes that batch in Python: the bad record goes to the dlq topic
+    with its reason and raw bytes, every other record is stored once. A header that names no
+    known schema is dead-lettered before anything is buffered."""
+    cfg = sink_config(kafka_cfg, unique)
+    good = accounting_items(cfg, 10)
+    trailing = good[3][2] + b"\x00"  # a good header and record, then a stray byte
+    bad_utf8 = bytearray(good[4][2])
+    bad_utf8[11] = 0xFF  # inside request_uid, the first field
+    unknown = b"\xc3\x01" + b"\x01" * 8 + good[5][2][10:]
+    items = [
+        *good,
+        (cfg.topics.timelines, b"bad-trailing", trailing),
+        (cfg.topics.timelines, b"bad-utf8", bytes(bad_utf8)),
+        (cfg.topics.timelines, b"bad-fingerprint", unknown),
+        *accounting_items(cfg, 10, start=10),
+    ]
+    last = produce(cfg, items)
+    sink = sink_process()
+
+    def done() -> bool:
+        assert sink.alive(), sink.tail()
+        dead = read_topic(cfg, cfg.topics.dlq, decode=False, quiet_s=0.3)
+        dlq_last = {(cfg.topics.dlq, p): o for p, o, _, _ in dead}
+        return len(dead) == 3 and all_committed(cfg, {**last, **dlq_last})
+
+    wait_for(done, 120, 1, "every record written or dead-lettered, and committed")
+    log = sink.tail(400)
+    sink.stop()
+    assert "decoding them in Python" in log  # the fast path refused the batch, then fell back
+    assert "until their writes succeed" not in log
+
+    by_key = {d[2]: d[3] for d in read_topic(cfg, cfg.topics.dlq)}
+    assert {k: v["error_type"] for k, v in by_key.items()} == {
+        b"bad-trailing": "CorruptPayloadError",
+        b"bad-utf8": "CorruptPayloadError",
+        b"bad-fingerprint": "UnknownSchemaError",
+    }
+    assert by_key[b"bad-trailing"]["value"] == trailing and "left over" in by_key[b"bad-trailing"]["reason"]
+    assert by_key[b"bad-utf8"]["value"] == bytes(bad_utf8)
+    assert by_key[b"bad-fingerprint"]["value"] == unknown
+    assert all(d["topic"] == cfg.topics.timelines and d["offset"] >= 0 for d in by_key.values())
+
+    with open_store(cfg) as store:
+        final = store.query(f"SELECT request_uid, prompt_tokens FROM {store.table('requests')} FINAL")
+        assert sorted(r["prompt_tokens"] for r in final) == [100 + i for i in range(20)]
+        # nothing of the refused batch was written before the fallback: every row exists once
+        assert store.query(f"SELECT count() AS n FROM {store.table('requests')}") == [{"n": 20}]
+        assert store.query(f"SELECT count() AS n FROM {store.table('token_segments')} FINAL") == [{"n": 60}]
+        assert store.query(f"SELECT count() AS n FROM {store.table('kv_blocks')} FINAL") == [{"n": 20}]
+        letters = store.query(f"SELECT error_type FROM {store.table('dead_letters')} FINAL")
+        assert sorted(d["error_type"] for d in letters) == [
+            "CorruptPayloadError",
+            "CorruptPayloadError",
+            "UnknownSchemaError",
+        ]
