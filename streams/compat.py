@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -424,8 +425,6 @@ class _BatchDrain:
     batch_within_s: float
 
     async def _drain_messages(self, fetcher: Any) -> None:
-        import time
-
         me: Any = self
         callback = me.callback
         consumer_stopped, fetcher_stopped = me._stopped.is_set, fetcher._stopped.is_set
@@ -471,8 +470,6 @@ class _BatchDrain:
             raise
 
     async def _hand_over(self, messages: list[Any]) -> None:
-        import time
-
         me: Any = self
         await self.batch_handler([Record(m.topic, m.partition, m.offset, m.key, m.value) for m in messages])
         now = time.monotonic()
