@@ -99,20 +99,33 @@ def _fields(schema: Any) -> dict[str, Any]:
     return {f["name"]: f["type"] for f in schema.get("fields", ())} if isinstance(schema, dict) else {}
 
 
+def _strings(fields: dict[str, Any]) -> set[str]:
+    """Names of the string and nullable-string fields among ``fields``."""
+    return {n for n, t in fields.items() if t == "string" or (isinstance(t, list) and "string" in t)}
+
+
 def fits(writer: WireSchema) -> bool:
-    """Whether the SQL of this module reads every field it needs from ``writer``'s records."""
+    """Whether the SQL of this module reads every field it needs from ``writer``'s records, and
+    its check covers every string field (fastavro rejects invalid UTF-8 in any of them, so a
+    string field the check does not know would let such a record through)."""
     top = _fields(json.loads(writer.json))
     if not top.keys() >= FIELDS or NONCE_FIELD in top:
+        return False
+    if not _strings(top) <= {*_STRINGS, *_NULLABLE_STRINGS}:
         return False
     timeline = _fields(top["timeline"])
     segments = timeline.get("segments")
     uses = top["block_uses"]
+    if not isinstance(segments, dict) or not isinstance(uses, dict):
+        return False
+    segment, block = _fields(segments.get("items")), _fields(uses.get("items"))
     return (
         "attention_window" in timeline
-        and isinstance(segments, dict)
-        and _fields(segments.get("items")).keys() >= _SEGMENT_FIELDS
-        and isinstance(uses, dict)
-        and _fields(uses.get("items")).keys() >= _BLOCK_FIELDS
+        and segment.keys() >= _SEGMENT_FIELDS
+        and block.keys() >= _BLOCK_FIELDS
+        and _strings(segment) <= {"source_request_uid"}
+        and not _strings(block)
+        and not _strings(timeline)
     )
 
 

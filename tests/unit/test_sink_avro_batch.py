@@ -346,3 +346,20 @@ def test_a_store_error_after_the_check_keeps_the_batch_buffered(stores: tuple[St
         py.add(*dec.decode(value), topic="timelines", partition=i % 2, offset=i)
     py.flush()
     assert snapshot(store) == snapshot(stores[0])
+
+
+def test_a_writer_with_a_string_field_the_check_does_not_know_keeps_the_python_path() -> None:
+    import dataclasses
+    import json
+
+    writer = CONTRACT.wire("RequestAccounting")
+    assert avro_batch.fits(writer)
+    schema = json.loads(writer.json)
+    schema["fields"].append({"name": "region", "type": "string", "default": ""})
+    assert not avro_batch.fits(dataclasses.replace(writer, json=json.dumps(schema)))
+    timeline = next(fld for fld in json.loads(writer.json)["fields"] if fld["name"] == "timeline")
+    segment = timeline["type"]["fields"][0]["type"]["items"]
+    segment["fields"].append({"name": "note", "type": ["null", "string"], "default": None})
+    schema = json.loads(writer.json)
+    schema["fields"] = [timeline if fld["name"] == "timeline" else fld for fld in schema["fields"]]
+    assert not avro_batch.fits(dataclasses.replace(writer, json=json.dumps(schema)))
