@@ -235,6 +235,7 @@ def measure(shape: str, batch: int, steps: int, tmp: str) -> tuple[float, float,
         items = [started, step_item, finished]
     bg = []
     for _ in range(max(20, min(steps // 10, 300))):
+        supervisor._yield_before_next = False  # the emitter keeps up: it waits between steps
         t0 = time.thread_time_ns()
         supervisor._handle_batch(items)
         producer.poll(0)
