@@ -59,6 +59,8 @@ class Supervisor:
             warn_once=self._warn_once,
         )
         self.handling = False
+        # An event follows another without an idle wait between them: yield the GIL first.
+        self._yield_before_next = False
         self._producer: Any = None
         self._encoder: Any = None
         self._fatal = False
@@ -80,9 +82,7 @@ class Supervisor:
             while True:
                 self.handling = True
                 batch = owner.handoff.take(1024)
-                for item in batch:
-                    self._handle(item)
-                    time.sleep(0)  # hand the GIL to the engine thread if it waits for it
+                self._handle_batch(batch)
                 self.handling = False
                 self._service(idle=not batch)
                 if self.stopping.is_set() and not owner.handoff:
@@ -165,6 +165,11 @@ class Supervisor:
         else:
             rdkafka_log.info("kafka client: %s", err)
 
+    def _handle_batch(self, batch: list[Item]) -> None:
+        """Build, encode and route every event of the hand-offs taken in one go."""
+        for item in batch:
+            self._handle(item)
+
     def _handle(self, item: Item) -> None:
         seq, many, ts_ns, mono_ns, build, args = item  # many: 0 for emit(), the count for emit_many()
         count = many or 1
@@ -174,8 +179,10 @@ class Supervisor:
             built = []
             self._warn_once(f"build:{getattr(build, '__name__', build)}", "could not build events: %r", exc)
         for i in range(count):
+            if self._yield_before_next:
+                _yield_gil()
             self._handle_one(seq + i, ts_ns, mono_ns, built[i] if i < len(built) else None)
-            time.sleep(0)  # let the engine thread have the GIL between events
+            self._yield_before_next = True
 
     def _handle_one(
         self, seq: int, ts_ns: int, mono_ns: int, built: tuple[str, dict[str, Any]] | None
@@ -214,6 +221,8 @@ class Supervisor:
             producer.poll(0.005 if idle else 0)
         elif idle:
             time.sleep(0.005)
+        if idle:
+            self._yield_before_next = False  # the wait left the GIL to the engine thread
         ledger = self.ledger
         ledger.requeue_failed()
         now = time.monotonic()
@@ -275,6 +284,19 @@ class Supervisor:
         return ev.HEARTBEAT, {
             name: counters[name] for name in ("queued", "produced", "dropped", "spilled", "drained")
         }
+
+
+def _yield_gil() -> None:
+    """Release the GIL for a moment so an engine thread waiting for it takes it now, not after
+    the 5 ms switch interval.
+
+    ``time.sleep(0)``: on Linux it arms a timer and sleeps out the thread's 50 µs timer slack,
+    long enough for the waiting thread to wake and take the GIL, at ~20 µs of CPU a call; so it
+    runs only between events handled back to back, not after an event the thread then idles
+    on. ``os.sched_yield()`` (~1 µs) returns before the waiter wakes and takes the GIL back: on a
+    quiet machine the engine thread waited out the switch interval at p90.
+    """
+    time.sleep(0)
 
 
 def _purge(producer: Any, wait_s: float) -> None:

@@ -13,6 +13,7 @@ the last 8 bytes of its bytes form, so it does not depend on that switch.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from sparseety import events as ev
@@ -156,14 +157,22 @@ class RecordBuilder:
         end_mono_ns: int,
         preempted_before: frozenset[str],
     ) -> tuple[str, dict[str, Any]]:
+        # Emitter thread, once per step: the steady decode state skips the computed-before map
+        # (a third of a decode step's build), the draft columns read each entry once.
         scheduled_tokens = scheduler_output.num_scheduled_tokens
         rids = list(scheduled_tokens)
-        before: dict[str, int] = {
-            new_request.req_id: new_request.num_computed_tokens
-            for new_request in scheduler_output.scheduled_new_reqs
-        }
+        n = len(rids)
+        new_reqs = scheduler_output.scheduled_new_reqs
         cached_reqs = scheduler_output.scheduled_cached_reqs
-        before.update(zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens, strict=False))
+        cached_ids = cached_reqs.req_ids
+        cached_computed = cached_reqs.num_computed_tokens
+        if not new_reqs and len(cached_computed) == n and cached_ids == rids:
+            # The steady state: only running requests, listed in the order they were scheduled.
+            computed_before = list(cached_computed)
+        else:
+            before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in new_reqs}
+            before.update(zip(cached_ids, cached_computed, strict=False))
+            computed_before = [before.get(r, 0) for r in rids]
         new_tokens: dict[str, list[int]] = {}
         reported = self._reported_cached
         for core_outputs in (outputs or {}).values():
@@ -183,9 +192,9 @@ class RecordBuilder:
             else:
                 num_new.append(0)
         if self.spec_enabled:
-            spec = spec or {}
-            proposed = [spec[r][0] if r in spec else 0 for r in rids]
-            accepted = [spec[r][1] if r in spec else 0 for r in rids]
+            pairs = list(map((spec or {}).get, rids, repeat((0, 0), n)))
+            proposed = [p for p, _ in pairs]
+            accepted = [a for _, a in pairs]
         else:
             proposed, accepted = [], []
         preempted = set(scheduler_output.preempted_req_ids or ()) | preempted_before
@@ -199,7 +208,7 @@ class RecordBuilder:
             "duration_ns": max(0, end_mono_ns - start_mono_ns),
             "req_ids": rids,
             "num_scheduled_tokens": list(scheduled_tokens.values()),
-            "num_computed_before": [before.get(r, 0) for r in rids],
+            "num_computed_before": computed_before,
             "num_new_tokens": num_new,
             # Output ids are content: only the raw privacy mode lets them leave the engine.
             "new_token_ids": token_ids if self.policy.mode == "raw" else [],

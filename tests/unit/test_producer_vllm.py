@@ -399,3 +399,70 @@ def test_routing_counts_top_k_per_request_and_layer() -> None:
     a0, a1, b0, b1 = (p["expert_counts"][i * 4 : (i + 1) * 4] for i in range(4))
     assert (a0, a1) == ([1, 2, 1, 0], [0, 0, 2, 2])
     assert sum(a1) == 2 * 2 and (b0, b1) == ([0, 0, 1, 1], [1, 1, 0, 0])
+
+
+def _reference_columns(so: Any, outputs: Any, spec: dict[str, tuple[int, int]] | None) -> dict[str, Any]:
+    """StepBatch's per-request columns by their definition, one request at a time."""
+    rids = list(so.num_scheduled_tokens)
+    before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    new_tokens = {}
+    for core_outputs in outputs.values():
+        for output in core_outputs.outputs:
+            if output.new_token_ids:
+                new_tokens[output.request_id] = output.new_token_ids
+    num_new, token_ids = [], []
+    for r in rids:
+        tokens = new_tokens.get(r) or []
+        num_new.append(len(tokens))
+        token_ids.extend(tokens)
+    spec = spec or {}
+    return {
+        "req_ids": rids,
+        "num_scheduled_tokens": [so.num_scheduled_tokens[r] for r in rids],
+        "num_computed_before": [before.get(r, 0) for r in rids],
+        "num_new_tokens": num_new,
+        "new_token_ids": token_ids,
+        "spec_proposed": [spec[r][0] if r in spec else 0 for r in rids],
+        "spec_accepted": [spec[r][1] if r in spec else 0 for r in rids],
+    }
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_step_columns_match_their_definition(seed: int) -> None:
+    # The builder takes shortcuts (the steady decode state, C-level map calls); whatever the
+    # shape of the step (admissions, reordered or missing outputs, several clients, partial
+    # drafts), its columns are the ones the definition gives.
+    import random
+
+    rng = random.Random(seed)
+    rids = [f"r{i}" for i in range(rng.randint(0, 12))]
+    new = [(r, rng.randint(0, 50)) for r in rids if rng.random() < 0.3]
+    cached = [(r, rng.randint(0, 500)) for r in rids if r not in dict(new)]
+    if rng.random() < 0.3:
+        rng.shuffle(cached)
+    if cached and rng.random() < 0.2:
+        cached.append(("gone", 7))  # a cached entry not scheduled any more
+    so = _so(new, cached, {r: rng.randint(1, 9) for r in rids})
+    clients: dict[int, Any] = {}
+    for r in rids:
+        if rng.random() < 0.8:
+            tokens = [rng.randint(0, 99) for _ in range(rng.randint(0, 3))]
+            out = SimpleNamespace(request_id=r, new_token_ids=tokens, prefill_stats=None)
+            clients.setdefault(rng.randint(0, 1), SimpleNamespace(outputs=[])).outputs.append(out)
+    for c in clients.values():
+        if rng.random() < 0.3:
+            rng.shuffle(c.outputs)
+    spec = {r: (3, rng.randint(0, 3)) for r in rids if rng.random() < 0.5} if seed % 2 else None
+    _, step = _builder().step(so, clients, spec, 0, 0, 1, frozenset())
+    want = _reference_columns(so, clients, spec)
+    assert {k: step[k] for k in want} == want
+    steady = SimpleNamespace(**vars(so))
+    steady.scheduled_new_reqs = []
+    steady.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=list(rids), num_computed_tokens=[rng.randint(0, 500) for _ in rids], resumed_req_ids=set()
+    )
+    _, step = _builder().step(steady, clients, spec, 0, 0, 1, frozenset())
+    want = _reference_columns(steady, clients, spec)
+    assert {k: step[k] for k in want} == want
