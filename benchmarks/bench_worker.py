@@ -15,7 +15,8 @@ each round:
    script waits until every request's RequestAccounting is on the timelines topic;
 3. the worker's CPU time (user + system, from ``/proc``) across step 2 gives its rate per worker
    core; the pure fold (``Assembler.apply`` on the decoded events, no decoding) of the same events
-   is timed with ``time.process_time`` in this process right after, so both see the same machine.
+   is timed with ``time.process_time`` in this process right after, so both see the same machine,
+   under the worker's garbage-collector settings (``sparseety.lifecycle.tune_gc``).
 
 The ratio is worker request-steps per CPU-second / fold request-steps per CPU-second (medians over
 rounds). Wall-clock rates are printed too; on a shared machine they include waiting for a core.
@@ -33,6 +34,7 @@ extra; collapsed stacks, read with ``benchmarks/stacks.py``), which barely slows
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import shutil
@@ -55,6 +57,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition  # noqa: 
 from sparseety import events as ev  # noqa: E402
 from sparseety.config import Config, WorkerConfig  # noqa: E402
 from sparseety.kafka import make_producer  # noqa: E402
+from sparseety.lifecycle import GC_YOUNG_THRESHOLD  # noqa: E402
 from sparseety.streams.assembler import Assembler  # noqa: E402
 from sparseety.streams.state import MemoryStore  # noqa: E402
 
@@ -68,14 +71,24 @@ def cpu_seconds(pid: int) -> float:
 
 
 def fold_cpu(cfg: WorkerConfig, events: list[dict[str, Any]], runs: int) -> float:
-    """Median CPU seconds of the pure fold over ``events`` (the worker's settings)."""
+    """Median CPU seconds of the pure fold over ``events`` (the worker's settings, and the
+    worker's garbage-collector settings: with CPython's defaults the fold's own rate falls as its
+    state grows, which would flatter the ratio on longer workloads)."""
     times = []
-    for _ in range(runs):
-        asm = Assembler(cfg, MemoryStore())
-        start = time.process_time()
-        for e in events:
-            asm.apply(e)
-        times.append(time.process_time() - start)
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()  # the inputs and this script's objects, as the worker freezes its start-up heap
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
+    try:
+        for _ in range(runs):
+            asm = Assembler(cfg, MemoryStore())
+            start = time.process_time()
+            for e in events:
+                asm.apply(e)
+            times.append(time.process_time() - start)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
     return statistics.median(times)
 
 
