@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 from pathlib import Path
-
-import pytest
 
 from sparseety.lifecycle import GC_YOUNG_THRESHOLD, name_os_thread, tune_gc
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread names")
 def test_a_thread_gets_its_linux_name() -> None:
     seen: list[str] = []
 
