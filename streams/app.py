@@ -224,7 +224,11 @@ def create_app(cfg: Config) -> faust.App:
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
     deliver_in_batches(
-        app, cfg.topics.engine_events, worker.process, max_records=w.take_max, within_s=w.take_within_s
+        app,
+        raw_topic(app, cfg.topics.engine_events),
+        worker.process,
+        max_records=w.take_max,
+        within_s=w.take_within_s,
     )
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]

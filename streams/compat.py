@@ -370,9 +370,10 @@ BatchHandler = Callable[[list[Record]], Awaitable[None]]
 
 
 def deliver_in_batches(
-    app: Any, topic: str, handler: BatchHandler, *, max_records: int, within_s: float
+    app: Any, source: Any, handler: BatchHandler, *, max_records: int, within_s: float
 ) -> None:
-    """Make ``app``'s consumer hand the records of ``topic`` to ``handler`` in batches.
+    """Make ``app``'s consumer hand the records of the topic ``source`` (a Faust topic of raw
+    bytes, ``runtime.raw_topic``) to ``handler`` in batches.
 
     Call before anything touches ``app.consumer``. The consumer group, the assignment, the
     table's recovery and standby reads, offset tracking and the periodic commit stay Faust's;
@@ -391,16 +392,14 @@ def deliver_in_batches(
         f"Batch{base.__name__}",
         (_BatchDrain, base),
         {
-            "batch_topic": topic,
+            "batch_topic": source.get_topic_name(),
             "batch_handler": staticmethod(handler),
             "batch_max": max_records,
             "batch_within_s": within_s,
         },
     )
     # Subscribed like an agent's topic (acks on), but no channel ever receives its records.
-    app.topics.add(
-        app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-    )
+    app.topics.add(source)
 
 
 class _BatchDrain:

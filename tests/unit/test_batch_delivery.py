@@ -11,7 +11,7 @@ import pytest
 from sparseety.config import load_config
 from sparseety.errors import ConfigError
 from sparseety.streams.compat import _BatchDrain, deliver_in_batches
-from sparseety.streams.runtime import create_app
+from sparseety.streams.runtime import create_app, raw_topic
 
 
 async def _handler(records: list[Any]) -> None:
@@ -25,7 +25,7 @@ def _app(tmp_path: Path) -> Any:
 
 def test_the_consumer_drains_the_topic_in_batches(tmp_path: Path) -> None:
     app, cfg = _app(tmp_path)
-    deliver_in_batches(app, cfg.topics.engine_events, _handler, max_records=7, within_s=0.05)
+    deliver_in_batches(app, raw_topic(app, cfg.topics.engine_events), _handler, max_records=7, within_s=0.05)
     consumer = app.consumer
     assert isinstance(consumer, _BatchDrain)
     assert (consumer.batch_topic, consumer.batch_max, consumer.batch_within_s) == (
@@ -40,9 +40,15 @@ def test_the_consumer_drains_the_topic_in_batches(tmp_path: Path) -> None:
 def test_bad_bounds_and_a_late_call_are_refused(tmp_path: Path) -> None:
     app, cfg = _app(tmp_path)
     with pytest.raises(ConfigError):
-        deliver_in_batches(app, cfg.topics.engine_events, _handler, max_records=0, within_s=0.1)
+        deliver_in_batches(
+            app, raw_topic(app, cfg.topics.engine_events), _handler, max_records=0, within_s=0.1
+        )
     with pytest.raises(ConfigError):
-        deliver_in_batches(app, cfg.topics.engine_events, _handler, max_records=10, within_s=0)
+        deliver_in_batches(
+            app, raw_topic(app, cfg.topics.engine_events), _handler, max_records=10, within_s=0
+        )
     _ = app.consumer  # created with Faust's own class
     with pytest.raises(RuntimeError, match="consumer exists"):
-        deliver_in_batches(app, cfg.topics.engine_events, _handler, max_records=10, within_s=0.1)
+        deliver_in_batches(
+            app, raw_topic(app, cfg.topics.engine_events), _handler, max_records=10, within_s=0.1
+        )
