@@ -57,7 +57,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition  # noqa: 
 from sparseety import events as ev  # noqa: E402
 from sparseety.config import Config, WorkerConfig  # noqa: E402
 from sparseety.kafka import make_producer  # noqa: E402
-from sparseety.lifecycle import GC_YOUNG_THRESHOLD  # noqa: E402
+from sparseety.lifecycle import tune_gc  # noqa: E402
 from sparseety.streams.assembler import Assembler  # noqa: E402
 from sparseety.streams.state import MemoryStore  # noqa: E402
 
@@ -77,8 +77,7 @@ def fold_cpu(cfg: WorkerConfig, events: list[dict[str, Any]], runs: int) -> floa
     times = []
     threshold = gc.get_threshold()
     gc.collect()
-    gc.freeze()  # the inputs and this script's objects, as the worker freezes its start-up heap
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
+    tune_gc()  # freezes the inputs and this script's objects, as the worker its start-up heap
     try:
         for _ in range(runs):
             asm = Assembler(cfg, MemoryStore())
