@@ -234,6 +234,20 @@ def long_request(
     return events
 
 
+def segment(start: int, end: int, kind: str, status: str, **over: Any) -> dict[str, Any]:
+    """One TokenSegment of a RequestAccounting timeline (not a draft, no source, KV kept)."""
+    return {
+        "start": start,
+        "end": end,
+        "kind": kind,
+        "status": status,
+        "draft_accepted": False,
+        "source_request_uid": None,
+        "kv_fate": "kept",
+        **over,
+    }
+
+
 def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
     """A RequestAccounting record with every field set."""
     rec: dict[str, Any] = {
@@ -279,33 +293,9 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "block_uses": [{"block_hash": b"h0", "lifetime_seq": 3, "role": "cached", "tokens": 4}],
         "timeline": {
             "segments": [
-                {
-                    "start": 0,
-                    "end": 4,
-                    "kind": "prompt",
-                    "status": "cached",
-                    "draft_accepted": False,
-                    "source_request_uid": f"{EID}/r0",
-                    "kv_fate": "kept",
-                },
-                {
-                    "start": 4,
-                    "end": 10,
-                    "kind": "prompt",
-                    "status": "computed",
-                    "draft_accepted": False,
-                    "source_request_uid": None,
-                    "kv_fate": "kept",
-                },
-                {
-                    "start": 10,
-                    "end": 13,
-                    "kind": "output",
-                    "status": "computed",
-                    "draft_accepted": False,
-                    "source_request_uid": None,
-                    "kv_fate": "kept",
-                },
+                segment(0, 4, "prompt", "cached", source_request_uid=f"{EID}/r0"),
+                segment(4, 10, "prompt", "computed"),
+                segment(10, 13, "output", "computed"),
             ],
             "attention_window": None,
         },

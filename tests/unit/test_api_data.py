@@ -44,15 +44,7 @@ PRICES = [
 def seg(
     start: int, end: int, status: str, kind: str = "prompt", *, draft: bool = False, source: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "start": start,
-        "end": end,
-        "kind": kind,
-        "status": status,
-        "draft_accepted": draft,
-        "source_request_uid": source,
-        "kv_fate": "kept",
-    }
+    return f.segment(start, end, kind, status, draft_accepted=draft, source_request_uid=source)
 
 
 def block(name: str, lifetime: int, role: str) -> dict[str, Any]:

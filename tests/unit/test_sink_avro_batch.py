@@ -35,19 +35,6 @@ def stores(tmp_path_factory: pytest.TempPathFactory, unique: str) -> Iterator[tu
         yield py, fast
 
 
-def seg(start: int, end: int, kind: str, status: str, **over: Any) -> dict[str, Any]:
-    return {
-        "start": start,
-        "end": end,
-        "kind": kind,
-        "status": status,
-        "draft_accepted": False,
-        "source_request_uid": None,
-        "kv_fate": "kept",
-        **over,
-    }
-
-
 def shapes() -> list[dict[str, Any]]:
     """RequestAccounting records of every shape that changes which rows are written."""
     u = f"{f.EID}/r"
@@ -76,11 +63,13 @@ def shapes() -> list[dict[str, Any]]:
             ],
             timeline={
                 "segments": [
-                    seg(0, 4, "prompt", "cached", source_request_uid=f"{u}0", kv_fate="window_released"),
-                    seg(4, 8, "prompt", "recomputed_after_preemption", kv_fate="skipped"),
-                    seg(8, 9, "prompt", "recomputed_after_eviction"),
-                    seg(9, 10, "prompt", "not_computed"),
-                    seg(10, 12, "output", "computed", draft_accepted=True),
+                    f.segment(
+                        0, 4, "prompt", "cached", source_request_uid=f"{u}0", kv_fate="window_released"
+                    ),
+                    f.segment(4, 8, "prompt", "recomputed_after_preemption", kv_fate="skipped"),
+                    f.segment(8, 9, "prompt", "recomputed_after_eviction"),
+                    f.segment(9, 10, "prompt", "not_computed"),
+                    f.segment(10, 12, "output", "computed", draft_accepted=True),
                 ],
                 "attention_window": 4096,
             },

@@ -41,15 +41,7 @@ def uid(name: str) -> str:
 
 
 def seg(start: int, end: int, kind: str, status: str, source: str | None = None) -> dict[str, Any]:
-    return {
-        "start": start,
-        "end": end,
-        "kind": kind,
-        "status": status,
-        "draft_accepted": False,
-        "source_request_uid": None if source is None else uid(source),
-        "kv_fate": "kept",
-    }
+    return f.segment(start, end, kind, status, source_request_uid=None if source is None else uid(source))
 
 
 def turn(
