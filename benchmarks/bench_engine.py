@@ -384,15 +384,12 @@ def main() -> None:
 
     # Where the extra CPU of the "on" rounds goes: on a CPU-only 2-core box every CPU-second the
     # plugin's emitter thread or the broker takes is one the engine's own processes do not get.
-    def med_cpu(name: str, key: str) -> float:
-        return statistics.median(g[name][key] for g in rounds)
-
     print(
         "CPU seconds per round (medians): engine processes off-a "
-        f"{med_cpu('off-a', 'cpu_s'):.2f}, on {med_cpu('on', 'cpu_s'):.2f} of which the plugin's "
-        f"emitter threads {med_cpu('on', 'emitter_cpu_s'):.3f} and librdkafka's "
-        f"{med_cpu('on', 'rdkafka_cpu_s'):.3f}; the broker during on-rounds "
-        f"{med_cpu('on', 'broker_cpu_s'):.3f}, during off-a rounds {med_cpu('off-a', 'broker_cpu_s'):.3f}"
+        f"{med('off-a', 'cpu_s'):.2f}, on {med('on', 'cpu_s'):.2f} of which the plugin's "
+        f"emitter threads {med('on', 'emitter_cpu_s'):.3f} and librdkafka's "
+        f"{med('on', 'rdkafka_cpu_s'):.3f}; the broker during on-rounds "
+        f"{med('on', 'broker_cpu_s'):.3f}, during off-a rounds {med('off-a', 'broker_cpu_s'):.3f}"
     )
     for line in logs.splitlines():
         if "sparseety producer" in line and "stopped:" in line:
