@@ -29,6 +29,11 @@ class Group:
     block_size: int
     window: int | None = None  # sliding window (tokens)
     chunk: int | None = None  # chunked local attention (tokens)
+    #: Whether vLLM's KV-cache manager frees this group's out-of-reach blocks. A full-attention
+    #: group never does, even when its spec carries a window or chunk: that is what vLLM makes
+    #: of a hybrid model with the hybrid KV-cache manager off (every layer promoted to full
+    #: attention for allocation, each still attending its own window).
+    frees: bool = True
 
     @property
     def limited(self) -> bool:
@@ -59,7 +64,7 @@ class Group:
         last step that scheduled the request (``num_computed_tokens`` before that step).
         """
         bs = self.block_size
-        if not bs:
+        if not bs or not self.frees:
             return 0
         c = last_computed_before
         if self.chunk:
@@ -89,10 +94,11 @@ def groups_of(config: dict[str, Any] | None) -> tuple[Group, ...]:
                 block_size=g.get("block_size", 0) or 0,
                 window=window,
                 chunk=chunk,
+                frees=kind != FULL,
             )
         )
     if out and sum(g.layers for g in out) == 0:
-        out = [Group(1, g.block_size, g.window, g.chunk) for g in out]  # layer counts unknown
+        out = [Group(1, g.block_size, g.window, g.chunk, g.frees) for g in out]  # layer counts unknown
     return tuple(out)
 
 

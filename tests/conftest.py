@@ -1,4 +1,5 @@
 """Shared fixtures. Tiers follow folders: tests/unit (pure), tests/topology (real broker + Faust),
+tests/harness (vLLM's real engine core in its GPU-default modes, simulated executor, real broker),
 tests/e2e (real vLLM). Services start once per session and are shared; names are unique per test.
 """
 
@@ -18,7 +19,7 @@ TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
-        if tier in ("unit", "topology", "chaos", "e2e"):
+        if tier in ("unit", "topology", "chaos", "harness", "e2e"):
             item.add_marker(getattr(pytest.mark, tier))
 
 

@@ -65,6 +65,9 @@ class RecordBuilder:
         self.spec_enabled = spec_enabled
         self._admitted_cached: dict[str, int] = {}
         self._reported_cached: dict[str, int] = {}
+        #: ``(update index, {request: drafts rejected})`` of the last steps with rejections:
+        #: the steps scheduled while they were in flight counted those drafts as computed.
+        self._rejections: list[tuple[int, dict[str, int]]] = []
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -156,7 +159,18 @@ class RecordBuilder:
         start_mono_ns: int,
         end_mono_ns: int,
         preempted_before: frozenset[str],
+        resumed_new: frozenset[str] = frozenset(),
+        updates_before: int = 0,
+        update_index: int = 0,
     ) -> tuple[str, dict[str, Any]]:
+        """The StepBatch of one updated step.
+
+        ``resumed_new`` are requests listed in ``scheduled_new_reqs`` that had been admitted
+        before (Model Runner V2's resumes). ``updates_before`` is how many updates had completed
+        when the step was scheduled and ``update_index`` this step's own update: the steps
+        updated in between were in flight, and their rejected drafts are taken out of this
+        step's ``num_computed_before`` (async scheduling counts them as computed).
+        """
         # Emitter thread, once per step: the steady decode state skips the computed-before map
         # (a third of a decode step's build), the draft columns read each entry once.
         scheduled_tokens = scheduler_output.num_scheduled_tokens
@@ -173,6 +187,8 @@ class RecordBuilder:
             before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in new_reqs}
             before.update(zip(cached_ids, cached_computed, strict=False))
             computed_before = [before.get(r, 0) for r in rids]
+        if self._rejections:
+            self._correct_in_flight(computed_before, rids, cached_reqs, updates_before, update_index)
         new_tokens: dict[str, list[int]] = {}
         reported = self._reported_cached
         for core_outputs in (outputs or {}).values():
@@ -197,11 +213,19 @@ class RecordBuilder:
             accepted = [a for _, a in pairs]
         else:
             proposed, accepted = [], []
+        if spec and self.spec_enabled:
+            rejected = {rid: p - a for rid, (p, a) in spec.items() if p > a}
+            if rejected:
+                self._rejections.append((update_index, rejected))
+                if len(self._rejections) > 8:  # the batch queue is at most pp_size + 1 deep
+                    del self._rejections[0]
         preempted = set(scheduler_output.preempted_req_ids or ()) | preempted_before
         resumed = getattr(cached_reqs, "resumed_req_ids", None)
         if resumed is None:  # vLLM < 0.11: a flag per cached request
             flags = getattr(cached_reqs, "resumed_from_preemption", [])
             resumed = {r for r, f in zip(cached_reqs.req_ids, flags, strict=False) if f}
+        if resumed_new:
+            resumed = set(resumed) | resumed_new
         return ev.STEP_BATCH, {
             "step": step,
             "start_mono_ns": start_mono_ns,
@@ -217,6 +241,25 @@ class RecordBuilder:
             "preempted_req_ids": sorted(preempted),
             "resumed_req_ids": sorted(resumed),
         }
+
+    def _correct_in_flight(
+        self,
+        computed_before: list[int],
+        rids: list[str],
+        cached_reqs: Any,
+        updates_before: int,
+        update_index: int,
+    ) -> None:
+        """Take the drafts rejected by steps in flight at schedule time out of the positions of
+        running requests (new and resumed requests start from the prefix-cache hit)."""
+        in_flight = [r for idx, r in self._rejections if updates_before <= idx < update_index]
+        self._rejections = [(idx, r) for idx, r in self._rejections if idx >= updates_before]
+        if not in_flight:
+            return
+        running = set(cached_reqs.req_ids) - set(getattr(cached_reqs, "resumed_req_ids", ()) or ())
+        for i, rid in enumerate(rids):
+            if rid in running:
+                computed_before[i] -= sum(r.get(rid, 0) for r in in_flight)
 
     # --- KV events -------------------------------------------------------------------------------
 

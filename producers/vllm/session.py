@@ -7,6 +7,19 @@ totals) and hand references to the emitter. Order of one step's events on the ``
 KV events published during the step (vLLM publishes them inside ``update_from_output``), then
 RequestStarted for requests admitted in the step, the StepBatch, and RequestFinished for
 requests that ended in it (a finish outside a step, e.g. an abort, is sent at once).
+
+Under async scheduling (the GPU default) the engine core schedules step N+1 before it updates
+step N (``EngineCore.step_with_batch_queue``). Two things follow, both handled here:
+
+* a request that finishes in update N may already be in step N+1, which the GPU computes anyway:
+  its RequestFinished waits for the StepBatch of the last step that scheduled it;
+* step N+1's ``num_computed_tokens`` counts step N's drafts as if all were accepted. Each step
+  records how many updates had completed when it was scheduled, so the builder can take the
+  rejections of the steps still in flight then out of its positions (``records.py``).
+
+With Model Runner V2 a request resumed after a preemption is listed in ``scheduled_new_reqs``
+(and ``resumed_req_ids`` stays empty): only a first appearance is an admission, a later one is a
+resume and is reported as such.
 """
 
 from __future__ import annotations
@@ -90,7 +103,21 @@ class EngineSession:
         self.epoch = emitter.epoch
         self._requests: dict[str, Any] = scheduler.requests
         self._step = 0
-        self._pending: dict[int, tuple[int, list[tuple[Any, int]], frozenset[str]]] = {}
+        self._updates = 0  # update_from_output calls completed
+        #: Steps scheduled and not yet updated: start time, admissions, preemptions carried over,
+        #: resumes seen in scheduled_new_reqs, updates completed at schedule time, the output.
+        self._pending: dict[
+            int, tuple[int, list[tuple[Any, int]], frozenset[str], frozenset[str], int, Any]
+        ] = {}
+        #: Finishes held for an in-flight step that still schedules the request.
+        self._held: dict[int, list[Any]] = {}
+        #: KV events in vLLM's queue when each step not yet drained was scheduled: a drain
+        #: (inside update_from_output) is split at these marks (see ``on_kv_batch``).
+        pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+        self._kv_queue_owner = pool if hasattr(pool, "kv_event_queue") else None
+        self._kv_marks: list[tuple[int, int]] = []
+        #: Per step: KV events from before its admissions' lookup, and from after it.
+        self._kv_held: dict[int, tuple[list[Any], list[Any]]] = {}
         self._carry: set[str] = set()
         self._live: set[str] = set()
         self._in_update = False
@@ -154,13 +181,23 @@ class EngineSession:
         step = self._step
         self._step = step + 1
         setattr(scheduler_output, STEP_STAMP, (self.engine_name, self.epoch, step))
+        owner = self._kv_queue_owner
+        if owner is not None:
+            self._kv_marks.append((step, len(owner.kv_event_queue)))
         new: list[tuple[Any, int]] = []
+        resumed: set[str] | None = None
         if scheduler_output.scheduled_new_reqs:
             requests = self._requests
             live = self._live
             for new_request in scheduler_output.scheduled_new_reqs:
                 req = requests.get(new_request.req_id)
                 if req is None:
+                    continue
+                if new_request.req_id in live:
+                    # Model Runner V2 lists a resumed request here: a resume, not an admission.
+                    if resumed is None:
+                        resumed = set()
+                    resumed.add(new_request.req_id)
                     continue
                 # RequestOutput.num_cached_tokens is PrefillStats.num_cached_tokens, set by
                 # this schedule() call; the scheduler hands it out (and drops it) later.
@@ -176,7 +213,14 @@ class EngineSession:
                 live.add(new_request.req_id)
         carried = frozenset(self._carry) if self._carry else frozenset()
         self._carry.clear()
-        self._pending[step] = (start_mono_ns, new, carried)
+        self._pending[step] = (
+            start_mono_ns,
+            new,
+            carried,
+            frozenset(resumed) if resumed else frozenset(),
+            self._updates,
+            scheduler_output,
+        )
 
     def before_update(
         self, scheduler_output: Any, model_runner_output: Any
@@ -205,25 +249,45 @@ class EngineSession:
     ) -> None:
         """After ``update_from_output``: admissions, the StepBatch, then this step's finishes."""
         self._in_update = False
+        self._updates += 1
         stamp: tuple[str, str, int] | None = getattr(scheduler_output, STEP_STAMP, None)
         step = stamp[2] if stamp is not None else -1
         pending = self._pending.pop(step, None)
         if pending is not None:
-            start, new, carried = pending
+            start, new, carried, resumed, updates_before, _ = pending
             builder = self.builder
+            kv = self._kv_held.pop(step, None)
+            if kv is not None and kv[0]:
+                self.emitter.emit_many(len(kv[0]), builder.kv_events, kv[0])
             if new:
                 self.emitter.emit_many(len(new), builder.requests_started, new)
+            if kv is not None and kv[1]:
+                self.emitter.emit_many(len(kv[1]), builder.kv_events, kv[1])
             self.emitter.emit(
-                builder.step, scheduler_output, outputs, spec, step, start, end_mono_ns, carried
+                builder.step,
+                scheduler_output,
+                outputs,
+                spec,
+                step,
+                start,
+                end_mono_ns,
+                carried,
+                resumed,
+                updates_before,
+                self._updates - 1,
             )
         if self._deferred:
             self._flush_deferred()
+        if self._held:
+            self._release_held(step)
 
     def update_aborted(self) -> None:
         """``update_from_output`` raised: do not keep finishes waiting for a StepBatch."""
         self._in_update = False
         if self._deferred:
             self._flush_deferred()
+        if self._held:
+            self._release_held(max(self._held))
 
     def on_free(self, req: Any) -> None:
         """In ``Scheduler._free_request``: the request left the engine (any reason).
@@ -236,16 +300,67 @@ class EngineSession:
         if rid not in live:
             return  # never admitted: nothing was computed for it
         live.discard(rid)
+        if self._pending:
+            # Async scheduling: a step already scheduled (not the one being updated) may still
+            # compute for it; its finish follows that step's StepBatch.
+            last = -1
+            for step, pending in self._pending.items():
+                if step > last and rid in pending[5].num_scheduled_tokens and not self._updating(step):
+                    last = step
+            if last >= 0:
+                self._held.setdefault(last, []).append(req)
+                return
         if self._in_update or self._pending:
             self._deferred.append(req)  # after the StepBatch that carries its last tokens
         else:
             self.emitter.emit(self.builder.request_finished, req)
 
+    def _updating(self, step: int) -> bool:
+        """Whether ``step`` is the step whose update is running now (the oldest pending)."""
+        return self._in_update and step == min(self._pending)
+
+    def _release_held(self, updated: int) -> None:
+        for step in [s for s in self._held if s <= updated or s not in self._pending]:
+            items = self._held.pop(step)
+            self.emitter.emit_many(len(items), self.builder.requests_finished, items)
+
     def on_kv_batch(self, batch: Any) -> None:
-        """From the KV-event tee (inside ``update_from_output``): one event per KV event."""
+        """From the KV-event tee (inside ``update_from_output``): one event per KV event.
+
+        vLLM drains its KV-event queue in every update. Under async scheduling the drain of
+        update N-1 holds what schedule N did (its lookups' evictions, allocations and caching)
+        and what update N-1 then cached. Each part is placed as on the plain scheduler: the
+        events up to a step's schedule go just before that step's admissions, the ones after
+        it just after them, both before its StepBatch (the fold's lookup rule relies on that
+        order, ``streams/prefix_index.live_at_lookup``).
+        """
         events = batch.events
-        if events:
+        if not events:
+            return
+        marks, self._kv_marks = self._kv_marks, []
+        if not marks:
             self.emitter.emit_many(len(events), self.builder.kv_events, events)
+            return
+        lo = 0
+        for i, (step, mark) in enumerate(marks):
+            pre = list(events[lo:mark])
+            lo = max(lo, mark)
+            post = list(events[lo:]) if i == len(marks) - 1 else []
+            held = self._kv_held.get(step)
+            if held is None:
+                self._kv_held[step] = (pre, post)
+            else:
+                held[0].extend(pre)
+                held[1].extend(post)
+        if self._stopped:
+            self._flush_kv()
+
+    def _flush_kv(self) -> None:
+        for step in sorted(self._kv_held):
+            pre, post = self._kv_held.pop(step)
+            both = pre + post
+            if both:
+                self.emitter.emit_many(len(both), self.builder.kv_events, both)
 
     def _flush_deferred(self) -> None:
         items, self._deferred = self._deferred, []
@@ -261,6 +376,10 @@ class EngineSession:
             self._stopped = True
         if self._deferred:
             self._flush_deferred()
+        if self._kv_held:
+            self._flush_kv()
+        if self._held:
+            self._release_held(max(self._held))
         from sparseety.producers.vllm import routing
 
         routing.flush_in_process(2.0)
