@@ -375,6 +375,9 @@ class Assembler:
         accepted = body["spec_accepted"]
         shape = self._shape(epoch)
         step = body["step"]
+        # Async scheduling: steps from updates_before up to this one were in flight when it was
+        # scheduled (-1 from producers that do not say).
+        in_flight_from = body.get("updates_before", -1)
         preempted = set(body["preempted_req_ids"])
         if preempted:
             for rid in preempted.difference(rids):
@@ -427,6 +430,12 @@ class Assembler:
             total += f
             shares.append((req, f))
             req.seq = seq
+            # vLLM frees sliding-window blocks on the tokens processed at schedule time: with
+            # the request's previous step still in flight, that is where the previous step began.
+            if 0 <= in_flight_from <= req.last_step and req.steps:
+                req.release_basis = req.last_computed_before
+            else:
+                req.release_basis = -1
             req.steps += 1
             req.last_step = step
             req.last_ts = ts
@@ -687,7 +696,11 @@ class Assembler:
         if (r.steps or fin.get("finish_reason") == "abort") and r.kv_end < prompt:
             sg.assign(segs, r.kv_end, prompt, sg.NOT_COMPUTED)
         groups = attention.groups_of(cfg)
-        released_end, unattended_end = attention.fates(groups, r.kv_end, r.last_computed_before)
+        basis = r.release_basis if r.release_basis >= 0 else r.last_computed_before
+        # Under async scheduling a step already in flight when the request stopped computes past
+        # its last position; the timeline ends at prompt + output.
+        kv_end = min(r.kv_end, prompt + r.out)
+        released_end, unattended_end = attention.fates(groups, kv_end, basis)
         if unattended_end:
             sg.assign(segs, 0, released_end, sg.WINDOW_RELEASED, field=sg.FATE)
             sg.assign(segs, released_end, unattended_end, sg.FATE_SKIPPED, field=sg.FATE)

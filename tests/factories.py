@@ -112,6 +112,7 @@ def step_batch(
     preempted: list[str] | None = None,
     resumed: list[str] | None = None,
     duration_ns: int = 1_000_000,
+    updates_before: int = -1,
 ) -> dict[str, Any]:
     """rows: (req_id, num_scheduled, num_computed_before, new_token_ids)."""
     return {
@@ -127,6 +128,7 @@ def step_batch(
         "spec_accepted": [s[1] for s in spec] if spec else [],
         "preempted_req_ids": preempted or [],
         "resumed_req_ids": resumed or [],
+        "updates_before": updates_before,
     }
 
 

@@ -65,7 +65,7 @@ class RecordBuilder:
         self.spec_enabled = spec_enabled
         self._admitted_cached: dict[str, int] = {}
         self._reported_cached: dict[str, int] = {}
-        #: ``(update index, {request: drafts rejected})`` of the last steps with rejections:
+        #: ``(step, {request: drafts rejected})`` of the last steps with rejections:
         #: the steps scheduled while they were in flight counted those drafts as computed.
         self._rejections: list[tuple[int, dict[str, int]]] = []
 
@@ -160,16 +160,15 @@ class RecordBuilder:
         end_mono_ns: int,
         preempted_before: frozenset[str],
         resumed_new: frozenset[str] = frozenset(),
-        updates_before: int = 0,
-        update_index: int = 0,
+        updates_before: int = -1,
     ) -> tuple[str, dict[str, Any]]:
         """The StepBatch of one updated step.
 
         ``resumed_new`` are requests listed in ``scheduled_new_reqs`` that had been admitted
-        before (Model Runner V2's resumes). ``updates_before`` is how many updates had completed
-        when the step was scheduled and ``update_index`` this step's own update: the steps
-        updated in between were in flight, and their rejected drafts are taken out of this
-        step's ``num_computed_before`` (async scheduling counts them as computed).
+        before (Model Runner V2's resumes). ``updates_before`` is how many steps had been
+        updated when this one was scheduled: steps ``updates_before .. step - 1`` were in flight,
+        and their rejected drafts are taken out of this step's ``num_computed_before`` (async
+        scheduling counts them as computed).
         """
         # Emitter thread, once per step: the steady decode state skips the computed-before map
         # (a third of a decode step's build), the draft columns read each entry once.
@@ -187,8 +186,8 @@ class RecordBuilder:
             before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in new_reqs}
             before.update(zip(cached_ids, cached_computed, strict=False))
             computed_before = [before.get(r, 0) for r in rids]
-        if self._rejections:
-            self._correct_in_flight(computed_before, rids, cached_reqs, updates_before, update_index)
+        if self._rejections and updates_before >= 0:
+            self._correct_in_flight(computed_before, rids, cached_reqs, updates_before, step)
         new_tokens: dict[str, list[int]] = {}
         reported = self._reported_cached
         for core_outputs in (outputs or {}).values():
@@ -216,7 +215,7 @@ class RecordBuilder:
         if spec and self.spec_enabled:
             rejected = {rid: p - a for rid, (p, a) in spec.items() if p > a}
             if rejected:
-                self._rejections.append((update_index, rejected))
+                self._rejections.append((step, rejected))
                 if len(self._rejections) > 8:  # the batch queue is at most pp_size + 1 deep
                     del self._rejections[0]
         preempted = set(scheduler_output.preempted_req_ids or ()) | preempted_before
@@ -240,6 +239,7 @@ class RecordBuilder:
             "spec_accepted": accepted,
             "preempted_req_ids": sorted(preempted),
             "resumed_req_ids": sorted(resumed),
+            "updates_before": updates_before,
         }
 
     def _correct_in_flight(
@@ -248,11 +248,11 @@ class RecordBuilder:
         rids: list[str],
         cached_reqs: Any,
         updates_before: int,
-        update_index: int,
+        step: int,
     ) -> None:
         """Take the drafts rejected by steps in flight at schedule time out of the positions of
         running requests (new and resumed requests start from the prefix-cache hit)."""
-        in_flight = [r for idx, r in self._rejections if updates_before <= idx < update_index]
+        in_flight = [r for idx, r in self._rejections if updates_before <= idx < step]
         self._rejections = [(idx, r) for idx, r in self._rejections if idx >= updates_before]
         if not in_flight:
             return

@@ -14,8 +14,9 @@ step N (``EngineCore.step_with_batch_queue``). Two things follow, both handled h
 * a request that finishes in update N may already be in step N+1, which the GPU computes anyway:
   its RequestFinished waits for the StepBatch of the last step that scheduled it;
 * step N+1's ``num_computed_tokens`` counts step N's drafts as if all were accepted. Each step
-  records how many updates had completed when it was scheduled, so the builder can take the
-  rejections of the steps still in flight then out of its positions (``records.py``).
+  records how many steps had been updated when it was scheduled (StepBatch ``updates_before``),
+  so the builder can take the rejections of the steps still in flight then out of its positions
+  (``records.py``), and the fold knows what vLLM had processed when it freed window blocks.
 
 With Model Runner V2 a request resumed after a preemption is listed in ``scheduled_new_reqs``
 (and ``resumed_req_ids`` stays empty): only a first appearance is an admission, a later one is a
@@ -80,9 +81,18 @@ def routing_enabled(cfg: Config, vllm_config: Any) -> bool:
 
 
 def default_engine_name(cfg: Config, vllm_config: Any, served: str) -> str:
-    """Configured name, else ``<host>-<served model>-dp<rank>`` (stable across restarts)."""
+    """Configured name, else ``<host>-<served model>-dp<rank>`` (stable across restarts).
+
+    Under data parallelism every rank's engine core reads the same configuration, so a
+    configured name gets ``-dp<rank>`` too: one name per engine core, or the ranks would take
+    each other's epochs for restarts (and close each other's requests).
+    """
+    rank = facts.dp_rank(vllm_config)
+    if cfg.producer.engine_name:
+        size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+        return f"{cfg.producer.engine_name}-dp{rank}" if size > 1 else cfg.producer.engine_name
     hint = re.sub(r"[^A-Za-z0-9._-]+", "_", served.rsplit("/", 1)[-1]) or "model"
-    return cfg.engine_name(f"{hint}-dp{facts.dp_rank(vllm_config)}")
+    return cfg.engine_name(f"{hint}-dp{rank}")
 
 
 class EngineSession:
@@ -103,7 +113,7 @@ class EngineSession:
         self.epoch = emitter.epoch
         self._requests: dict[str, Any] = scheduler.requests
         self._step = 0
-        self._updates = 0  # update_from_output calls completed
+        self._updates = 0  # stamped steps whose update_from_output completed
         #: Steps scheduled and not yet updated: start time, admissions, preemptions carried over,
         #: resumes seen in scheduled_new_reqs, updates completed at schedule time, the output.
         self._pending: dict[
@@ -249,11 +259,13 @@ class EngineSession:
     ) -> None:
         """After ``update_from_output``: admissions, the StepBatch, then this step's finishes."""
         self._in_update = False
-        self._updates += 1
         stamp: tuple[str, str, int] | None = getattr(scheduler_output, STEP_STAMP, None)
         step = stamp[2] if stamp is not None else -1
         pending = self._pending.pop(step, None)
         if pending is not None:
+            # Steps are updated in the order they were scheduled (the batch queue is FIFO), so
+            # this count is also the number of the next step to be updated.
+            self._updates += 1
             start, new, carried, resumed, updates_before, _ = pending
             builder = self.builder
             kv = self._kv_held.pop(step, None)
@@ -274,7 +286,6 @@ class EngineSession:
                 carried,
                 resumed,
                 updates_before,
-                self._updates - 1,
             )
         if self._deferred:
             self._flush_deferred()

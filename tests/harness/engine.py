@@ -172,6 +172,22 @@ def build(mode: Mode, model: Path, sim: SimSettings | None = None, **overrides: 
     return Harness(mode=mode, core=core, executor=executor, truth=truth)
 
 
+def long_context_model(base: Path, positions: int = 262_144) -> Path:
+    """A config-only copy of ``base`` whose position limit allows long requests (the harness
+    loads no weights and no tokenizer: ``config.json`` is all vLLM reads)."""
+    import json
+
+    out = base.parent / f"{base.name}-ctx{positions}"
+    config = json.loads((base / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "config.json"
+    text = json.dumps(config, indent=1)
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+    return out
+
+
 def attention_groups(shape: str) -> list[dict[str, Any]]:
     """The model's layers grouped by attention reach (what the attention computes, whatever
     the KV-cache manager makes of them)."""

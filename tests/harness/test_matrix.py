@@ -38,7 +38,9 @@ SHAPED = [
     for hm in (True, False)
     for a in (False, True)
 ] + [
-    Mode(async_scheduling=False, shape=shape, spec="eagle", pressure=True) for shape in ("hybrid", "chunked")
+    Mode(async_scheduling=a, shape=shape, spec="eagle", pressure=True)
+    for shape in ("sliding", "hybrid", "chunked")
+    for a in (False, True)
 ]
 MODES = FULL + SHAPED
 
