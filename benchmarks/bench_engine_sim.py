@@ -93,6 +93,7 @@ def one_round(model: Path, batch: int, steps: int, on: bool) -> dict[str, float]
     h = build(
         mode,
         model,
+        truth=False,  # the recorder is test instrumentation, not vLLM's own work
         max_num_seqs=batch,
         max_model_len=4096,
         max_num_batched_tokens=max(2048, batch * 40),
@@ -113,9 +114,7 @@ def one_round(model: Path, batch: int, steps: int, on: bool) -> dict[str, float]
     for _ in range(20):  # admissions and prefill out of the way
         core.step_fn()
     emitter = session.emitter if session is not None else None
-    em_thread = getattr(emitter, "_thread", None) if emitter is not None else None
-    if emitter is not None and em_thread is None:
-        em_thread = next(t for t in threading.enumerate() if t.name.startswith("sparseety-emitter"))
+    em_thread = emitter._supervisor.thread if emitter is not None else None
     sim.ns = 0
     if hooks is not None:
         hooks.ns = 0

@@ -147,8 +147,11 @@ def engine_args(mode: Mode, model: Path, **overrides: Any) -> dict[str, Any]:
     return args
 
 
-def build(mode: Mode, model: Path, sim: SimSettings | None = None, **overrides: Any) -> Harness:
-    """The engine core for ``mode`` (the plugin hooks it when ``SPARSEETY_*`` is set)."""
+def build(
+    mode: Mode, model: Path, sim: SimSettings | None = None, *, truth: bool = True, **overrides: Any
+) -> Harness:
+    """The engine core for ``mode`` (the plugin hooks it when ``SPARSEETY_*`` is set); with
+    ``truth`` the ground-truth recorder wraps its scheduler (benchmarks leave it out)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCore
 
@@ -166,10 +169,11 @@ def build(mode: Mode, model: Path, sim: SimSettings | None = None, **overrides: 
         assert core.scheduler.use_v2_model_runner is mode.v2
     executor = core.model_executor
     assert isinstance(executor, SimExecutor)
-    truth = HarnessTruth(core.scheduler)
-    truth.attention_groups = attention_groups(mode.shape)
-    executor.sim.observer = truth
-    return Harness(mode=mode, core=core, executor=executor, truth=truth)
+    recorder = HarnessTruth(core.scheduler) if truth else None
+    if recorder is not None:
+        recorder.attention_groups = attention_groups(mode.shape)
+        executor.sim.observer = recorder
+    return Harness(mode=mode, core=core, executor=executor, truth=recorder)  # type: ignore[arg-type]
 
 
 def long_context_model(base: Path, positions: int = 262_144) -> Path:
