@@ -120,8 +120,11 @@ def group_lag(cfg: Any, group: str) -> int:
         parts = [TopicPartition(topic, p) for p in c.list_topics(topic, timeout=10).topics[topic].partitions]
         lag = 0
         for tp in c.committed(parts, timeout=10):
-            _, high = c.get_watermark_offsets(tp, timeout=10)
-            lag += max(0, high - max(tp.offset, 0))
+            low, high = c.get_watermark_offsets(tp, timeout=10)
+            if tp.offset < 0:  # nothing committed yet: everything since the start is behind
+                lag += high - low
+            else:
+                lag += max(0, high - tp.offset)
         return lag
     finally:
         c.close()
@@ -134,7 +137,9 @@ def main() -> None:
     ap.add_argument("--steps-per-s", type=float, default=30.0)
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--kill-at", type=float, default=None, help="SIGKILL worker-0 this many seconds in")
+    ap.add_argument(
+        "--kill-at", type=float, default=None, help="SIGKILL worker-0 this many seconds in (< 0: never)"
+    )
     ap.add_argument(
         "--quick", action="store_true", help="4 engines x batch 64 x 10 steps/s for 60 s, kill at 25 s"
     )
@@ -200,7 +205,7 @@ def main() -> None:
         def poll() -> None:
             while not done.is_set():
                 try:
-                    rows = client.get("/api/v1/requests", params={"limit": 100000, "since": "10m"}).json()[
+                    rows = client.get("/api/v1/requests", params={"limit": 10000, "since": "1m"}).json()[
                         "rows"
                     ]
                 except Exception:
@@ -255,10 +260,14 @@ def main() -> None:
                         expected_out[uid] = int(ev.payload(e)["num_output_tokens"])
             producer.poll(0)
             i += 1
-            if not killed and time.monotonic() - start >= args.kill_at:
+            if not killed and 0 <= args.kill_at <= time.monotonic() - start:
                 pid = stack._pid("worker-0")
                 if pid:
                     os.kill(pid, signal.SIGKILL)
+                    # Stack spawned it from this process: reap it, or its pid stays "alive" (a
+                    # zombie) and Stack.up() would not start it again.
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
                     print(
                         f"{time.monotonic() - start:.0f} s: SIGKILLed worker-0 (pid {pid}); restarting",
                         flush=True,
