@@ -152,6 +152,10 @@ class RequestState(_Record):
     prompt_ids: list[int] = field(default_factory=list)  # raw mode
     prompt_hashes: list[int] = field(default_factory=list)  # hashed mode
     output_ids: list[int] = field(default_factory=list)  # raw mode
+    # Added with look-up by the client's id (appended: older persisted states still load).
+    external_request_id: str = ""  # the front end's id of the API request (RequestStarted)
+    parent_request_id: str = ""  # the API request whose n choices this is one of; "" when n = 1
+    choice_index: int = 0
 
     @property
     def uid(self) -> str:

@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
@@ -153,7 +153,7 @@ def cost_sql(
     where, params = scope.where("c")
     if mode == "list":
         measures = (
-            "sum(c.list_input_tokens) AS input_tokens, sum(c.list_cached_tokens) AS cached_tokens, "
+            "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
             "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
@@ -557,12 +557,18 @@ class Queries:
 # --- lookups: one object by its id (None = not stored, or outside the caller's scope) ----------
 
 
-def request_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, Any] | None:
+def request_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, Any] | None:
     """One request: every count, its cost in each mode and its segment timeline.
 
-    Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
+    ``request_id`` is any id the request is known by (:mod:`~sparseety.sinks.clickhouse.ids`:
+    its uid, the engine's id, the front end's or the response's). Returns None when it is not
+    stored or outside ``scope`` (a caller cannot tell which).
+
+    Raises:
+        AmbiguousIdError: the id names several requests (listed).
     """
-    return q.requests_by_uid([request_uid], scope=scope).get(request_uid)
+    uid = ids.resolve(q, request_id, scope=scope)
+    return None if uid is None else q.requests_by_uid([uid], scope=scope).get(uid)
 
 
 def request_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
@@ -604,8 +610,12 @@ def token_statistics_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[st
     return sql, params
 
 
-def tokens_statistics_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, int] | None:
-    """The token counts of one request (see :func:`token_statistics_sql`)."""
+def tokens_statistics_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, int] | None:
+    """The token counts of one request (see :func:`token_statistics_sql`), by any id it is
+    known by (as :func:`request_lookup`)."""
+    request_uid = ids.resolve(q, request_id, scope=scope)
+    if request_uid is None:
+        return None
     rows = q.store.query(*token_statistics_sql(q.db, request_uid, scope=scope))
     if not rows:
         return None
@@ -952,7 +962,8 @@ QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(
         "requests",
         requests_sql,
-        "Requests in scope with their token counts, newest first or most varied timelines first.",
+        "Requests in scope with their token counts, newest first or most varied timelines first; "
+        "external_request_id is the front end's id (what the client got, docs/api.md).",
         route="requests",
         params=(
             Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
@@ -963,6 +974,20 @@ QUERIES: tuple[QuerySpec, ...] = (
                 "recent, or varied (most kinds of token fate first).",
                 choices=ORDERS,
                 what="order",
+            ),
+            Param(
+                "request_id",
+                str,
+                None,
+                "Only the requests this id names: a request uid, the engine's id, or the id the "
+                "client got (chatcmpl-..., cmpl-...; docs/api.md).",
+            ),
+            Param(
+                "client_id",
+                str,
+                None,
+                "Only the requests the client sent with this X-Request-Id (vLLM names them "
+                "chatcmpl-<id> / cmpl-<id>).",
             ),
         ),
     ),

@@ -6,7 +6,8 @@ CLI can use them remotely (:class:`~sparseety.api.client.RemoteQueries`). ``docs
 reference; OpenAPI docs are at ``/docs``.
 
 Errors are JSON ``{"error": <code>, "message": <text>}``: 400 ``bad_parameter``, 401
-``unauthorized``, 403 ``forbidden``, 404 ``not_found``, 503 ``store_unavailable``.
+``unauthorized``, 403 ``forbidden``, 404 ``not_found``, 409 ``ambiguous`` (an id that names several
+requests; the body adds ``candidates``), 503 ``store_unavailable``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
 from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import timeline_counts
-from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
+from sparseety.errors import AmbiguousIdError, MigrationError, PluginLoadError, ReplayError, StoreError
 from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
 from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
@@ -245,7 +246,10 @@ def _lookup_route(spec: QuerySpec) -> Any:
         body = {key_name: key, **found} if spec.echo_key else found
         return JSONResponse(jsonable(body))
 
-    key_doc = "The request uid (engine_id/request_id)."
+    key_doc = (
+        "The request: its uid (engine_id/request_id), the engine's id, or the id the client got "
+        "(chatcmpl-..., cmpl-...); an id that names several requests answers 409 with them."
+    )
     key_param = (
         _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
     )
@@ -432,6 +436,11 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return _error(404, "not_found", str(exc))
+
+    @app.exception_handler(AmbiguousIdError)
+    async def ambiguous(_: Request, exc: AmbiguousIdError) -> JSONResponse:
+        body = {"error": "ambiguous", "message": str(exc), "candidates": jsonable(exc.candidates)}
+        return JSONResponse(body, status_code=409)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

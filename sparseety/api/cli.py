@@ -20,6 +20,7 @@ import click
 
 from sparseety.api import params
 from sparseety.cli_context import CliContext, pass_ctx
+from sparseety.errors import AmbiguousIdError
 from sparseety.producers.logs.cli import ingest_cmd
 from sparseety.sinks.cli import echo_rows
 from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, commands
@@ -227,8 +228,11 @@ def _with_params(cmd: Any, specs: list[QuerySpec], switches: dict[str, Any]) -> 
             cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
             continue
         default = 0 if p.name in switches else p.default
+        # --request-id, and (as it always was) --request_id
+        dashed = [f"--{p.wire.replace('_', '-')}"] if "_" in p.wire else []
         cmd = click.option(
             f"--{p.wire}",
+            *dashed,
             p.name,
             type=click.Choice(p.choices) if p.choices else p.type,
             default=default,
@@ -265,8 +269,13 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
             missing = f"no {spec.what or spec.key} {key!r}"
             _export(c, output, lambda q: q.export(spec, fmt, key=key, scope=scope, **arguments), missing)
             return
-        with open_queries(c.cfg, "sparseety query") as q:
-            found = getattr(q, spec.name)(key, scope=scope, **arguments)
+        try:
+            with open_queries(c.cfg, "sparseety query") as q:
+                found = getattr(q, spec.name)(key, scope=scope, **arguments)
+        except AmbiguousIdError as e:
+            # listed, never guessed: the caller picks one uid
+            echo_rows(e.candidates, fmt)
+            raise click.ClickException(str(e)) from None
         if found is None:
             raise click.ClickException(f"no {spec.what or spec.key} {key!r}")
         if fmt == "json" or spec.tables is None:

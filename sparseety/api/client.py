@@ -25,7 +25,7 @@ from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
-from sparseety.errors import SparseetyError, StoreLockedError
+from sparseety.errors import AmbiguousIdError, SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.export import check_format, rows_file
 from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, Param, QueryError, QuerySpec, Scope
@@ -125,6 +125,8 @@ class RemoteQueries:
         message = body.get("message", r.text[:200]) if isinstance(body, dict) else r.text[:200]
         if r.status_code == 400:
             raise QueryError(message)
+        if r.status_code == 409 and isinstance(body, dict) and "candidates" in body:
+            raise AmbiguousIdError(message, candidates=list(body["candidates"]))
         if r.status_code in (401, 403):
             raise RemoteApiError(
                 f"the SparSEEty API at {self.base_url} refused the request ({r.status_code}: {message})"
