@@ -108,6 +108,19 @@ def _check(p: Price, where: str) -> Price:
     return p
 
 
+def checked_price(
+    model: str, token_class: str, usd: Any, effective_from: Any = 0, note: str = "", *, where: str = "price"
+) -> Price:
+    """One price from loose values (``effective_from``: ns, ISO-8601 text or empty), checked as a
+    price file's entries are.
+
+    Raises:
+        ConfigError: an empty model, an unknown class, a bad amount or time.
+    """
+    eff = int(effective_from) if isinstance(effective_from, int) else parse_time(effective_from, where=where)
+    return _check(Price(model, token_class, parse_usd(usd, where=where), eff, note), where)
+
+
 def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
     """``[[prices]]`` tables with a model, an optional effective_from and one key per class."""
     try:

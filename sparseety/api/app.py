@@ -29,7 +29,7 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparseety import __version__
@@ -42,10 +42,20 @@ from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
 from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import timeline_counts
-from sparseety.errors import AmbiguousIdError, MigrationError, PluginLoadError, ReplayError, StoreError
+from sparseety.errors import (
+    AmbiguousIdError,
+    ConfigError,
+    MigrationError,
+    PluginLoadError,
+    ReplayError,
+    StoreError,
+)
 from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
+from sparseety.sinks.clickhouse.migrate import status_rows
+from sparseety.sinks.clickhouse.prices import checked_price, list_prices, set_prices
 from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
+from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
 
@@ -272,6 +282,25 @@ async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, An
     return found
 
 
+class PriceIn(BaseModel):
+    """One price (docs/cost-model.md, Prices): USD per 1M tokens, or per GPU-hour."""
+
+    model: str
+    token_class: str = Field(description="input, cached_input, output or gpu_hour")
+    usd: str = Field(description="Decimal text, at most six decimals (never a float).")
+    effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
+    effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")
+    note: str = ""
+
+
+class PricesBody(BaseModel):
+    prices: list[PriceIn]
+
+
+class SqlBody(BaseModel):
+    sql: str = Field(description="One SELECT (WITH, UNION allowed); no FORMAT, no ';' inside.")
+
+
 def _router() -> APIRouter:
     api = APIRouter(prefix="/api/v1")
 
@@ -332,6 +361,52 @@ def _router() -> APIRouter:
         if who.admin:
             body["pipeline"] = back.pipeline()
         return JSONResponse(jsonable(body))
+
+    @api.get("/prices", tags=["admin"])
+    async def prices_list(
+        who: Caller, back: Back, model: Annotated[str | None, Query(description="Only this model.")] = None
+    ) -> JSONResponse:
+        """The stored prices (model, token_class, usd, unit, effective_from, note); admin only."""
+        who.require_admin("prices")
+        rows = await back.query("prices", list_prices, back.store, model)
+        return JSONResponse(jsonable({"rows": rows}))
+
+    @api.post("/prices", tags=["admin"])
+    async def prices_set(who: Caller, back: Back, body: Annotated[PricesBody, Body()]) -> JSONResponse:
+        """Set prices in the running store (replacing any with the same model, class and
+        effective time); admin only. Answers how many were set."""
+        who.require_admin("prices")
+        try:
+            entries = [
+                checked_price(
+                    p.model,
+                    p.token_class,
+                    p.usd,
+                    p.effective_from_ns or p.effective_from,
+                    p.note,
+                    where=f"prices[{i}]",
+                )
+                for i, p in enumerate(body.prices)
+            ]
+        except ConfigError as exc:
+            raise QueryError(str(exc)) from None
+        n = await back.query("set_prices", set_prices, back.store, entries)
+        return JSONResponse({"set": n})
+
+    @api.get("/db/status", tags=["admin"])
+    async def db_status(who: Caller, back: Back) -> JSONResponse:
+        """The store's migrations: version, name, applied, applied_at, checksum_ok; admin only."""
+        who.require_admin("the schema status")
+        rows = await back.query("db_status", status_rows, back.store)
+        return JSONResponse({"rows": rows})
+
+    @api.post("/sql", tags=["admin"])
+    async def own_sql(who: Caller, back: Back, body: Annotated[SqlBody, Body()]) -> JSONResponse:
+        """One read-only query of your own on the store (docs/clickhouse.md, Your own SQL): an
+        all-tenant token reads every row, a tenant's token only its tenants' rows. Answers
+        ``columns`` and ``rows`` (at most 100,000; add LIMIT for fewer)."""
+        columns, rows = await back.query("sql", run_sql, back.store, body.sql, tenants=who.tenants)
+        return JSONResponse(jsonable({"columns": columns, "rows": [list(r) for r in rows]}))
 
     @api.post("/collect", status_code=202, tags=["jobs"])
     async def collect(

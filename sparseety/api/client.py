@@ -105,8 +105,20 @@ class RemoteQueries:
         self.close()
 
     def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False, raw: bool = False) -> Any:
+        return self._call("GET", path, params=params, missing_ok=missing_ok, raw=raw)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json_body: Any = None,
+        missing_ok: bool = False,
+        raw: bool = False,
+    ) -> Any:
         try:
-            r = self.client.get(path, params=params, headers=self.headers)
+            r = self.client.request(method, path, params=params, json=json_body, headers=self.headers)
         except httpx.HTTPError as exc:
             raise RemoteApiError(
                 (f"{self.why}; " if self.why else "")
@@ -140,6 +152,36 @@ class RemoteQueries:
         if r.status_code >= 400:
             raise RemoteApiError(f"the SparSEEty API at {self.base_url} answered {r.status_code}: {message}")
         return body
+
+    # --- the store's administration, through the process that owns it (admin token) -------------
+
+    def prices_list(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.list_prices` (``GET /api/v1/prices``)."""
+        body = self._get("/api/v1/prices", {} if model is None else {"model": model})
+        return decode_rows(body["rows"])
+
+    def prices_set(self, prices: Sequence[Any]) -> int:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.set_prices` (``POST /api/v1/prices``)."""
+        entries = [
+            {
+                "model": p.model,
+                "token_class": p.token_class,
+                "usd": str(p.usd),
+                "effective_from_ns": p.effective_from_ns,
+                "note": p.note,
+            }
+            for p in prices
+        ]
+        return int(self._call("POST", "/api/v1/prices", json_body={"prices": entries})["set"])
+
+    def db_status(self) -> list[dict[str, Any]]:
+        """The migrations and whether each is applied (``GET /api/v1/db/status``)."""
+        return list(self._get("/api/v1/db/status", {})["rows"])
+
+    def sql(self, sql: str) -> tuple[list[str], list[list[Any]]]:
+        """One read-only query of your own (``POST /api/v1/sql``): column names and rows."""
+        body = self._call("POST", "/api/v1/sql", json_body={"sql": sql})
+        return list(body["columns"]), [list(r) for r in body["rows"]]
 
     def _rows(self, path: str, params: dict[str, Any], scope: Scope) -> list[dict[str, Any]]:
         if _sees_nothing(scope):
