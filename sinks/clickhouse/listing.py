@@ -28,12 +28,14 @@ def requests_sql(
     order: str,
     request_id: str | None = None,
     client_id: str | None = None,
+    inconsistent: int = 0,
 ) -> tuple[str, dict[str, Any]]:
     """Requests in scope, newest first (``recent``) or most varied timelines first (``varied``).
 
     ``request_id`` keeps the requests that id names (any of their ids: ``ids.id_condition``);
     ``client_id`` those whose front-end id was built from the client's ``X-Request-Id``
-    (``ids.client_id_condition``).
+    (``ids.client_id_condition``); ``inconsistent`` = 1 those whose counts disagree with the
+    engine's own totals (``consistent`` false: the dashboard's "inconsistent N" links here).
     """
     from sparseety.sinks.clickhouse import ids
 
@@ -49,6 +51,8 @@ def requests_sql(
     if client_id:
         where += f" AND {ids.client_id_condition('client_id')}"
         params["client_id"] = client_id
+    if inconsistent:
+        where += " AND NOT consistent"
     by = "finished_ts_ns DESC, request_uid" if order == "recent" else f"{_VARIETY} DESC, finished_ts_ns DESC"
     sql = (
         f"SELECT request_uid, {ids.EXTERNAL} AS external_request_id, choice_index, "

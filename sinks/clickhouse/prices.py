@@ -208,7 +208,7 @@ def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
         where, params = "model = {model:String}", {"model": model}
     rows = store.query(
         "SELECT model, toString(token_class) AS token_class, effective_from_ns, price_micro, note "
-        f"FROM {store.table('prices')} FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
+        f"FROM {store.database}.prices FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
         params,
     )
     return [

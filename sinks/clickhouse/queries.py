@@ -989,6 +989,14 @@ QUERIES: tuple[QuerySpec, ...] = (
                 "Only the requests the client sent with this X-Request-Id (vLLM names them "
                 "chatcmpl-<id> / cmpl-<id>).",
             ),
+            Param(
+                "inconsistent",
+                int,
+                0,
+                "1: only requests whose counts disagree with the engine's own totals.",
+                ge=0,
+                le=1,
+            ),
         ),
     ),
     QuerySpec(

@@ -12,7 +12,9 @@ requests; the body adds ``candidates``), 503 ``store_unavailable``.
 
 from __future__ import annotations
 
+import html
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparseety import __version__
 from sparseety.api import params
-from sparseety.api.auth import AuthError, Principal
+from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
 from sparseety.api.collect import AnalyzeSpec, CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
 from sparseety.api.dashboard import collect as collect_dashboard
@@ -74,16 +76,98 @@ def backend_of(request: Request) -> Backend:
     return request.app.state.backend  # type: ignore[no-any-return]
 
 
+def _session(request: Request) -> Principal | None:
+    """The principal of the request's browser session: reads (GET, HEAD) only, so a cookie never
+    authorizes a change (a form another site posts gets nothing from it)."""
+    if request.method not in ("GET", "HEAD"):
+        return None
+    sessions: Sessions = request.app.state.sessions
+    return sessions.get(request.cookies.get(SESSION_COOKIE))
+
+
 def principal(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
-    """The caller, from its bearer token (401 when tokens are configured and it has none)."""
-    who = backend_of(request).tokens.authenticate(request.headers.get("authorization"))
+    """The caller, from its bearer token, else its browser session (401 when tokens are
+    configured and it has neither)."""
+    header = request.headers.get("authorization")
+    tokens = backend_of(request).tokens
+    who = (None if header or tokens.open else _session(request)) or tokens.authenticate(header)
     request.state.principal = who
     return who
 
 
 Caller = Annotated[Principal, Depends(principal)]
+
+
+def browser_principal(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal | None:
+    """As :func:`principal`, but None (not 401) for a browser page load without credentials, so
+    the page can send it to the login form."""
+    header = request.headers.get("authorization")
+    if not header and "text/html" in request.headers.get("accept", ""):
+        try:
+            return principal(request, _)
+        except AuthError:
+            return None
+    return principal(request, _)
+
+
+Browser = Annotated[Principal | None, Depends(browser_principal)]
+
+
+def _login_html(message: str, status: int = 200) -> HTMLResponse:
+    from importlib import resources
+    from string import Template
+
+    page = resources.files("sparseety.api").joinpath("static", "login.html").read_text(encoding="utf-8")
+    body = Template(page).substitute(message=html.escape(message))
+    return HTMLResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
+
+
+async def _login(request: Request) -> Response:
+    """A token (form field ``token``, or JSON ``{"token": ...}``) -> a session cookie; a form is
+    sent on to the dashboard, JSON answered ``{"ok": true}``."""
+    from urllib.parse import parse_qs
+
+    raw = await request.body()
+    is_json = request.headers.get("content-type", "").startswith("application/json")
+    token = ""
+    if is_json:
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = {}
+        token = str(body.get("token", "")) if isinstance(body, dict) else ""
+    else:
+        token = (parse_qs(raw.decode(errors="replace")).get("token") or [""])[0]
+    tokens = backend_of(request).tokens
+    try:
+        who = tokens.authenticate(f"Bearer {token.strip()}") if not tokens.open else None
+    except AuthError:
+        if is_json:
+            return _error(401, "unauthorized", "unknown token")
+        return _login_html("That token is not known here.", status=401)
+    if who is None:  # an open API needs no login
+        return RedirectResponse("/dashboard", status_code=303)
+    sessions: Sessions = request.app.state.sessions
+    sid = sessions.create(who)
+    response: Response = (
+        JSONResponse({"ok": True}) if is_json else RedirectResponse("/dashboard", status_code=303)
+    )
+    response.set_cookie(
+        SESSION_COOKIE,
+        sid,
+        max_age=int(sessions.ttl_s),
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
 Back = Annotated[Backend, Depends(backend_of)]
 
 
@@ -393,6 +477,16 @@ def _router() -> APIRouter:
         n = await back.query("set_prices", set_prices, back.store, entries)
         return JSONResponse({"set": n})
 
+    @api.get("/dead-letters", tags=["operations"])
+    async def dead_letters(
+        who: Caller, back: Back, limit: Annotated[int, Query(ge=1, le=10_000, description="At most N.")] = 100
+    ) -> JSONResponse:
+        """The newest dead letters of the whole pipeline (when, which component, error type,
+        reason, the input's topic/partition/offset; never its bytes); admin only."""
+        who.require_admin("dead letters")
+        rows = await back.query("dead_letters", back.queries.dead_letters, limit=limit)
+        return JSONResponse(jsonable({"rows": rows}))
+
     @api.get("/db/status", tags=["admin"])
     async def db_status(who: Caller, back: Back) -> JSONResponse:
         """The store's migrations: version, name, applied, applied_at, checksum_ok; admin only."""
@@ -472,15 +566,39 @@ def _ops(app: FastAPI) -> None:
     async def root() -> RedirectResponse:
         return RedirectResponse("/dashboard")
 
+    @app.get("/login", response_class=HTMLResponse, tags=["dashboard"])
+    async def login_page(request: Request) -> Response:
+        """The browser's sign-in page: a token in a form, or in the ``#token=`` fragment (read by
+        the page, never sent in a URL), exchanged for a session cookie."""
+        if backend_of(request).tokens.open:
+            return RedirectResponse("/dashboard", status_code=303)
+        return _login_html("")
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        return await _login(request)
+
+    @app.post("/logout", tags=["dashboard"])
+    async def logout(request: Request) -> Response:
+        """End the browser's session."""
+        sessions: Sessions = request.app.state.sessions
+        sessions.drop(request.cookies.get(SESSION_COOKIE))
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
+
     @app.get("/dashboard", response_class=HTMLResponse, tags=["dashboard"])
     async def dashboard(
-        who: Caller,
+        who: Browser,
         back: Back,
         s: Scoped,
         request_id: Annotated[list[str], Query(description="Requests whose timelines to draw.")] = [],  # noqa: B006
         inline: Annotated[bool, Query(description="Embed plotly.js (a self-contained file).")] = False,
-    ) -> HTMLResponse:
-        """The dashboard, rendered now for the caller's tenants."""
+    ) -> Response:
+        """The dashboard, rendered now for the caller's tenants; a browser without a session is
+        sent to ``/login``."""
+        if who is None:
+            return RedirectResponse("/login", status_code=303)
         scope = s.scope(who, back.clock())
         data = await back.query(
             "dashboard",
@@ -586,6 +704,7 @@ def create_api(backend: Backend) -> FastAPI:
         ),
     )
     app.state.backend = backend
+    app.state.sessions = Sessions()
     app.include_router(_router())
     _ops(app)
     _errors(app)

@@ -292,6 +292,7 @@ class RemoteQueries:
                 "incomplete_requests": 0,
                 "inconsistent_requests": 0,
                 "seq_gap_requests": 0,
+                "earliest_finished_ts_ns": 0,
                 "latest_finished_ts_ns": 0,
                 "freshness_s": None,
             }
@@ -302,6 +303,10 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+    def dead_letters(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """Like :meth:`ApiQueries.dead_letters` (``GET /api/v1/dead-letters``, admin only)."""
+        return decode_rows(self._get("/api/v1/dead-letters", {"limit": limit})["rows"])
 
 
 def _wire_params(spec: QuerySpec, declared: Sequence[Param], arguments: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
     where, params = scope.where()
     sql = (
         "SELECT count() AS requests, countIf(NOT complete) AS incomplete_requests, "
+        "if(count() = 0, 0, min(finished_ts_ns)) AS earliest_finished_ts_ns, "
         "countIf(NOT consistent) AS inconsistent_requests, countIf(seq_gap) AS seq_gap_requests, "
         "if(count() = 0, 0, max(finished_ts_ns)) AS latest_finished_ts_ns "
         f"FROM {db}.requests_v WHERE {where}"
@@ -46,6 +47,17 @@ def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
 def dead_letters_sql(db: str) -> tuple[str, dict[str, Any]]:
     """Dead letters stored (the whole pipeline's; not tenant-scoped)."""
     return f"SELECT count() AS dead_letters FROM {db}.dead_letters FINAL", {}
+
+
+def dead_letter_rows_sql(db: str, *, limit: int) -> tuple[str, dict[str, Any]]:
+    """The newest dead letters (what failed where, and why; never the payload)."""
+    sql = (
+        "SELECT fromUnixTimestamp64Nano(ts_ns, 'UTC') AS at, toString(component) AS component, "
+        "toString(error_type) AS error_type, reason, topic, partition, offset, "
+        "dlq_topic, dlq_partition, dlq_offset "
+        f"FROM {db}.dead_letters FINAL ORDER BY ts_ns DESC LIMIT {{limit:UInt32}}"
+    )
+    return sql, {"limit": limit}
 
 
 def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -70,6 +82,16 @@ def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 class ApiQueries(Queries):
     """The query library plus the health figures the API serves."""
+
+    def dead_letters(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` dead letters of the whole pipeline (an admin's question)."""
+        return self._run(dead_letter_rows_sql(self.db, limit=limit))
+
+    def prices_list(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Every stored price (:func:`~sparseety.sinks.clickhouse.prices.list_prices`)."""
+        from sparseety.sinks.clickhouse.prices import list_prices
+
+        return list_prices(self.store, model)  # type: ignore[arg-type]
 
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int) -> dict[str, Any]:
         """Store-side pipeline health within ``scope``.

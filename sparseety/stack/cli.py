@@ -33,7 +33,12 @@ def up(c: CliContext, workers: int) -> None:
     stack = Stack(c.cfg, workers=workers)
     rows = stack.up(progress=lambda t: click.echo(t, err=True))
     _print_status(rows)
-    click.echo(f"\nAPI and dashboard: {stack.api_url}   engines publish to: {stack.broker.bootstrap}")
+    if c.cfg.api.tokens:
+        # the page needs a sign-in: a token from api.tokens, or the admin token the store wrote
+        where = f"dashboard: {stack.api_url}/login (sign in with a token from api.tokens)"
+    else:
+        where = f"API and dashboard: {stack.api_url}/dashboard"
+    click.echo(f"\n{where}   API: {stack.api_url}   engines publish to: {stack.broker.bootstrap}")
 
 
 @click.command("down")

@@ -240,6 +240,7 @@ def test_experts_duplication_requests_and_health(client: TestClient, local: ApiQ
         "incomplete_requests": 1,
         "inconsistent_requests": 1,
         "seq_gap_requests": 0,
+        "earliest_finished_ts_ns": T0 + 1 * MIN,
         "latest_finished_ts_ns": T0 + 6 * MIN,
         "freshness_s": 240.0,
         "dead_letters": 1,
