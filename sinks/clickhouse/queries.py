@@ -339,6 +339,19 @@ def requests_by_uid_sql(db: str, uids: Sequence[str], *, scope: Scope) -> tuple[
     return sql, params
 
 
+def engines_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Each engine (by name) the store has requests of: its epochs, requests and the newest
+    finish time (``sparseety status`` flags one whose newest finish is old)."""
+    where, params = scope.where()
+    sql = (
+        "SELECT engine_name AS engine, uniqExact(engine_id) AS epochs, count() AS requests, "
+        "max(finished_ts_ns) AS last_finished_ts_ns, "
+        "fromUnixTimestamp64Nano(max(finished_ts_ns), 'UTC') AS last_finished_at "
+        f"FROM {db}.requests_v WHERE {where} GROUP BY engine_name ORDER BY engine_name"
+    )
+    return sql, params
+
+
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
     """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
     select, keys, _ = _group(by, bucket, "c")
@@ -795,7 +808,11 @@ QUERIES: tuple[QuerySpec, ...] = (
         "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
         "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
         "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
-        "onto (+) or off (-) the group.",
+        "onto (+) or off (-) the group.\n\n"
+        "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
+        "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
+        "amortized every computed position that is not an output (prefill, recompute, rejected "
+        "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
         route="cost",
         group_by="tenant",
         bucket=True,
@@ -845,6 +862,13 @@ QUERIES: tuple[QuerySpec, ...] = (
         route="spec",
         group_by="model",
         bucket=True,
+    ),
+    QuerySpec(
+        "engines",
+        engines_sql,
+        "Engines the store has requests of: epochs, requests, the newest finish time "
+        "(last_finished_ts_ns, last_finished_at).",
+        route="engines",
     ),
     QuerySpec(
         "gpu_time",
