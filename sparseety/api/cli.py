@@ -294,7 +294,15 @@ for _name, _specs in commands().items():
 
 
 @click.command("dashboard")
-@click.option("--out", "out", default="dashboard.html", show_default=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--output",
+    "--out",
+    "out",
+    default="dashboard.html",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The HTML file to write (--out: its older name).",
+)
 @click.option("--request", "request_uids", multiple=True, help="Draw these requests' timelines (repeatable).")
 @click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h).")
 @click.option("--until", help="Finished before: ISO-8601 time or a duration ago.")
