@@ -161,7 +161,14 @@ def test_price_files() -> None:
         ("input", 150_000, 1_735_689_600 * 10**9),
         ("output", 600_000, 0),
     ]
+    # the CSV's columns as TOML keys: the same price as the CSV row
+    same = prices_from_toml(
+        '[[prices]]\nmodel = "tiny"\ntoken_class = "input"\nusd = "0.15"\neffective_from = 2025-01-01'
+    )
+    assert same == prices_from_csv(csv)[:1]
     for bad, match in [
+        ('[[prices]]\nmodel = "m"\ntoken_class = "premium"\nusd = "1"', "token class"),
+        ('[[prices]]\nmodel = "m"\ntoken_class = "input"\nusd = "1"\ninput = "2"', "unknown keys"),
         ('[[prices]]\nmodel = "m"\ninput = "-1"', "non-negative"),
         ('[[prices]]\nmodel = "m"\ninput = "0.0000001"', "six decimals"),
         ('[[prices]]\nmodel = "m"\nspeculative = "1"', "unknown keys"),
