@@ -584,11 +584,19 @@ def request_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, An
     return None if uid is None else q.requests_by_uid([uid], scope=scope).get(uid)
 
 
+def _readable(name: str, value: Any) -> Any:
+    """A wall-clock ``*_ts_ns`` as ISO-8601 UTC with the ns beside it (0 stays 0: not known)."""
+    if name.endswith("_ts_ns") and isinstance(value, int) and value > 0:
+        at = datetime.fromtimestamp(value / 1e9, UTC).isoformat(timespec="milliseconds")
+        return f"{at.replace('+00:00', 'Z')} ({value})"
+    return value
+
+
 def request_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """A request as the CLI prints it in table/csv: its fields, its cost per mode, its segments."""
     rest = {k: v for k, v in found.items() if k not in ("segments", "cost")}
     return [
-        [{"field": k, "value": v} for k, v in rest.items()],
+        [{"field": k, "value": _readable(k, v)} for k, v in rest.items()],
         [{"mode": k, "usd": v} for k, v in found["cost"].items()],
         list(found["segments"]),
     ]
@@ -720,6 +728,8 @@ class QuerySpec:
         permission: A per-token permission (``token_ids``) that decides what a lookup returns:
             the route passes ``allowed`` = whether the caller holds it (the library: True).
         rows: The key of a found object whose list is its rows for an export (``records``).
+        table_columns: The columns ``--format table`` shows without ``--wide`` (empty: all); JSON,
+            CSV and exports always carry every column.
     """
 
     name: str
@@ -741,6 +751,7 @@ class QuerySpec:
     tables: Callable[[dict[str, Any]], list[list[dict[str, Any]]]] | None = None
     permission: str = ""
     rows: str = ""
+    table_columns: tuple[str, ...] = ()
 
     @property
     def call_params(self) -> tuple[Param, ...]:
@@ -1021,6 +1032,19 @@ QUERIES: tuple[QuerySpec, ...] = (
                 ge=0,
                 le=1,
             ),
+        ),
+        table_columns=(
+            "request_uid",
+            "external_request_id",
+            "choice_index",
+            "tenant",
+            "model",
+            "finished_at",
+            "consistent",
+            "prompt_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "uncached_computed_tokens",
         ),
     ),
     QuerySpec(

@@ -27,9 +27,10 @@ def _store_or_api(cfg: Config, owner: str) -> Iterator[tuple[Any, Any]]:
     """``(store, None)`` opened here (migrations checked), else ``(None, remote)``: the API of the
     process that holds the store."""
     from sparseety.api.client import RemoteQueries, _owner_text
-    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.client import Store, require_store
     from sparseety.sinks.clickhouse.migrate import ensure_migrated
 
+    require_store(cfg)  # before opening: opening an embedded path creates it
     try:
         store = Store.open(cfg, owner=owner)
     except StoreLockedError as exc:

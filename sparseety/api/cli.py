@@ -157,11 +157,20 @@ def _export(c: CliContext, output: str, call: Callable[[Any], bytes | None], mis
     click.echo(f"wrote {len(data)} bytes to {output}", err=True)
 
 
-def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
+def _run_query(
+    c: CliContext, fmt: str, call: Callable[[Any], Any], columns: tuple[str, ...] = (), wide: bool = True
+) -> None:
     from sparseety.api.client import open_queries
 
     with open_queries(c.cfg, "sparseety query") as q:
         rows = call(q)
+    if fmt == "table" and columns and not wide and rows:
+        hidden = [k for k in rows[0] if k not in columns]
+        rows = [{k: r.get(k) for k in columns if k in r} for r in rows]
+        echo_rows(rows, fmt)
+        if hidden:
+            click.echo(f"({len(hidden)} more columns: --wide, or --format json|csv)", err=True)
+        return
     echo_rows(rows, fmt)
 
 
@@ -205,8 +214,16 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
         if output is not None:
             _export(c, output, lambda q: q.export(spec, fmt, scope=scope, **arguments))
             return
-        _run_query(c, fmt, lambda q: q.ask(spec, scope=scope, **arguments))
+        _run_query(
+            c,
+            fmt,
+            lambda q: q.ask(spec, scope=scope, **arguments),
+            spec.table_columns,
+            given.pop("wide", True),
+        )
 
+    if plain.table_columns:
+        cmd = click.option("--wide", is_flag=True, help="Every column in --format table.")(cmd)
     if plain.bucket:
         cmd = click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(cmd)
     if plain.group_by is not None:

@@ -371,10 +371,11 @@ def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
         :class:`RemoteQueries` (the store is open in another process).
     """
     from sparseety.api.queries import ApiQueries
-    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.client import Store, require_store
     from sparseety.sinks.clickhouse.migrate import ensure_migrated
 
     why = ""
+    require_store(cfg)  # before opening: opening an embedded path creates it
     try:
         store = Store.open(cfg, owner=owner)
     except StoreLockedError as exc:

@@ -107,7 +107,11 @@ def engine_rows(
     now_ns: int,
     silent_after_s: float = SILENT_AFTER_S,
 ) -> list[dict[str, str]]:
-    """The engines table of ``sparseety status``: one row per engine (journal problems first)."""
+    """The engines table of ``sparseety status``: one row per engine (journal problems first).
+
+    ``bootstrap`` is the stack's own broker (what an engine that does not deliver should name:
+    the journal does not record the address the engine tried; its log does).
+    """
     rows: list[dict[str, str]] = []
     spilling = set()
     for j in journal_list:
@@ -119,7 +123,7 @@ def engine_rows(
                 "state": "silent: not delivering",
                 "last seen": f"spilling since {_when(j.oldest_ns)} ({_ago(j.oldest_ns, now_ns)})",
                 "detail": f"{_size(j.pending_bytes)} undelivered in its {j.stream} journal; {alive}; "
-                f"check that it reaches Kafka at {bootstrap} (SPARSEETY_KAFKA_BOOTSTRAP)",
+                f"check that its SPARSEETY_KAFKA_BOOTSTRAP is this stack's broker, {bootstrap}",
             }
         )
     for e in stored:

@@ -318,3 +318,30 @@ def test_api_finds_by_response_id_and_lists_ambiguity(client: TestClient) -> Non
         .items()
         if k != "request_id"
     }
+
+
+def test_cli_finds_by_client_id_with_readable_tables(cfg: Config, store: Store) -> None:
+    from click.testing import CliRunner
+
+    from sparseety.cli import main
+
+    env = {
+        "SPARSEETY_CLICKHOUSE_DSN": cfg.clickhouse_dsn,
+        "SPARSEETY_CLICKHOUSE_DATABASE": cfg.clickhouse.database,
+    }
+    run = CliRunner()
+    out = run.invoke(main, ["query", "requests", "--client-id", "one"], env=env)
+    assert out.exit_code == 0, out.output
+    header = out.stdout.splitlines()[0].split()
+    assert header[:3] == ["request_uid", "external_request_id", "choice_index"]
+    assert "recomputed_tokens" not in header and "more columns: --wide" in out.stderr
+    wide = run.invoke(main, ["query", "requests", "--request-id", "chatcmpl-one", "--wide"], env=env)
+    assert wide.exit_code == 0 and "recomputed_tokens" in wide.stdout.splitlines()[0]
+    # one request: times readable, the ns beside them
+    one = run.invoke(main, ["query", "request", "chatcmpl-one"], env=env)
+    assert one.exit_code == 0, one.output
+    finished = next(x for x in one.stdout.splitlines() if x.strip().startswith("finished_ts_ns"))
+    assert "2023-11-14T22:16:20.000Z" in finished and str(T0 + 3 * MIN) in finished
+    # an id that names two: both listed, exit 1
+    amb = run.invoke(main, ["query", "request", "chatcmpl-dup", "--format", "json"], env=env)
+    assert amb.exit_code == 1 and "names 2 requests" in amb.stderr

@@ -47,6 +47,15 @@ def run(env: dict[str, str], *args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def test_a_data_dir_without_a_stack_says_so(tmp_path: Path) -> None:
+    empty = tmp_path / "no-stack-here"
+    env = {"SPARSEETY_DATA_DIR": str(empty)}
+    for args in (("query", "cost"), ("prices", "list"), ("sql", "SELECT 1")):
+        code, out = run(env, *args)
+        assert code == 2 and f"no store at {empty / 'chdb'}" in out and "sparseety up" in out, out
+    assert not empty.exists()  # nothing was created
+
+
 def test_db_migrate_and_status(env: dict[str, str]) -> None:
     code, out = run(env, "db", "status")
     assert code == 1 and "tables" in out and "no" in out
