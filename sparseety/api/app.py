@@ -38,7 +38,14 @@ from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
-from sparseety.api.collect import AnalyzeSpec, CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
+from sparseety.api.collect import (
+    COLLECT_KINDS,
+    AnalyzeSpec,
+    CollectSpecError,
+    IngestSpec,
+    ReplaySpec,
+    VllmLogSpec,
+)
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
@@ -647,7 +654,9 @@ def _errors(app: FastAPI) -> None:
             return _error(400, "bad_parameter", str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path == "/api/v1/collect":
+            return _error(400, "bad_parameter", _collect_problem(exc))
         problems = []
         for e in exc.errors():
             where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("query", "body", "path"))
@@ -672,6 +681,32 @@ def _errors(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", request.url.path)
         return _error(500, "internal", f"unexpected {type(exc).__name__}; see the API's log")
+
+
+def _collect_problem(exc: RequestValidationError) -> str:
+    """A collect body that is no spec: its kind named against the allowed ones, or the first
+    field problem of the kind it names (not pydantic's text for every member of the union)."""
+    body = getattr(exc, "body", None)
+    kinds = ", ".join(COLLECT_KINDS)
+    if not isinstance(body, dict):
+        return f"a collect spec is a JSON object with a kind: {kinds}"
+    kind = body.get("kind", "vllm_log" if body.get("trace_source") == "vllm_log" else None)
+    if kind not in COLLECT_KINDS:
+        return f"unknown collect kind {kind!r}: choose from {kinds} (docs/api.md, Collect jobs)"
+    problems = []
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        # the union's members lead the location: keep only the named kind's problems
+        member = loc[0] if loc else ""
+        if ("VllmLogSpec" in member) != (kind == "vllm_log"):
+            continue
+        rest = loc[1:] if member.startswith(("tagged-union", "function-", "VllmLogSpec")) else loc
+        if rest and rest[0] == kind:
+            rest = rest[1:]
+        if not rest:
+            continue  # the union's own "no such tag": the kind was named above
+        problems.append(f"{'.'.join(rest)}: {e.get('msg', 'invalid')}")
+    return f"{kind} job: " + ("; ".join(dict.fromkeys(problems)) or "invalid spec")
 
 
 def _metrics_middleware(app: FastAPI) -> None:
