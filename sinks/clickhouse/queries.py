@@ -353,7 +353,15 @@ def engines_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
 
 
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
-    """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
+    """Speculative decoding: drafts proposed, accepted, rejected, and what they bought.
+
+    One definition of the draft counts everywhere (docs/cost-model.md): ``draft_tokens`` =
+    accepted + rejected + cut, every draft position the engine computed; ``draft_verified_tokens``
+    = accepted + rejected, the drafts the verifier judged (what ``tokens``' ``draft_token_count``
+    and vLLM's ``num_draft_tokens`` count). ``acceptance_rate`` = accepted / draft_tokens is ours;
+    ``vllm_acceptance_rate`` = accepted / verified is the one vLLM reports: it leaves out the drafts
+    a stop cut before they were verified, so it is the higher of the two whenever drafts were cut.
+    """
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
@@ -364,6 +372,9 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
         "sum(c.draft_cut_tokens) AS draft_cut_tokens, "
         "draft_accepted_tokens + draft_rejected_tokens + draft_cut_tokens AS draft_tokens, "
         "if(draft_tokens = 0, 0, draft_accepted_tokens / draft_tokens) AS acceptance_rate, "
+        "draft_accepted_tokens + draft_rejected_tokens AS draft_verified_tokens, "
+        "if(draft_verified_tokens = 0, 0, draft_accepted_tokens / draft_verified_tokens) "
+        "AS vllm_acceptance_rate, "
         "sum(c.output_tokens) AS output_tokens, "
         "if(output_tokens = 0, 0, draft_accepted_tokens / output_tokens) AS output_from_drafts, "
         "sum(c.scheduled_tokens) AS scheduled_tokens, "

@@ -267,7 +267,7 @@ def spec_rows(data: DashboardData) -> list[list[Any]]:
                 j,
                 k,
                 _pct(r["acceptance_rate"]),
-                _pct(a / (a + j) if a + j else 0),
+                _pct(r.get("vllm_acceptance_rate", a / (a + j) if a + j else 0)),
                 _pct(r["output_from_drafts"]),
                 _pct(r["rejected_compute_share"]),
             ]

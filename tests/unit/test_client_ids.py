@@ -14,6 +14,7 @@ Crafted store (tenant, model m1: input $10, cached $2.5, output $40 per 1M token
   e1/chatcmpl-dup-cccc3333 acme  P10   C0   O1    the same front-end id ...
   e2/chatcmpl-dup-dddd4444 globex P10  C0   O1    ... on another engine
   e1/chatcmpl-old-eeee5555 acme  P10   C0   O1    written before migration 009 (no external id)
+  e3/chatcmpl-spec-ffff6666 initech P10 C0  O9    drafts: 8 accepted, 2 rejected, 2 cut, T0+7m
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _row(
     C: int,
     O: int,  # noqa: E741 - the cost model's names
     ident: bool = True,
+    **over: Any,
 ) -> dict[str, Any]:
     eid = f"{engine}@1"
     return f.accounting(
@@ -156,6 +158,7 @@ def _row(
         engine_cached_tokens=C,
         block_uses=[],
         **(request_identity(rid, randomized=True) if ident else {}),
+        **over,
     )
 
 
@@ -166,6 +169,19 @@ ROWS = [
     _row("e1", "chatcmpl-dup-cccc3333", "acme", 4, P=10, C=0, O=1),
     _row("e2", "chatcmpl-dup-dddd4444", "globex", 5, P=10, C=0, O=1),
     _row("e1", "chatcmpl-old-eeee5555", "acme", 6, P=10, C=0, O=1, ident=False),
+    # speculative decoding with drafts a stop cut: 8 accepted, 2 rejected, 2 cut
+    _row(
+        "e3",
+        "chatcmpl-spec-ffff6666",
+        "initech",
+        7,
+        P=10,
+        C=0,
+        O=9,
+        draft_accepted_tokens=8,
+        draft_rejected_tokens=2,
+        draft_cut_tokens=2,
+    ),
 ]
 PRICES = [
     Price("m1", "input", D("10"), 0),
@@ -345,3 +361,16 @@ def test_cli_finds_by_client_id_with_readable_tables(cfg: Config, store: Store) 
     # an id that names two: both listed, exit 1
     amb = run.invoke(main, ["query", "request", "chatcmpl-dup", "--format", "json"], env=env)
     assert amb.exit_code == 1 and "names 2 requests" in amb.stderr
+
+
+def test_one_definition_of_draft_counts(q: Queries) -> None:
+    """spec and the token statistics count drafts alike; vLLM's rate leaves the cut ones out."""
+    (spec,) = q.spec_efficiency(scope=Scope(tenants=("initech",)))
+    assert (spec["draft_tokens"], spec["draft_verified_tokens"]) == (12, 10)
+    assert spec["acceptance_rate"] == pytest.approx(8 / 12) and spec["vllm_acceptance_rate"] == pytest.approx(
+        8 / 10
+    )
+    stats = q.tokens_statistics("chatcmpl-spec")
+    assert stats is not None
+    assert stats["draft_token_count"] == spec["draft_verified_tokens"]
+    assert stats["draft_token_count"] + stats["draft_cut_count"] == spec["draft_tokens"]
