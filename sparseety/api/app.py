@@ -486,12 +486,17 @@ def _router() -> APIRouter:
 
     @api.get("/dead-letters", tags=["operations"])
     async def dead_letters(
-        who: Caller, back: Back, limit: Annotated[int, Query(ge=1, le=10_000, description="At most N.")] = 100
+        who: Caller,
+        back: Back,
+        limit: Annotated[int, Query(ge=1, le=10_000, description="At most N.")] = 100,
+        component: Annotated[
+            str | None, Query(description="Only this component's (ingest: refused lines of ingested files).")
+        ] = None,
     ) -> JSONResponse:
         """The newest dead letters of the whole pipeline (when, which component, error type,
         reason, the input's topic/partition/offset; never its bytes); admin only."""
         who.require_admin("dead letters")
-        rows = await back.query("dead_letters", back.queries.dead_letters, limit=limit)
+        rows = await back.query("dead_letters", back.queries.dead_letters, limit=limit, component=component)
         return JSONResponse(jsonable({"rows": rows}))
 
     @api.get("/db/status", tags=["admin"])
@@ -705,8 +710,8 @@ def _collect_problem(exc: RequestValidationError) -> str:
             rest = rest[1:]
         if not rest:
             continue  # the union's own "no such tag": the kind was named above
-        problems.append(f"{'.'.join(rest)}: {e.get('msg', 'invalid')}")
-    return f"{kind} job: " + ("; ".join(dict.fromkeys(problems)) or "invalid spec")
+        problems.append(f"{kind}.{'.'.join(rest)}: {e.get('msg', 'invalid')}")
+    return "; ".join(dict.fromkeys(problems)) or f"{kind}: invalid spec"
 
 
 def _metrics_middleware(app: FastAPI) -> None:

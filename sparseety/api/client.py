@@ -304,9 +304,10 @@ class RemoteQueries:
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
 
-    def dead_letters(self, *, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_letters(self, *, limit: int = 100, component: str | None = None) -> list[dict[str, Any]]:
         """Like :meth:`ApiQueries.dead_letters` (``GET /api/v1/dead-letters``, admin only)."""
-        return decode_rows(self._get("/api/v1/dead-letters", {"limit": limit})["rows"])
+        params: dict[str, Any] = {"limit": limit, **({"component": component} if component else {})}
+        return decode_rows(self._get("/api/v1/dead-letters", params)["rows"])
 
 
 def _wire_params(spec: QuerySpec, declared: Sequence[Param], arguments: dict[str, Any]) -> dict[str, Any]:

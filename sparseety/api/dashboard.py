@@ -209,9 +209,14 @@ def _health_rows(data: DashboardData) -> list[tuple[str, str]]:
             cell += " …"
     rows.append(("inconsistent (counts ≠ engine's)", cell))
     if "dead_letters" in h:
-        n = int(h["dead_letters"])
+        rejects = int(h.get("ingest_rejects", 0))
+        n = int(h["dead_letters"]) - rejects
         cell = html.escape(str(n)) + (f" — {_link('/api/v1/dead-letters', 'list')}" if n else "")
-        rows.append(("dead letters", cell))
+        rows.append(("dead letters (pipeline)", cell))
+        cell = html.escape(str(rejects))
+        if rejects:
+            cell += f" — {_link('/api/v1/dead-letters?component=ingest', 'list')}"
+        rows.append(("ingest rejects (bad lines of ingested files)", cell))
     rows.extend((k.replace("_", " "), html.escape(_text(v))) for k, v in data.pipeline.items())
     return rows
 
