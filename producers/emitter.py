@@ -24,6 +24,7 @@ take within ``flush_timeout_s`` is written to the journal, which the next start 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -38,6 +39,8 @@ from sparseety.producers.handoff import Builder, Handoff
 from sparseety.producers.kafka_client import confluent_producer
 from sparseety.producers.ledger import EmitterStats
 from sparseety.producers.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
 
 
 def record(payload_type: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -103,8 +106,16 @@ class Emitter:
         self.engine_name = engine_name
         self.epoch = epoch
         self.engine_id = ev.engine_id(engine_name, epoch)
-        self._supervisor.ledger.bind(
-            engine_name.encode(), self.cfg.spill_path / _safe(engine_name) / _safe(self.stream)
+        journal = self.cfg.spill_path / _safe(engine_name) / _safe(self.stream)
+        self._supervisor.ledger.bind(engine_name.encode(), journal)
+        # where events wait if Kafka is away: under the stack's data dir when SPARSEETY_DATA_DIR
+        # names it, so that `sparseety status` finds an engine that cannot deliver
+        log.info(
+            "sparseety producer %s: Kafka %s; spill journal %s (producer.spill_dir, default "
+            "<data_dir>/spill: set SPARSEETY_DATA_DIR to the stack's data dir)",
+            self.engine_id,
+            self.cfg.kafka.bootstrap,
+            journal,
         )
         self.handoff.open()
         self.bound_event.set()

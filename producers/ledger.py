@@ -78,6 +78,8 @@ class Ledger:
         journal_max_bytes: The journal's bound; beyond it events are dropped.
         stream: For log lines.
         on_progress: Called on every acknowledged message (stall detection).
+        warn_once: Logs each kind of warning once.
+        bootstrap: The Kafka bootstrap the producer uses (named in the spill warning).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Ledger:
         stream: str,
         on_progress: Callable[[], None] = lambda: None,
         warn_once: WarnOnce | None = None,
+        bootstrap: str = "",
     ) -> None:
         self.produce = produce
         self.limit_bytes = limit_bytes
@@ -98,6 +101,7 @@ class Ledger:
         self.stream = stream
         self.key = b""
         self.on_progress = on_progress
+        self.bootstrap = bootstrap  # named when Kafka does not take events: the setting to check
         self.warn_once = warn_once or WarnOnce(stream)
         self.stats = EmitterStats()
         self.journal: Journal | None = None
@@ -170,6 +174,7 @@ class Ledger:
             self.warn_once(f"delivery:{err.name()}", "delivery failed, will retry: %s", err)
 
     def spill(self, value: bytes) -> None:
+        draining = self.journal is not None and bool(self.journal)  # behind older spilled events
         if self.journal is None and not self.open_journal():
             self.drop("journal_error")
             return
@@ -185,11 +190,22 @@ class Ledger:
             return
         self.journal_left = self.journal.pending_bytes
         if self.stats.spilled == 0:
-            log.warning(
-                "sparseety producer %s: Kafka is not keeping up or away; spilling to %s",
-                self.stream,
-                self.journal_dir,
-            )
+            if draining:
+                # a healthy drain: new events queue on disk behind the older ones, in order
+                log.info(
+                    "sparseety producer %s: draining the journal %s into Kafka; new events queue behind it",
+                    self.stream,
+                    self.journal_dir,
+                )
+            else:
+                log.warning(
+                    "sparseety producer %s: Kafka at %s does not take events (unreachable, or slower than "
+                    "the engine); spilling to %s. Check kafka.bootstrap (SPARSEETY_KAFKA_BOOTSTRAP) and "
+                    "that the broker runs; `sparseety status` lists engines with undelivered journals",
+                    self.stream,
+                    self.bootstrap or "(kafka.bootstrap unset)",
+                    self.journal_dir,
+                )
         self.stats.spilled += 1
 
     def open_journal(self) -> bool:

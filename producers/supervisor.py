@@ -57,6 +57,7 @@ class Supervisor:
             stream=owner.stream,
             on_progress=self._on_progress,
             warn_once=self._warn_once,
+            bootstrap=owner.cfg.kafka.bootstrap,
         )
         self.handling = False
         # An event follows another without an idle wait between them: yield the GIL first.

@@ -1,5 +1,6 @@
-"""Sink commands: ``sink``, ``replay``, ``db`` and ``prices`` (``query`` is the API's: it may go
-through the store process's HTTP API, ``sparseety/api/cli.py``).
+"""Sink commands: ``sink`` and ``replay`` (``query``, ``db``, ``prices`` and ``sql`` are the API's:
+they go through the store process's HTTP API while it runs, ``sparseety/api/cli.py`` and
+``sparseety/api/admin_cli.py``).
 
 Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports (Faust, clickhouse-connect,
 aiokafka) happen inside the commands.
@@ -204,109 +205,4 @@ def _print_report(report: Any, fmt: str) -> None:
     click.echo(render(rows, fmt))
 
 
-# --- db ----------------------------------------------------------------------------------------
-
-
-@click.group("db")
-def db() -> None:
-    """The store's schema (versioned migrations)."""
-
-
-@db.command("migrate")
-@pass_ctx
-def db_migrate(c: CliContext) -> None:
-    """Apply pending migrations (idempotent; ON CLUSTER when clickhouse.cluster is set)."""
-    from sparseety.sinks.clickhouse.migrate import migrate
-
-    with _store(c.cfg, "sparseety db migrate", check=False) as store:
-        applied = migrate(store, ttl_days=c.cfg.clickhouse.ttl_days)
-        where = f"{store!r}" + (f" on cluster {store.cluster}" if store.cluster else "")
-        if applied:
-            for m in applied:
-                click.echo(f"applied {m.version:03d}_{m.name} to {where}")
-        else:
-            click.echo(f"{where} is up to date")
-
-
-@db.command("status")
-@FORMAT
-@pass_ctx
-def db_status(c: CliContext, fmt: str) -> None:
-    """List migrations and whether each is applied; exit 1 when some are pending."""
-    from sparseety.sinks.clickhouse.migrate import status
-
-    with _store(c.cfg, "sparseety db status", check=False) as store:
-        states = status(store)
-    rows = [
-        {
-            "version": s.version,
-            "name": s.name,
-            "applied": s.applied,
-            "applied_at": None
-            if s.applied_ns is None
-            else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.applied_ns / 1e9)),
-            "checksum_ok": s.checksum_ok,
-        }
-        for s in states
-    ]
-    echo_rows(rows, fmt)
-    if not all(s.applied and s.checksum_ok for s in states):
-        raise SystemExit(1)
-
-
-# --- prices ------------------------------------------------------------------------------------
-
-
-@click.group("prices")
-def prices() -> None:
-    """Prices per model and class (USD per 1M tokens, or per GPU-hour), with effective dates."""
-
-
-@prices.command("set")
-@click.option("--model", required=True)
-@click.option(
-    "--class",
-    "token_class",
-    required=True,
-    type=click.Choice(["input", "cached_input", "output", "gpu_hour"]),
-)
-@click.option("--usd", required=True, help="USD per 1M tokens (per GPU-hour for gpu_hour), e.g. 0.15.")
-@click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
-@click.option("--note", default="")
-@pass_ctx
-def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_from: str, note: str) -> None:
-    """Set one price."""
-    from sparseety.sinks.clickhouse.prices import Price, parse_time, parse_usd, set_prices
-
-    price = Price(model, token_class, parse_usd(usd), parse_time(effective_from), note)
-    with _store(c.cfg, "sparseety prices") as store:
-        set_prices(store, [price])
-    click.echo(f"{model} {token_class}: ${price.usd} from {effective_from or 'always'}")
-
-
-@prices.command("load")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False))
-@pass_ctx
-def prices_load(c: CliContext, path: str) -> None:
-    """Set prices from a TOML ([[prices]]) or CSV (model,token_class,usd,effective_from) file."""
-    from sparseety.sinks.clickhouse.prices import load_prices_file, set_prices
-
-    entries = load_prices_file(path)
-    with _store(c.cfg, "sparseety prices") as store:
-        n = set_prices(store, entries)
-    click.echo(f"{n} prices set from {path}")
-
-
-@prices.command("list")
-@click.option("--model", default=None)
-@FORMAT
-@pass_ctx
-def prices_list(c: CliContext, model: str | None, fmt: str) -> None:
-    """List stored prices."""
-    from sparseety.sinks.clickhouse.prices import list_prices
-
-    with _store(c.cfg, "sparseety prices") as store:
-        echo_rows(list_prices(store, model), fmt)
-
-
-COMMANDS = [sink_cmd, replay_cmd, db, prices]
+COMMANDS = [sink_cmd, replay_cmd]

@@ -27,6 +27,7 @@ COMPONENT_CLIS = (
     "sparseety.sinks.cli",
     "sparseety.stack.cli",
     "sparseety.api.cli",
+    "sparseety.api.admin_cli",
 )
 
 

@@ -168,5 +168,18 @@ class QueryError(SparseetyError):
     """A query was asked with arguments it cannot answer (unknown mode, dimension, bucket, time)."""
 
 
+class AmbiguousIdError(QueryError):
+    """An id the caller gave names several stored requests (the same client id on two engines,
+    or the n choices of one response): they are listed, never one picked.
+
+    Attributes:
+        candidates: One row per request it names (``request_uid``, engine, ids, tenant, time).
+    """
+
+    def __init__(self, message: str, *, candidates: list[dict[str, Any]], **fields: object) -> None:
+        super().__init__(message, **fields)
+        self.candidates = candidates
+
+
 class ReplayError(SparseetyError):
     """A replay range cannot be resolved, or the replay cannot run."""

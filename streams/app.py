@@ -128,6 +128,8 @@ class AssemblerWorker:
             outputs: list[Output] = []
             started = time.perf_counter()
             last_ts_ns = 0
+            engines: dict[str, int] = {}
+            stopped: set[str] = set()
             for msg in batch:
                 try:
                     _, decoded = self.decoder.decode(msg.value)
@@ -140,9 +142,16 @@ class AssemblerWorker:
                     continue
                 outputs.extend(asm.apply(decoded))
                 last_ts_ns = decoded["ts_ns"]
+                name = decoded["engine_name"]
+                engines[name] = max(engines.get(name, 0), last_ts_ns)
+                if ev.payload_type(decoded) == ev.ENGINE_STOPPED:
+                    stopped.add(name)
+                else:
+                    stopped.discard(name)
             metrics.EVENTS_IN.inc(len(batch))
             if last_ts_ns:
                 metrics.LAST_EVENT_TS.labels(str(partition)).set(last_ts_ns / 1e9)
+                metrics.engine_seen(engines, stopped)
             metrics.FOLD_SECONDS.observe(time.perf_counter() - started)
             log.debug(
                 "partition %d: offsets %d..%d -> %d outputs",

@@ -293,6 +293,9 @@ class Assembler:
         r.admission_seq = seq
         r.tenant = body["tenant"]
         r.session_id = body.get("session_id", "")
+        r.external_request_id = body.get("external_request_id", "")
+        r.parent_request_id = body.get("parent_request_id", "")
+        r.choice_index = body.get("choice_index", 0)
         r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
@@ -775,6 +778,9 @@ class Assembler:
             "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
             "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,
             "session_id": r.session_id,
+            "external_request_id": r.external_request_id,
+            "parent_request_id": r.parent_request_id,
+            "choice_index": r.choice_index,
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import astuple, fields
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -35,6 +36,14 @@ LAST_EVENT_TS = Gauge(
     ["partition"],
 )
 
+ENGINE_LAST_EVENT_TS = Gauge(
+    "sparseety:worker_engine_last_event_timestamp_seconds",
+    "Wall clock (ts_ns) of the last event of each engine this worker folded, heartbeats included "
+    "(a live engine sends one every producer.heartbeat_interval_s, idle or not); an engine that "
+    "stopped cleanly (EngineStopped) is removed, so time() - this grows only for a silent one.",
+    ["engine"],
+)
+
 _last: dict[int, tuple[int, ...]] = {}
 _names = [f.name for f in fields(Stats)]
 
@@ -54,7 +63,19 @@ def set_lag(partition: int, *, highwater: int, position: int) -> None:
     LAG.labels(str(partition)).set(max(highwater - position, 0))
 
 
+def engine_seen(last: dict[str, int], stopped: set[str]) -> None:
+    """Per engine name: the ts_ns of its last event in a batch; ``stopped``: engines whose
+    EngineStopped the batch held (their series ends)."""
+    for engine, ts_ns in last.items():
+        if engine in stopped:
+            with contextlib.suppress(KeyError):
+                ENGINE_LAST_EVENT_TS.remove(engine)
+        else:
+            ENGINE_LAST_EVENT_TS.labels(engine).set(ts_ns / 1e9)
+
+
 def forget_partitions() -> None:
     """Drop the per-partition gauges (partitions were revoked; the next owner reports them)."""
     LAG.clear()
     LAST_EVENT_TS.clear()
+    ENGINE_LAST_EVENT_TS.clear()

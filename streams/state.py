@@ -152,6 +152,10 @@ class RequestState(_Record):
     prompt_ids: list[int] = field(default_factory=list)  # raw mode
     prompt_hashes: list[int] = field(default_factory=list)  # hashed mode
     output_ids: list[int] = field(default_factory=list)  # raw mode
+    # Added with look-up by the client's id (appended: older persisted states still load).
+    external_request_id: str = ""  # the front end's id of the API request (RequestStarted)
+    parent_request_id: str = ""  # the API request whose n choices this is one of; "" when n = 1
+    choice_index: int = 0
     # Added with async scheduling (appended: older persisted states still load). Tokens vLLM had
     # processed when it scheduled the last step, what it frees sliding-window blocks on (-1: the
     # last step's num_computed_before; no earlier step of the request was in flight then).

@@ -100,6 +100,9 @@ def request_started(
         "lora_name": None,
         "priority": 0,
         "session_id": "",
+        "external_request_id": "",
+        "parent_request_id": "",
+        "choice_index": 0,
         **over,
     }
 
@@ -312,6 +315,9 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "prompt_token_ids": [11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
         "prompt_token_hashes": [],
         "output_token_ids": [21, 22, 23],
+        "external_request_id": "",
+        "parent_request_id": "",
+        "choice_index": 0,
     }
     rec.update(over)
     return rec

@@ -101,6 +101,8 @@ def ingest_cmd(
         f"{report.events_published} events published to {report.topic} in {report.seconds:.2f} s "
         f"({report.events_per_s:,.0f} events/s); engines: {', '.join(report.engine_ids) or '-'}"
     )
+    if report.hint:
+        click.echo(f"hint: {report.hint}", err=True)
     if report.bad:
         for line, reason in report.errors:
             click.echo(f"  skipped line {line}: {reason}", err=True)

@@ -59,6 +59,8 @@ class IngestReport:
     #: vLLM logs: requests received but never finished in the log, and a cut last line.
     unfinished: int = 0
     partial: int = 0
+    #: What to do when the input held nothing to account (a vLLM log without request lines).
+    hint: str = ""
     #: Called with each bad line (its bytes on ``exc.raw``): the ingest sends it to the dlq topic.
     on_bad: Callable[[BadTraceLineError], None] | None = field(default=None, repr=False, compare=False)
 
@@ -95,6 +97,7 @@ class IngestReport:
             "partial_lines": self.partial,
             "seconds": round(self.seconds, 3),
             "events_per_s": round(self.events_per_s, 1),
+            **({"hint": self.hint} if self.hint else {}),
         }
 
 
@@ -389,7 +392,14 @@ def ingest(
             report.records_read += 1
             report.bad_line(exc)
 
-        requests: Iterable[LogRequest] = read_log(paths, parser, bad_log_line)
+        logged = [0]
+
+        def counted(items: Iterable[LogRequest]) -> Iterable[LogRequest]:
+            for item in items:
+                logged[0] += 1
+                yield item
+
+        requests: Iterable[LogRequest] = counted(read_log(paths, parser, bad_log_line))
         if log_select is not None:
             requests = filter(log_select, requests)
         if log_window_s is not None:
@@ -405,6 +415,12 @@ def ingest(
         parsed = parser.finish()
         report.unfinished = len(parsed.unfinished)
         report.partial = len(parsed.partial)
+        if not logged[0] and not report.unfinished:
+            report.hint = (
+                "the log holds no request records: vLLM writes them only when the server runs with "
+                "--enable-log-requests (and --enable-log-outputs for the outputs), with "
+                "VLLM_LOGGING_LEVEL=DEBUG for the prompt token ids (docs/api.md, vLLM server logs)"
+            )
         for event in epoch.stop():
             publisher.send(key, encoder.encode(event))
         if not epoch.started:

@@ -143,6 +143,9 @@ class Exchange:
                     if isinstance(self.body.get("priority"), int)
                     else 0,
                     "session_id": self.session,
+                    # the response's id: one record per response (n choices included), so
+                    # the prompt is already billed once and there is no parent
+                    "external_request_id": self.response_id,
                 },
             ),
             (

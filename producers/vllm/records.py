@@ -18,6 +18,7 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.producers.privacy import PromptPolicy
+from sparseety.producers.vllm.request_ids import request_identity
 
 _MASK64 = (1 << 64) - 1
 
@@ -113,6 +114,7 @@ class RecordBuilder:
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
             "session_id": str(session) if session else "",
+            **request_identity(rid),  # the client's response id, the n choices' parent
         }
 
     def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:

@@ -71,6 +71,8 @@ _STRINGS = (
     "finish_reason",
     "session_id",
     "token_privacy",
+    "external_request_id",
+    "parent_request_id",
 )
 _NULLABLE_STRINGS = ("lora_name", "incomplete_reason")
 #: Fields of the writer schema the SQL below reads (a writer without one of them keeps the Python path).

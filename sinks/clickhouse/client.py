@@ -57,6 +57,25 @@ def parse_dsn(dsn: str) -> Target:
     raise StoreError(f"unsupported ClickHouse DSN {dsn!r}: use chdb:///path or http(s)://", dsn=dsn)
 
 
+def require_store(cfg: Config) -> None:
+    """Refuse to read an embedded store that was never created: a data dir no stack has used.
+
+    Opening a chDB path creates it, so a reader pointed at the wrong ``--data-dir`` would get a
+    fresh empty store and a hint to migrate it; it gets this instead. (``db migrate`` and the
+    store process create the store on purpose and do not call this.)
+
+    Raises:
+        StoreError: the embedded store's directory does not exist.
+    """
+    target = parse_dsn(cfg.clickhouse_dsn)
+    if target.kind == "chdb" and target.path is not None and not target.path.exists():
+        raise StoreError(
+            f"no store at {target.path}: no stack has run with the data dir {cfg.data_path} "
+            "(start one with `sparseety up`, or point --data-dir / SPARSEETY_DATA_DIR at the stack's)",
+            path=str(target.path),
+        )
+
+
 def error_code(exc: BaseException) -> int | None:
     """ClickHouse's numeric error code in an exception message, when there is one."""
     m = _CODE.search(str(exc))

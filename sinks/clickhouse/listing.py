@@ -20,17 +20,43 @@ _VARIETY = (
 )
 
 
-def requests_sql(db: str, *, scope: Scope, limit: int, order: str) -> tuple[str, dict[str, Any]]:
-    """Requests in scope, newest first (``recent``) or most varied timelines first (``varied``)."""
+def requests_sql(
+    db: str,
+    *,
+    scope: Scope,
+    limit: int,
+    order: str,
+    request_id: str | None = None,
+    client_id: str | None = None,
+    inconsistent: int = 0,
+) -> tuple[str, dict[str, Any]]:
+    """Requests in scope, newest first (``recent``) or most varied timelines first (``varied``).
+
+    ``request_id`` keeps the requests that id names (any of their ids: ``ids.id_condition``);
+    ``client_id`` those whose front-end id was built from the client's ``X-Request-Id``
+    (``ids.client_id_condition``); ``inconsistent`` = 1 those whose counts disagree with the
+    engine's own totals (``consistent`` false: the dashboard's "inconsistent N" links here).
+    """
+    from sparseety.sinks.clickhouse import ids
+
     if order not in ORDERS:
         raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
     if not 1 <= limit <= 10_000:
         raise QueryError("limit must be between 1 and 10000")
     where, params = scope.where()
     params["limit"] = limit
+    if request_id:
+        where += f" AND {ids.id_condition('key')}"
+        params["key"] = request_id
+    if client_id:
+        where += f" AND {ids.client_id_condition('client_id')}"
+        params["client_id"] = client_id
+    if inconsistent:
+        where += " AND NOT consistent"
     by = "finished_ts_ns DESC, request_uid" if order == "recent" else f"{_VARIETY} DESC, finished_ts_ns DESC"
     sql = (
-        "SELECT request_uid, tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
+        f"SELECT request_uid, {ids.EXTERNAL} AS external_request_id, choice_index, "
+        "tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
         "consistent, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
         "recomputed_tokens, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_accepted_tokens, "
         "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, evicted_tokens, window_released_tokens, "

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparseety.config import RETENTION
 from sparseety.errors import MigrationError
@@ -167,6 +167,22 @@ def status(store: Store, migrations: list[Migration] | None = None) -> list[Migr
             m.version not in applied or applied[m.version][1] == m.checksum,
         )
         for m in migrations
+    ]
+
+
+def status_rows(store: Store) -> list[dict[str, Any]]:
+    """:func:`status` as rows: version, name, applied, applied_at (ISO-8601 UTC), checksum_ok."""
+    return [
+        {
+            "version": s.version,
+            "name": s.name,
+            "applied": s.applied,
+            "applied_at": None
+            if s.applied_ns is None
+            else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.applied_ns / 1e9)),
+            "checksum_ok": s.checksum_ok,
+        }
+        for s in status(store)
     ]
 
 

@@ -13,7 +13,9 @@ set one at a time or loaded from a TOML or CSV file (``sparseety prices load``):
     output = "0.60"
     gpu_hour = "2.50"
 
-Setting a price for the same model, class and effective time again replaces it.
+A TOML entry may also name one class with the CSV's columns (``token_class = "input"``,
+``usd = "0.15"``). The format: docs/cost-model.md, "Price files". Setting a price for the same
+model, class and effective time again replaces it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,19 @@ def _check(p: Price, where: str) -> Price:
     return p
 
 
+def checked_price(
+    model: str, token_class: str, usd: Any, effective_from: Any = 0, note: str = "", *, where: str = "price"
+) -> Price:
+    """One price from loose values (``effective_from``: ns, ISO-8601 text or empty), checked as a
+    price file's entries are.
+
+    Raises:
+        ConfigError: an empty model, an unknown class, a bad amount or time.
+    """
+    eff = int(effective_from) if isinstance(effective_from, int) else parse_time(effective_from, where=where)
+    return _check(Price(model, token_class, parse_usd(usd, where=where), eff, note), where)
+
+
 def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
     """``[[prices]]`` tables with a model, an optional effective_from and one key per class."""
     try:
@@ -117,9 +132,28 @@ def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
     out = []
     for i, entry in enumerate(data.get("prices", [])):
         where = f"{origin} prices[{i}]"
+        if "token_class" in entry or "usd" in entry:
+            # the CSV's columns as keys: one class per entry
+            unknown = set(entry) - {"model", "token_class", "usd", "effective_from", "note"}
+            if unknown:
+                raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+            out.append(
+                checked_price(
+                    str(entry.get("model", "")),
+                    str(entry.get("token_class", "")),
+                    entry.get("usd", ""),
+                    entry.get("effective_from") or "",
+                    str(entry.get("note", "")),
+                    where=where,
+                )
+            )
+            continue
         unknown = set(entry) - {"model", "effective_from", "note", *PRICE_CLASSES}
         if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+            raise ConfigError(
+                f"{where}: unknown keys {sorted(unknown)}: an entry names one key per class "
+                f"({', '.join(PRICE_CLASSES)}), or token_class and usd as the CSV does"
+            )
         eff = parse_time(entry.get("effective_from"), where=where)
         for cls in PRICE_CLASSES:
             if cls in entry:
@@ -195,7 +229,7 @@ def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
         where, params = "model = {model:String}", {"model": model}
     rows = store.query(
         "SELECT model, toString(token_class) AS token_class, effective_from_ns, price_micro, note "
-        f"FROM {store.table('prices')} FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
+        f"FROM {store.database}.prices FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
         params,
     )
     return [

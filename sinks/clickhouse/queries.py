@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
@@ -153,7 +153,7 @@ def cost_sql(
     where, params = scope.where("c")
     if mode == "list":
         measures = (
-            "sum(c.list_input_tokens) AS input_tokens, sum(c.list_cached_tokens) AS cached_tokens, "
+            "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
             "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
@@ -339,8 +339,29 @@ def requests_by_uid_sql(db: str, uids: Sequence[str], *, scope: Scope) -> tuple[
     return sql, params
 
 
+def engines_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
+    """Each engine (by name) the store has requests of: its epochs, requests and the newest
+    finish time (``sparseety status`` flags one whose newest finish is old)."""
+    where, params = scope.where()
+    sql = (
+        "SELECT engine_name AS engine, uniqExact(engine_id) AS epochs, count() AS requests, "
+        "max(finished_ts_ns) AS last_finished_ts_ns, "
+        "fromUnixTimestamp64Nano(max(finished_ts_ns), 'UTC') AS last_finished_at "
+        f"FROM {db}.requests_v WHERE {where} GROUP BY engine_name ORDER BY engine_name"
+    )
+    return sql, params
+
+
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
-    """Speculative decoding: drafts proposed, accepted, rejected, and what they bought."""
+    """Speculative decoding: drafts proposed, accepted, rejected, and what they bought.
+
+    One definition of the draft counts everywhere (docs/cost-model.md): ``draft_tokens`` =
+    accepted + rejected + cut, every draft position the engine computed; ``draft_verified_tokens``
+    = accepted + rejected, the drafts the verifier judged (what ``tokens``' ``draft_token_count``
+    and vLLM's ``num_draft_tokens`` count). ``acceptance_rate`` = accepted / draft_tokens is ours;
+    ``vllm_acceptance_rate`` = accepted / verified is the one vLLM reports: it leaves out the drafts
+    a stop cut before they were verified, so it is the higher of the two whenever drafts were cut.
+    """
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
@@ -351,6 +372,9 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
         "sum(c.draft_cut_tokens) AS draft_cut_tokens, "
         "draft_accepted_tokens + draft_rejected_tokens + draft_cut_tokens AS draft_tokens, "
         "if(draft_tokens = 0, 0, draft_accepted_tokens / draft_tokens) AS acceptance_rate, "
+        "draft_accepted_tokens + draft_rejected_tokens AS draft_verified_tokens, "
+        "if(draft_verified_tokens = 0, 0, draft_accepted_tokens / draft_verified_tokens) "
+        "AS vllm_acceptance_rate, "
         "sum(c.output_tokens) AS output_tokens, "
         "if(output_tokens = 0, 0, draft_accepted_tokens / output_tokens) AS output_from_drafts, "
         "sum(c.scheduled_tokens) AS scheduled_tokens, "
@@ -557,19 +581,33 @@ class Queries:
 # --- lookups: one object by its id (None = not stored, or outside the caller's scope) ----------
 
 
-def request_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, Any] | None:
+def request_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, Any] | None:
     """One request: every count, its cost in each mode and its segment timeline.
 
-    Returns None when it is not stored or outside ``scope`` (a caller cannot tell which).
+    ``request_id`` is any id the request is known by (:mod:`~sparseety.sinks.clickhouse.ids`:
+    its uid, the engine's id, the front end's or the response's). Returns None when it is not
+    stored or outside ``scope`` (a caller cannot tell which).
+
+    Raises:
+        AmbiguousIdError: the id names several requests (listed).
     """
-    return q.requests_by_uid([request_uid], scope=scope).get(request_uid)
+    uid = ids.resolve(q, request_id, scope=scope)
+    return None if uid is None else q.requests_by_uid([uid], scope=scope).get(uid)
+
+
+def _readable(name: str, value: Any) -> Any:
+    """A wall-clock ``*_ts_ns`` as ISO-8601 UTC with the ns beside it (0 stays 0: not known)."""
+    if name.endswith("_ts_ns") and isinstance(value, int) and value > 0:
+        at = datetime.fromtimestamp(value / 1e9, UTC).isoformat(timespec="milliseconds")
+        return f"{at.replace('+00:00', 'Z')} ({value})"
+    return value
 
 
 def request_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """A request as the CLI prints it in table/csv: its fields, its cost per mode, its segments."""
     rest = {k: v for k, v in found.items() if k not in ("segments", "cost")}
     return [
-        [{"field": k, "value": v} for k, v in rest.items()],
+        [{"field": k, "value": _readable(k, v)} for k, v in rest.items()],
         [{"mode": k, "usd": v} for k, v in found["cost"].items()],
         list(found["segments"]),
     ]
@@ -604,8 +642,12 @@ def token_statistics_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[st
     return sql, params
 
 
-def tokens_statistics_lookup(q: Queries, request_uid: str, *, scope: Scope) -> dict[str, int] | None:
-    """The token counts of one request (see :func:`token_statistics_sql`)."""
+def tokens_statistics_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, int] | None:
+    """The token counts of one request (see :func:`token_statistics_sql`), by any id it is
+    known by (as :func:`request_lookup`)."""
+    request_uid = ids.resolve(q, request_id, scope=scope)
+    if request_uid is None:
+        return None
     rows = q.store.query(*token_statistics_sql(q.db, request_uid, scope=scope))
     if not rows:
         return None
@@ -697,6 +739,8 @@ class QuerySpec:
         permission: A per-token permission (``token_ids``) that decides what a lookup returns:
             the route passes ``allowed`` = whether the caller holds it (the library: True).
         rows: The key of a found object whose list is its rows for an export (``records``).
+        table_columns: The columns ``--format table`` shows without ``--wide`` (empty: all); JSON,
+            CSV and exports always carry every column.
     """
 
     name: str
@@ -718,6 +762,7 @@ class QuerySpec:
     tables: Callable[[dict[str, Any]], list[list[dict[str, Any]]]] | None = None
     permission: str = ""
     rows: str = ""
+    table_columns: tuple[str, ...] = ()
 
     @property
     def call_params(self) -> tuple[Param, ...]:
@@ -785,7 +830,11 @@ QUERIES: tuple[QuerySpec, ...] = (
         "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
         "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
         "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
-        "onto (+) or off (-) the group.",
+        "onto (+) or off (-) the group.\n\n"
+        "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
+        "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
+        "amortized every computed position that is not an output (prefill, recompute, rejected "
+        "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
         route="cost",
         group_by="tenant",
         bucket=True,
@@ -835,6 +884,13 @@ QUERIES: tuple[QuerySpec, ...] = (
         route="spec",
         group_by="model",
         bucket=True,
+    ),
+    QuerySpec(
+        "engines",
+        engines_sql,
+        "Engines the store has requests of: epochs, requests, the newest finish time "
+        "(last_finished_ts_ns, last_finished_at).",
+        route="engines",
     ),
     QuerySpec(
         "gpu_time",
@@ -952,7 +1008,8 @@ QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(
         "requests",
         requests_sql,
-        "Requests in scope with their token counts, newest first or most varied timelines first.",
+        "Requests in scope with their token counts, newest first or most varied timelines first; "
+        "external_request_id is the front end's id (what the client got, docs/api.md).",
         route="requests",
         params=(
             Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
@@ -964,6 +1021,41 @@ QUERIES: tuple[QuerySpec, ...] = (
                 choices=ORDERS,
                 what="order",
             ),
+            Param(
+                "request_id",
+                str,
+                None,
+                "Only the requests this id names: a request uid, the engine's id, or the id the "
+                "client got (chatcmpl-..., cmpl-...; docs/api.md).",
+            ),
+            Param(
+                "client_id",
+                str,
+                None,
+                "Only the requests the client sent with this X-Request-Id (vLLM names them "
+                "chatcmpl-<id> / cmpl-<id>).",
+            ),
+            Param(
+                "inconsistent",
+                int,
+                0,
+                "1: only requests whose counts disagree with the engine's own totals.",
+                ge=0,
+                le=1,
+            ),
+        ),
+        table_columns=(
+            "request_uid",
+            "external_request_id",
+            "choice_index",
+            "tenant",
+            "model",
+            "finished_at",
+            "consistent",
+            "prompt_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "uncached_computed_tokens",
         ),
     ),
     QuerySpec(

@@ -64,6 +64,10 @@ REQUESTS = Table(
         # Added by migration 003 (issue 11: the two-axis position model).
         *POSITION_COUNTS,
         "session_id",  # added by migration 005 (issue 14: sessions)
+        # Added by migration 009 (issue 21: look-up by the client's id, n > 1 billed once).
+        "external_request_id",
+        "parent_request_id",
+        "choice_index",
         "attention_window",
         "segment_count",
         "block_use_count",

@@ -95,13 +95,18 @@ def token_records_lookup(
 
     Args:
         q: The query library (its store).
-        request_uid: The request.
+        request_uid: The request: its uid or any id it is known by (``ids.resolve``).
         scope: The caller's scope (tenants; another tenant's request is None, as a missing one).
         allowed: Whether the caller may read token content (the ``token_ids`` permission).
         per_position: One record per position rather than per run.
     """
+    from sparseety.sinks.clickhouse.ids import resolve
     from sparseety.sinks.clickhouse.queries import segments_sql
 
+    resolved = resolve(q, request_uid, scope=scope)  # any id the request is known by
+    if resolved is None:
+        return None
+    request_uid = resolved
     where, params = scope.where()
     params["uid"] = request_uid
     found = q.store.query(

@@ -6,12 +6,15 @@ CLI can use them remotely (:class:`~sparseety.api.client.RemoteQueries`). ``docs
 reference; OpenAPI docs are at ``/docs``.
 
 Errors are JSON ``{"error": <code>, "message": <text>}``: 400 ``bad_parameter``, 401
-``unauthorized``, 403 ``forbidden``, 404 ``not_found``, 503 ``store_unavailable``.
+``unauthorized``, 403 ``forbidden``, 404 ``not_found``, 409 ``ambiguous`` (an id that names several
+requests; the body adds ``candidates``), 503 ``store_unavailable``.
 """
 
 from __future__ import annotations
 
+import html
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,23 +31,40 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparseety import __version__
 from sparseety.api import params
-from sparseety.api.auth import AuthError, Principal
+from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
-from sparseety.api.collect import AnalyzeSpec, CollectSpecError, IngestSpec, ReplaySpec, VllmLogSpec
+from sparseety.api.collect import (
+    COLLECT_KINDS,
+    AnalyzeSpec,
+    CollectSpecError,
+    IngestSpec,
+    ReplaySpec,
+    VllmLogSpec,
+)
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
 from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import timeline_counts
-from sparseety.errors import MigrationError, PluginLoadError, ReplayError, StoreError
+from sparseety.errors import (
+    AmbiguousIdError,
+    ConfigError,
+    MigrationError,
+    PluginLoadError,
+    ReplayError,
+    StoreError,
+)
 from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
+from sparseety.sinks.clickhouse.migrate import status_rows
+from sparseety.sinks.clickhouse.prices import checked_price, list_prices, set_prices
 from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
+from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
 
@@ -63,16 +83,98 @@ def backend_of(request: Request) -> Backend:
     return request.app.state.backend  # type: ignore[no-any-return]
 
 
+def _session(request: Request) -> Principal | None:
+    """The principal of the request's browser session: reads (GET, HEAD) only, so a cookie never
+    authorizes a change (a form another site posts gets nothing from it)."""
+    if request.method not in ("GET", "HEAD"):
+        return None
+    sessions: Sessions = request.app.state.sessions
+    return sessions.get(request.cookies.get(SESSION_COOKIE))
+
+
 def principal(
     request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
-    """The caller, from its bearer token (401 when tokens are configured and it has none)."""
-    who = backend_of(request).tokens.authenticate(request.headers.get("authorization"))
+    """The caller, from its bearer token, else its browser session (401 when tokens are
+    configured and it has neither)."""
+    header = request.headers.get("authorization")
+    tokens = backend_of(request).tokens
+    who = (None if header or tokens.open else _session(request)) or tokens.authenticate(header)
     request.state.principal = who
     return who
 
 
 Caller = Annotated[Principal, Depends(principal)]
+
+
+def browser_principal(
+    request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal | None:
+    """As :func:`principal`, but None (not 401) for a browser page load without credentials, so
+    the page can send it to the login form."""
+    header = request.headers.get("authorization")
+    if not header and "text/html" in request.headers.get("accept", ""):
+        try:
+            return principal(request, _)
+        except AuthError:
+            return None
+    return principal(request, _)
+
+
+Browser = Annotated[Principal | None, Depends(browser_principal)]
+
+
+def _login_html(message: str, status: int = 200) -> HTMLResponse:
+    from importlib import resources
+    from string import Template
+
+    page = resources.files("sparseety.api").joinpath("static", "login.html").read_text(encoding="utf-8")
+    body = Template(page).substitute(message=html.escape(message))
+    return HTMLResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
+
+
+async def _login(request: Request) -> Response:
+    """A token (form field ``token``, or JSON ``{"token": ...}``) -> a session cookie; a form is
+    sent on to the dashboard, JSON answered ``{"ok": true}``."""
+    from urllib.parse import parse_qs
+
+    raw = await request.body()
+    is_json = request.headers.get("content-type", "").startswith("application/json")
+    token = ""
+    if is_json:
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = {}
+        token = str(body.get("token", "")) if isinstance(body, dict) else ""
+    else:
+        token = (parse_qs(raw.decode(errors="replace")).get("token") or [""])[0]
+    tokens = backend_of(request).tokens
+    try:
+        who = tokens.authenticate(f"Bearer {token.strip()}") if not tokens.open else None
+    except AuthError:
+        if is_json:
+            return _error(401, "unauthorized", "unknown token")
+        return _login_html("That token is not known here.", status=401)
+    if who is None:  # an open API needs no login
+        return RedirectResponse("/dashboard", status_code=303)
+    sessions: Sessions = request.app.state.sessions
+    sid = sessions.create(who)
+    response: Response = (
+        JSONResponse({"ok": True}) if is_json else RedirectResponse("/dashboard", status_code=303)
+    )
+    response.set_cookie(
+        SESSION_COOKIE,
+        sid,
+        max_age=int(sessions.ttl_s),
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
 Back = Annotated[Backend, Depends(backend_of)]
 
 
@@ -245,7 +347,10 @@ def _lookup_route(spec: QuerySpec) -> Any:
         body = {key_name: key, **found} if spec.echo_key else found
         return JSONResponse(jsonable(body))
 
-    key_doc = "The request uid (engine_id/request_id)."
+    key_doc = (
+        "The request: its uid (engine_id/request_id), the engine's id, or the id the client got "
+        "(chatcmpl-..., cmpl-...); an id that names several requests answers 409 with them."
+    )
     key_param = (
         _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
     )
@@ -266,6 +371,25 @@ async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, An
     if found is None:
         raise NotFound(f"no request {request_id!r}")
     return found
+
+
+class PriceIn(BaseModel):
+    """One price (docs/cost-model.md, Prices): USD per 1M tokens, or per GPU-hour."""
+
+    model: str
+    token_class: str = Field(description="input, cached_input, output or gpu_hour")
+    usd: str = Field(description="Decimal text, at most six decimals (never a float).")
+    effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
+    effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")
+    note: str = ""
+
+
+class PricesBody(BaseModel):
+    prices: list[PriceIn]
+
+
+class SqlBody(BaseModel):
+    sql: str = Field(description="One SELECT (WITH, UNION allowed); no FORMAT, no ';' inside.")
 
 
 def _router() -> APIRouter:
@@ -328,6 +452,67 @@ def _router() -> APIRouter:
         if who.admin:
             body["pipeline"] = back.pipeline()
         return JSONResponse(jsonable(body))
+
+    @api.get("/prices", tags=["admin"])
+    async def prices_list(
+        who: Caller, back: Back, model: Annotated[str | None, Query(description="Only this model.")] = None
+    ) -> JSONResponse:
+        """The stored prices (model, token_class, usd, unit, effective_from, note); admin only."""
+        who.require_admin("prices")
+        rows = await back.query("prices", list_prices, back.store, model)
+        return JSONResponse(jsonable({"rows": rows}))
+
+    @api.post("/prices", tags=["admin"])
+    async def prices_set(who: Caller, back: Back, body: Annotated[PricesBody, Body()]) -> JSONResponse:
+        """Set prices in the running store (replacing any with the same model, class and
+        effective time); admin only. Answers how many were set."""
+        who.require_admin("prices")
+        try:
+            entries = [
+                checked_price(
+                    p.model,
+                    p.token_class,
+                    p.usd,
+                    p.effective_from_ns or p.effective_from,
+                    p.note,
+                    where=f"prices[{i}]",
+                )
+                for i, p in enumerate(body.prices)
+            ]
+        except ConfigError as exc:
+            raise QueryError(str(exc)) from None
+        n = await back.query("set_prices", set_prices, back.store, entries)
+        return JSONResponse({"set": n})
+
+    @api.get("/dead-letters", tags=["operations"])
+    async def dead_letters(
+        who: Caller,
+        back: Back,
+        limit: Annotated[int, Query(ge=1, le=10_000, description="At most N.")] = 100,
+        component: Annotated[
+            str | None, Query(description="Only this component's (ingest: refused lines of ingested files).")
+        ] = None,
+    ) -> JSONResponse:
+        """The newest dead letters of the whole pipeline (when, which component, error type,
+        reason, the input's topic/partition/offset; never its bytes); admin only."""
+        who.require_admin("dead letters")
+        rows = await back.query("dead_letters", back.queries.dead_letters, limit=limit, component=component)
+        return JSONResponse(jsonable({"rows": rows}))
+
+    @api.get("/db/status", tags=["admin"])
+    async def db_status(who: Caller, back: Back) -> JSONResponse:
+        """The store's migrations: version, name, applied, applied_at, checksum_ok; admin only."""
+        who.require_admin("the schema status")
+        rows = await back.query("db_status", status_rows, back.store)
+        return JSONResponse({"rows": rows})
+
+    @api.post("/sql", tags=["admin"])
+    async def own_sql(who: Caller, back: Back, body: Annotated[SqlBody, Body()]) -> JSONResponse:
+        """One read-only query of your own on the store (docs/clickhouse.md, Your own SQL): an
+        all-tenant token reads every row, a tenant's token only its tenants' rows. Answers
+        ``columns`` and ``rows`` (at most 100,000; add LIMIT for fewer)."""
+        columns, rows = await back.query("sql", run_sql, back.store, body.sql, tenants=who.tenants)
+        return JSONResponse(jsonable({"columns": columns, "rows": [list(r) for r in rows]}))
 
     @api.post("/collect", status_code=202, tags=["jobs"])
     async def collect(
@@ -393,15 +578,39 @@ def _ops(app: FastAPI) -> None:
     async def root() -> RedirectResponse:
         return RedirectResponse("/dashboard")
 
+    @app.get("/login", response_class=HTMLResponse, tags=["dashboard"])
+    async def login_page(request: Request) -> Response:
+        """The browser's sign-in page: a token in a form, or in the ``#token=`` fragment (read by
+        the page, never sent in a URL), exchanged for a session cookie."""
+        if backend_of(request).tokens.open:
+            return RedirectResponse("/dashboard", status_code=303)
+        return _login_html("")
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        return await _login(request)
+
+    @app.post("/logout", tags=["dashboard"])
+    async def logout(request: Request) -> Response:
+        """End the browser's session."""
+        sessions: Sessions = request.app.state.sessions
+        sessions.drop(request.cookies.get(SESSION_COOKIE))
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
+
     @app.get("/dashboard", response_class=HTMLResponse, tags=["dashboard"])
     async def dashboard(
-        who: Caller,
+        who: Browser,
         back: Back,
         s: Scoped,
         request_id: Annotated[list[str], Query(description="Requests whose timelines to draw.")] = [],  # noqa: B006
         inline: Annotated[bool, Query(description="Embed plotly.js (a self-contained file).")] = False,
-    ) -> HTMLResponse:
-        """The dashboard, rendered now for the caller's tenants."""
+    ) -> Response:
+        """The dashboard, rendered now for the caller's tenants; a browser without a session is
+        sent to ``/login``."""
+        if who is None:
+            return RedirectResponse("/login", status_code=303)
         scope = s.scope(who, back.clock())
         data = await back.query(
             "dashboard",
@@ -433,6 +642,11 @@ def _errors(app: FastAPI) -> None:
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return _error(404, "not_found", str(exc))
 
+    @app.exception_handler(AmbiguousIdError)
+    async def ambiguous(_: Request, exc: AmbiguousIdError) -> JSONResponse:
+        body = {"error": "ambiguous", "message": str(exc), "candidates": jsonable(exc.candidates)}
+        return JSONResponse(body, status_code=409)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else "http_error"
@@ -445,7 +659,9 @@ def _errors(app: FastAPI) -> None:
             return _error(400, "bad_parameter", str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path == "/api/v1/collect":
+            return _error(400, "bad_parameter", _collect_problem(exc))
         problems = []
         for e in exc.errors():
             where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("query", "body", "path"))
@@ -470,6 +686,32 @@ def _errors(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", request.url.path)
         return _error(500, "internal", f"unexpected {type(exc).__name__}; see the API's log")
+
+
+def _collect_problem(exc: RequestValidationError) -> str:
+    """A collect body that is no spec: its kind named against the allowed ones, or the first
+    field problem of the kind it names (not pydantic's text for every member of the union)."""
+    body = getattr(exc, "body", None)
+    kinds = ", ".join(COLLECT_KINDS)
+    if not isinstance(body, dict):
+        return f"a collect spec is a JSON object with a kind: {kinds}"
+    kind = body.get("kind", "vllm_log" if body.get("trace_source") == "vllm_log" else None)
+    if kind not in COLLECT_KINDS:
+        return f"unknown collect kind {kind!r}: choose from {kinds} (docs/api.md, Collect jobs)"
+    problems = []
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        # the union's members lead the location: keep only the named kind's problems
+        member = loc[0] if loc else ""
+        if ("VllmLogSpec" in member) != (kind == "vllm_log"):
+            continue
+        rest = loc[1:] if member.startswith(("tagged-union", "function-", "VllmLogSpec")) else loc
+        if rest and rest[0] == kind:
+            rest = rest[1:]
+        if not rest:
+            continue  # the union's own "no such tag": the kind was named above
+        problems.append(f"{kind}.{'.'.join(rest)}: {e.get('msg', 'invalid')}")
+    return "; ".join(dict.fromkeys(problems)) or f"{kind}: invalid spec"
 
 
 def _metrics_middleware(app: FastAPI) -> None:
@@ -502,6 +744,7 @@ def create_api(backend: Backend) -> FastAPI:
         ),
     )
     app.state.backend = backend
+    app.state.sessions = Sessions()
     app.include_router(_router())
     _ops(app)
     _errors(app)

@@ -17,7 +17,11 @@ Semantics (``docs/api.md``):
   process owns the embedded store). Whoever can read the data directory can read the data
   itself, so the file grants nothing beyond that.
 
-Tokens are held only as SHA-256 digests and never logged.
+* A browser logs in with a token once (``/login``) and then holds a session cookie (HttpOnly,
+  SameSite=Strict) naming a :class:`Sessions` entry: the cookie authenticates reads (GET) only;
+  anything that changes state still needs the bearer header.
+
+Tokens (and session ids) are held only as SHA-256 digests and never logged.
 """
 
 from __future__ import annotations
@@ -144,6 +148,61 @@ class TokenTable:
         if principal is None:
             raise AuthError("unknown token")
         return principal
+
+
+#: The browser's session cookie (HttpOnly, SameSite=Strict): a random id, never a token.
+SESSION_COOKIE = "sparseety_session"
+#: How long a browser session lasts after its login.
+SESSION_TTL_S = 12 * 3600
+#: The most sessions one process keeps (the oldest go first).
+MAX_SESSIONS = 10_000
+
+
+class Sessions:
+    """Browser sessions of one API process: a random id -> the principal that logged in.
+
+    A browser logs in once with a token (``POST /login``, a form or the ``#token=`` fragment the
+    login page posts); it then holds only the session id in an HttpOnly cookie, so no token sits
+    in a URL, a page or script-readable storage. Sessions live in memory: a restart logs every
+    browser out, as a new admin token does.
+
+    Args:
+        ttl_s: Lifetime of a session.
+        clock: Monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S, clock: Any = None) -> None:
+        import time
+
+        self.ttl_s = ttl_s
+        self._clock = clock or time.monotonic
+        self._by_digest: dict[bytes, tuple[Principal, float]] = {}
+
+    def create(self, who: Principal) -> str:
+        """A new session for ``who``; returns its id (the cookie's value)."""
+        sid = secrets.token_urlsafe(32)
+        if len(self._by_digest) >= MAX_SESSIONS:
+            self._by_digest.pop(next(iter(self._by_digest)))
+        self._by_digest[_digest(sid)] = (who, self._clock() + self.ttl_s)
+        return sid
+
+    def get(self, sid: str | None) -> Principal | None:
+        """The principal of a live session, None when unknown or expired."""
+        if not sid:
+            return None
+        found = self._by_digest.get(_digest(sid))
+        if found is None:
+            return None
+        who, expires = found
+        if self._clock() >= expires:
+            self._by_digest.pop(_digest(sid), None)
+            return None
+        return who
+
+    def drop(self, sid: str | None) -> None:
+        """End a session (logout)."""
+        if sid:
+            self._by_digest.pop(_digest(sid), None)
 
 
 def is_loopback(host: str) -> bool:

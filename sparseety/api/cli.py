@@ -20,6 +20,7 @@ import click
 
 from sparseety.api import params
 from sparseety.cli_context import CliContext, pass_ctx
+from sparseety.errors import AmbiguousIdError
 from sparseety.producers.logs.cli import ingest_cmd
 from sparseety.sinks.cli import echo_rows
 from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, commands
@@ -156,11 +157,20 @@ def _export(c: CliContext, output: str, call: Callable[[Any], bytes | None], mis
     click.echo(f"wrote {len(data)} bytes to {output}", err=True)
 
 
-def _run_query(c: CliContext, fmt: str, call: Callable[[Any], Any]) -> None:
+def _run_query(
+    c: CliContext, fmt: str, call: Callable[[Any], Any], columns: tuple[str, ...] = (), wide: bool = True
+) -> None:
     from sparseety.api.client import open_queries
 
     with open_queries(c.cfg, "sparseety query") as q:
         rows = call(q)
+    if fmt == "table" and columns and not wide and rows:
+        hidden = [k for k in rows[0] if k not in columns]
+        rows = [{k: r.get(k) for k in columns if k in r} for r in rows]
+        echo_rows(rows, fmt)
+        if hidden:
+            click.echo(f"({len(hidden)} more columns: --wide, or --format json|csv)", err=True)
+        return
     echo_rows(rows, fmt)
 
 
@@ -204,8 +214,16 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
         if output is not None:
             _export(c, output, lambda q: q.export(spec, fmt, scope=scope, **arguments))
             return
-        _run_query(c, fmt, lambda q: q.ask(spec, scope=scope, **arguments))
+        _run_query(
+            c,
+            fmt,
+            lambda q: q.ask(spec, scope=scope, **arguments),
+            spec.table_columns,
+            given.pop("wide", True),
+        )
 
+    if plain.table_columns:
+        cmd = click.option("--wide", is_flag=True, help="Every column in --format table.")(cmd)
     if plain.bucket:
         cmd = click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(cmd)
     if plain.group_by is not None:
@@ -227,8 +245,11 @@ def _with_params(cmd: Any, specs: list[QuerySpec], switches: dict[str, Any]) -> 
             cmd = click.option(f"--{p.wire.replace('_', '-')}", p.name, is_flag=True, help=p.doc)(cmd)
             continue
         default = 0 if p.name in switches else p.default
+        # --request-id, and (as it always was) --request_id
+        dashed = [f"--{p.wire.replace('_', '-')}"] if "_" in p.wire else []
         cmd = click.option(
             f"--{p.wire}",
+            *dashed,
             p.name,
             type=click.Choice(p.choices) if p.choices else p.type,
             default=default,
@@ -265,8 +286,13 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
             missing = f"no {spec.what or spec.key} {key!r}"
             _export(c, output, lambda q: q.export(spec, fmt, key=key, scope=scope, **arguments), missing)
             return
-        with open_queries(c.cfg, "sparseety query") as q:
-            found = getattr(q, spec.name)(key, scope=scope, **arguments)
+        try:
+            with open_queries(c.cfg, "sparseety query") as q:
+                found = getattr(q, spec.name)(key, scope=scope, **arguments)
+        except AmbiguousIdError as e:
+            # listed, never guessed: the caller picks one uid
+            echo_rows(e.candidates, fmt)
+            raise click.ClickException(str(e)) from None
         if found is None:
             raise click.ClickException(f"no {spec.what or spec.key} {key!r}")
         if fmt == "json" or spec.tables is None:
@@ -285,7 +311,15 @@ for _name, _specs in commands().items():
 
 
 @click.command("dashboard")
-@click.option("--out", "out", default="dashboard.html", show_default=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--output",
+    "--out",
+    "out",
+    default="dashboard.html",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The HTML file to write (--out: its older name).",
+)
 @click.option("--request", "request_uids", multiple=True, help="Draw these requests' timelines (repeatable).")
 @click.option("--since", help="Finished at or after: ISO-8601 time or a duration ago (1h).")
 @click.option("--until", help="Finished before: ISO-8601 time or a duration ago.")

@@ -25,7 +25,7 @@ from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
-from sparseety.errors import SparseetyError, StoreLockedError
+from sparseety.errors import AmbiguousIdError, SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.export import check_format, rows_file
 from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, Param, QueryError, QuerySpec, Scope
@@ -105,8 +105,20 @@ class RemoteQueries:
         self.close()
 
     def _get(self, path: str, params: dict[str, Any], *, missing_ok: bool = False, raw: bool = False) -> Any:
+        return self._call("GET", path, params=params, missing_ok=missing_ok, raw=raw)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json_body: Any = None,
+        missing_ok: bool = False,
+        raw: bool = False,
+    ) -> Any:
         try:
-            r = self.client.get(path, params=params, headers=self.headers)
+            r = self.client.request(method, path, params=params, json=json_body, headers=self.headers)
         except httpx.HTTPError as exc:
             raise RemoteApiError(
                 (f"{self.why}; " if self.why else "")
@@ -125,6 +137,8 @@ class RemoteQueries:
         message = body.get("message", r.text[:200]) if isinstance(body, dict) else r.text[:200]
         if r.status_code == 400:
             raise QueryError(message)
+        if r.status_code == 409 and isinstance(body, dict) and "candidates" in body:
+            raise AmbiguousIdError(message, candidates=list(body["candidates"]))
         if r.status_code in (401, 403):
             raise RemoteApiError(
                 f"the SparSEEty API at {self.base_url} refused the request ({r.status_code}: {message})"
@@ -138,6 +152,36 @@ class RemoteQueries:
         if r.status_code >= 400:
             raise RemoteApiError(f"the SparSEEty API at {self.base_url} answered {r.status_code}: {message}")
         return body
+
+    # --- the store's administration, through the process that owns it (admin token) -------------
+
+    def prices_list(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.list_prices` (``GET /api/v1/prices``)."""
+        body = self._get("/api/v1/prices", {} if model is None else {"model": model})
+        return decode_rows(body["rows"])
+
+    def prices_set(self, prices: Sequence[Any]) -> int:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.set_prices` (``POST /api/v1/prices``)."""
+        entries = [
+            {
+                "model": p.model,
+                "token_class": p.token_class,
+                "usd": str(p.usd),
+                "effective_from_ns": p.effective_from_ns,
+                "note": p.note,
+            }
+            for p in prices
+        ]
+        return int(self._call("POST", "/api/v1/prices", json_body={"prices": entries})["set"])
+
+    def db_status(self) -> list[dict[str, Any]]:
+        """The migrations and whether each is applied (``GET /api/v1/db/status``)."""
+        return list(self._get("/api/v1/db/status", {})["rows"])
+
+    def sql(self, sql: str) -> tuple[list[str], list[list[Any]]]:
+        """One read-only query of your own (``POST /api/v1/sql``): column names and rows."""
+        body = self._call("POST", "/api/v1/sql", json_body={"sql": sql})
+        return list(body["columns"]), [list(r) for r in body["rows"]]
 
     def _rows(self, path: str, params: dict[str, Any], scope: Scope) -> list[dict[str, Any]]:
         if _sees_nothing(scope):
@@ -248,6 +292,7 @@ class RemoteQueries:
                 "incomplete_requests": 0,
                 "inconsistent_requests": 0,
                 "seq_gap_requests": 0,
+                "earliest_finished_ts_ns": 0,
                 "latest_finished_ts_ns": 0,
                 "freshness_s": None,
             }
@@ -258,6 +303,11 @@ class RemoteQueries:
         """The serving process's pipeline counters (needs an all-tenant token)."""
         body = self._get("/api/v1/health", {})
         return dict(body.get("pipeline") or {})
+
+    def dead_letters(self, *, limit: int = 100, component: str | None = None) -> list[dict[str, Any]]:
+        """Like :meth:`ApiQueries.dead_letters` (``GET /api/v1/dead-letters``, admin only)."""
+        params: dict[str, Any] = {"limit": limit, **({"component": component} if component else {})}
+        return decode_rows(self._get("/api/v1/dead-letters", params)["rows"])
 
 
 def _wire_params(spec: QuerySpec, declared: Sequence[Param], arguments: dict[str, Any]) -> dict[str, Any]:
@@ -322,10 +372,11 @@ def open_queries(cfg: Config, owner: str) -> Iterator[Any]:
         :class:`RemoteQueries` (the store is open in another process).
     """
     from sparseety.api.queries import ApiQueries
-    from sparseety.sinks.clickhouse.client import Store
+    from sparseety.sinks.clickhouse.client import Store, require_store
     from sparseety.sinks.clickhouse.migrate import ensure_migrated
 
     why = ""
+    require_store(cfg)  # before opening: opening an embedded path creates it
     try:
         store = Store.open(cfg, owner=owner)
     except StoreLockedError as exc:

@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sparseety.config import Config
 from sparseety.errors import SparseetyError
 from sparseety.sinks.clickhouse.client import Store
+
+#: The collect job kinds, as a body's ``kind`` names them.
+COLLECT_KINDS = ("replay", "ingest", "analyze", "vllm_log")
 
 
 class CollectSpecError(SparseetyError):
@@ -89,9 +92,10 @@ class LogFilters(BaseModel):
 class VllmLogSpec(BaseModel):
     """The seed's body: parse a vLLM server log into request events (``trace_source: vllm_log``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    trace_source: Literal["vllm_log"]
+    trace_source: Literal["vllm_log"] | None = Field(None, description="The seed's name of the kind.")
+    kind_: Literal["vllm_log"] | None = Field(None, alias="kind", description="Or kind, as the other jobs.")
     log_path: str = Field(description="The server log on the API's machine (rotated: the newest segment).")
     output_format: Literal["json"] = Field("json", description="The job result's format.")
     window_seconds: float | None = Field(
@@ -100,6 +104,12 @@ class VllmLogSpec(BaseModel):
     filters: LogFilters = Field(default_factory=LogFilters)
     tenant: str = Field("", description="Tenant of the logged requests (a log names none).")
     model: str = Field("", description="Model when the log names no served model.")
+
+    @model_validator(mode="after")
+    def _named(self) -> VllmLogSpec:
+        if self.trace_source is None and self.kind_ is None:
+            raise ValueError('name the job: "kind": "vllm_log" (or the seed\'s "trace_source": "vllm_log")')
+        return self
 
     @property
     def kind(self) -> str:

@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 from typing import Any
+from urllib.parse import quote
 
 from sparseety import __version__
 from sparseety.api import figures as figs
@@ -27,6 +28,8 @@ from sparseety.sinks.clickhouse.queries import MODES, Scope
 
 MAX_EXPERT_MODELS = 4
 MAX_ROUTING_ROWS = 10
+#: Inconsistent requests the health card names (the link lists up to 100).
+MAX_LISTED = 10
 #: The what-if scenarios the page compares (kv-curve gives the 1.5x, 2x and 4x rows).
 WHATIF_SCENARIOS = ("no-cache", "kv-curve", "no-spec")
 
@@ -46,6 +49,12 @@ class DashboardData:
     whatif: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     regressions: list[dict[str, Any]] = field(default_factory=list)
     routing: list[dict[str, Any]] = field(default_factory=list)
+    bucket: str = "1h"
+    over_time: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # mode -> rows per bucket
+    waste: list[dict[str, Any]] = field(default_factory=list)
+    spec: list[dict[str, Any]] = field(default_factory=list)
+    prices: list[dict[str, Any]] = field(default_factory=list)
+    inconsistent: list[dict[str, Any]] = field(default_factory=list)
 
 
 def collect(
@@ -73,6 +82,9 @@ def collect(
             r["request_uid"] for r in queries.requests(scope=scope, limit=timelines, order="varied")
         ]
     found = _requests(queries, request_uids, scope)
+    health = queries.health(scope=scope, now_ns=now)
+    span_s = (health.get("latest_finished_ts_ns", 0) - health.get("earliest_finished_ts_ns", 0)) / 1e9
+    bucket = figs.pick_bucket(span_s)
     return DashboardData(
         generated_ns=now,
         scope=scope,
@@ -80,13 +92,36 @@ def collect(
         savings=queries.savings(by=("tenant",), scope=scope),
         experts=queries.expert_load(scope=scope),
         timelines=[r for r in found if r is not None],
-        health=queries.health(scope=scope, now_ns=now),
+        health=health,
         pipeline=dict(pipeline or {}),
         whatif={sc: queries.whatif(scenario=sc, by=("tenant",), scope=scope) for sc in WHATIF_SCENARIOS},
         # regressions judge the last 15 minutes against the day before, whatever the page's range
         regressions=queries.regressions(scope=Scope(until_ns=now, tenants=scope.tenants)),
         routing=queries.routing_advice(limit=MAX_ROUTING_ROWS, scope=scope),
+        bucket=bucket,
+        over_time={
+            m: queries.cost(mode=m, by=("tenant",), bucket=bucket, scope=scope) for m in ("actual", "list")
+        },
+        waste=queries.waste(by=("tenant",), scope=scope),
+        spec=queries.spec_efficiency(by=("model",), scope=scope),
+        prices=_prices_in_effect(queries, now),
+        inconsistent=queries.requests(scope=scope, limit=MAX_LISTED, inconsistent=1)
+        if health.get("inconsistent_requests")
+        else [],
     )
+
+
+def _prices_in_effect(queries: Any, now_ns: int) -> list[dict[str, Any]]:
+    """Per model and class, the price with the latest effective time at or before now (what a
+    request finishing now pays)."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in queries.prices_list():
+        eff = p["effective_from"]
+        eff_ns = int(eff.timestamp() * 1e9) if isinstance(eff, datetime) else 0
+        key = (str(p["model"]), str(p["token_class"]))
+        if eff_ns <= now_ns and (key not in best or best[key]["_eff"] <= eff_ns):
+            best[key] = {**p, "_eff": eff_ns}
+    return [{k: v for k, v in p.items() if k != "_eff"} for _, p in sorted(best.items())]
 
 
 def _requests(queries: Any, uids: list[str], scope: Scope) -> list[dict[str, Any] | None]:
@@ -99,6 +134,9 @@ def build_figures(data: DashboardData) -> dict[str, figs.Figure]:
     """Element id -> figure."""
     out = {
         "health": figs.health_figure(data.health),
+        "over-time": figs.over_time_figure(
+            data.over_time.get("actual", []), data.over_time.get("list", []), data.bucket
+        ),
         "cost": figs.cost_figure(data.cost),
         "savings": figs.savings_figure(data.savings),
         "timeline": figs.timeline_figure(data.timelines),
@@ -137,21 +175,124 @@ def _scope_text(scope: Scope) -> str:
     return "; ".join(parts)
 
 
+def _link(href: str, text: str) -> str:
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
 def _health_rows(data: DashboardData) -> list[tuple[str, str]]:
+    """(label, cell HTML) rows of the health card; counts link to the rows behind them (on the
+    page the API serves; the written file keeps them as text)."""
     h = data.health
+    latest = h.get("latest_finished_ts_ns") or 0
+    if not latest:
+        traffic = "no requests stored"
+    elif figs.idle(h):
+        value, unit = figs.human_duration(h["freshness_s"])
+        traffic = f"no traffic since {_time(latest)} ({value:g}{unit} ago)"
+    else:
+        value, unit = figs.human_duration(h["freshness_s"])
+        traffic = f"{value:g}{unit} behind now (newest finish {_time(latest)})"
     rows = [
-        ("newest finish", _time(h["latest_finished_ts_ns"]) if h.get("latest_finished_ts_ns") else "—"),
-        (
-            "freshness",
-            "{:g}{} behind now".format(*figs.human_duration(h["freshness_s"]))
-            if h.get("freshness_s") is not None
-            else "no requests",
-        ),
-        ("requests stored", str(h.get("requests", 0))),
-        ("with sequence gaps", str(h.get("seq_gap_requests", 0))),
+        ("traffic", html.escape(traffic)),
+        ("requests stored", html.escape(str(h.get("requests", 0)))),
+        ("with sequence gaps", html.escape(str(h.get("seq_gap_requests", 0)))),
     ]
-    rows.extend((k.replace("_", " "), _text(v)) for k, v in data.pipeline.items())
+    bad = int(h.get("inconsistent_requests", 0))
+    cell = html.escape(str(bad))
+    if bad:
+        listed = ", ".join(
+            _link(f"/api/v1/requests/{quote(str(r['request_uid']), safe='')}", str(r["request_uid"]))
+            for r in data.inconsistent
+        )
+        cell += f" — {_link('/api/v1/requests?inconsistent=1&limit=100', 'list')}: {listed}"
+        if bad > len(data.inconsistent):
+            cell += " …"
+    rows.append(("inconsistent (counts ≠ engine's)", cell))
+    if "dead_letters" in h:
+        rejects = int(h.get("ingest_rejects", 0))
+        n = int(h["dead_letters"]) - rejects
+        cell = html.escape(str(n)) + (f" — {_link('/api/v1/dead-letters', 'list')}" if n else "")
+        rows.append(("dead letters (pipeline)", cell))
+        cell = html.escape(str(rejects))
+        if rejects:
+            cell += f" — {_link('/api/v1/dead-letters?component=ingest', 'list')}"
+        rows.append(("ingest rejects (bad lines of ingested files)", cell))
+    rows.extend((k.replace("_", " "), html.escape(_text(v))) for k, v in data.pipeline.items())
     return rows
+
+
+def _html_table(cls: str, header: list[str], rows: list[list[Any]], empty: str) -> str:
+    if not rows:
+        return f'<p class="empty">{html.escape(empty)}</p>'
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_text(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _pct(x: Any) -> str:
+    return f"{float(x) * 100:.1f} %"
+
+
+def tenant_rows(data: DashboardData) -> list[list[Any]]:
+    """Per tenant: requests, prompt and output tokens, cache hit rate, waste share, cost in each
+    mode (the per-tenant table)."""
+    savings = {str(r["tenant"]): r for r in data.savings}
+    waste = {str(r["tenant"]): r for r in data.waste}
+    cost = {m: {str(r["tenant"]): r for r in rows} for m, rows in data.cost.items()}
+    out = []
+    for t in sorted(savings):
+        sv, w = savings[t], waste.get(t, {})
+        out.append(
+            [
+                t or "(none)",
+                sv["requests"],
+                sv["prompt_tokens"],
+                cost.get("list", {}).get(t, {}).get("output_tokens", ""),
+                _pct(sv["hit_rate"]),
+                _pct(w.get("waste_share", 0)),
+                *(f"${cost.get(m, {}).get(t, {}).get('cost_usd', 0)}" for m in MODES),
+            ]
+        )
+    return out
+
+
+def spec_rows(data: DashboardData) -> list[list[Any]]:
+    """Per model with drafts: ours (accepted / every draft computed, cut ones included) beside
+    vLLM's (accepted / drafts verified), and what drafts bought."""
+    out = []
+    for r in data.spec:
+        a, j, k = int(r["draft_accepted_tokens"]), int(r["draft_rejected_tokens"]), int(r["draft_cut_tokens"])
+        if a + j + k == 0:
+            continue
+        out.append(
+            [
+                r["model"],
+                a + j + k,
+                a,
+                j,
+                k,
+                _pct(r["acceptance_rate"]),
+                _pct(r.get("vllm_acceptance_rate", a / (a + j) if a + j else 0)),
+                _pct(r["output_from_drafts"]),
+                _pct(r["rejected_compute_share"]),
+            ]
+        )
+    return out
+
+
+def price_rows(data: DashboardData) -> list[list[Any]]:
+    return [
+        [
+            p["model"],
+            p["token_class"],
+            f"${p['usd']}",
+            f"per {p['unit']}",
+            _time(int(p["effective_from"].timestamp() * 1e9))
+            if isinstance(p["effective_from"], datetime) and p["effective_from"].timestamp() > 0
+            else "always",
+        ]
+        for p in data.prices
+    ]
 
 
 def _text(value: Any) -> str:
@@ -179,8 +320,42 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         for k in figures
         if k.startswith("experts-")
     )
-    table = "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _health_rows(data)
+    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in _health_rows(data))
+    tenants = _html_table(
+        "data",
+        [
+            "tenant",
+            "requests",
+            "prompt",
+            "output",
+            "cache hit rate",
+            "waste share",
+            *(f"{m} USD" for m in MODES),
+        ],
+        tenant_rows(data),
+        "no requests in scope",
+    )
+    spec = _html_table(
+        "data",
+        [
+            "model",
+            "drafts",
+            "accepted",
+            "rejected",
+            "cut",
+            "acceptance (ours)",
+            "acceptance (vLLM's)",
+            "output from drafts",
+            "rejected compute",
+        ],
+        spec_rows(data),
+        "no speculative decoding in scope",
+    )
+    prices = _html_table(
+        "data",
+        ["model", "class", "price", "unit", "in effect since"],
+        price_rows(data),
+        "no prices set: costs read 0 (sparseety prices set|load)",
     )
     page = Template(_asset("dashboard.html"))
     return page.substitute(
@@ -189,6 +364,9 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         plotly=plotly,
         meta=html.escape(f"generated {_time(data.generated_ns)} · {_scope_text(data.scope)}"),
         health_table=f'<table class="health">{table}</table>',
+        tenant_table=tenants,
+        spec_table=spec,
+        prices_table=prices,
         expert_sections=experts,
         figures=_script_json(figures),
         script=_asset("dashboard.js"),

@@ -27,6 +27,19 @@ STATUS_COLORS = {
 DRAFT_ACCEPTED = "draft accepted"
 #: What became of the KV (axis 2): hatching drawn over the colour; kept positions have none.
 FATE_PATTERNS = {"window_released": "x", "skipped": "."}
+#: Tenant colours (colour-blind safe, Tableau 10).
+PALETTE = (
+    "#4C78A8",
+    "#F58518",
+    "#54A24B",
+    "#E45756",
+    "#72B7B2",
+    "#EECA3B",
+    "#B279A2",
+    "#FF9DA6",
+    "#9D755D",
+    "#BAB0AC",
+)
 MODE_COLORS = {"actual": "#4C78A8", "amortized": "#72B7B2", "list": "#EECA3B", "gpu": "#B279A2"}
 _FONT = {"family": "system-ui, -apple-system, Segoe UI, sans-serif", "size": 12}
 
@@ -35,10 +48,12 @@ def _layout(title: str, **extra: Any) -> dict[str, Any]:
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0.01, "xanchor": "left"},
         "font": _FONT,
-        "margin": {"l": 60, "r": 20, "t": 48, "b": 48},
+        "margin": {"l": 60, "r": 40, "t": 48, "b": 48},
         "paper_bgcolor": "#ffffff",
         "plot_bgcolor": "#ffffff",
         "legend": {"orientation": "h", "y": -0.18},
+        # vertical, in the right margin: a left-aligned title never runs under its icons
+        "modebar": {"orientation": "v"},
     }
     layout.update(extra)
     return layout
@@ -271,6 +286,80 @@ def cost_figure(by_mode: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
     }
 
 
+#: Time buckets the over-time chart may use, smallest first.
+BUCKETS = (("1m", 60), ("5m", 300), ("15m", 900), ("1h", 3600), ("6h", 21_600), ("1d", 86_400))
+#: At most this many buckets across the page's time span.
+MAX_BUCKETS = 60
+
+
+def pick_bucket(span_s: float) -> str:
+    """The smallest bucket that draws ``span_s`` in at most :data:`MAX_BUCKETS` points."""
+    for name, seconds in BUCKETS:
+        if span_s / seconds <= MAX_BUCKETS:
+            return name
+    return BUCKETS[-1][0]
+
+
+def over_time_figure(
+    cost_rows: Sequence[Mapping[str, Any]], list_rows: Sequence[Mapping[str, Any]], bucket: str
+) -> Figure:
+    """Cost (actual, USD) and tokens billed (list: prompt once per API request + output) per
+    tenant and time bucket, as two stacked line charts sharing the time axis.
+
+    Args:
+        cost_rows: ``Queries.cost(mode="actual", by=("tenant",), bucket=...)`` rows.
+        list_rows: The same in ``list`` mode (its token counts are what an invoice counts).
+        bucket: The bucket both were asked with (for the title).
+    """
+    title = f"Cost and tokens over time by tenant (per {bucket})"
+    tenants = sorted({str(r["tenant"]) for r in [*cost_rows, *list_rows]})
+    if not tenants:
+        return _empty(title, "no requests in scope")
+    data: list[dict[str, Any]] = []
+    for i, t in enumerate(tenants):
+        color = PALETTE[i % len(PALETTE)]
+        mine = sorted((r for r in cost_rows if str(r["tenant"]) == t), key=lambda r: str(r["bucket"]))
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": t or "(none)",
+                "legendgroup": t,
+                "x": [str(r["bucket"]) for r in mine],
+                "y": [_usd(r.get("cost_usd", 0)) for r in mine],
+                "text": [f"${r.get('cost_usd', 0)}" for r in mine],
+                "line": {"color": color},
+                "hovertemplate": f"{t or '(none)'} %{{x}}: %{{text}} (actual)<extra></extra>",
+            }
+        )
+        billed = sorted((r for r in list_rows if str(r["tenant"]) == t), key=lambda r: str(r["bucket"]))
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": t or "(none)",
+                "legendgroup": t,
+                "showlegend": False,
+                "xaxis": "x",
+                "yaxis": "y2",
+                "x": [str(r["bucket"]) for r in billed],
+                "y": [
+                    int(r["input_tokens"]) + int(r["cached_tokens"]) + int(r["output_tokens"]) for r in billed
+                ],
+                "line": {"color": color, "dash": "dot"},
+                "hovertemplate": f"{t or '(none)'} %{{x}}: %{{y}} tokens billed<extra></extra>",
+            }
+        )
+    layout = _layout(
+        title,
+        height=420,
+        xaxis={"type": "date", "anchor": "y2"},
+        yaxis={"title": {"text": "USD (actual)"}, "domain": [0.56, 1], "rangemode": "tozero"},
+        yaxis2={"title": {"text": "tokens billed"}, "domain": [0, 0.44], "rangemode": "tozero"},
+    )
+    return {"data": data, "layout": layout}
+
+
 def whatif_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
     """Modelled cost change per what-if scenario (``Queries.whatif`` rows, summed per scenario).
 
@@ -377,16 +466,28 @@ def human_duration(seconds: float) -> tuple[float, str]:
     return round(seconds / 86400, 1), " d"
 
 
+#: Newest finish older than this: the page says "no traffic since ..." rather than a freshness.
+IDLE_AFTER_S = 60.0
+
+
+def idle(health: Mapping[str, Any]) -> bool:
+    """Whether nothing finished for :data:`IDLE_AFTER_S` (or nothing is stored): then "now -
+    newest finish" measures the traffic's pause, not the pipeline's delay."""
+    f = health.get("freshness_s")
+    return f is None or float(f) > IDLE_AFTER_S
+
+
 def health_figure(health: Mapping[str, Any]) -> Figure:
-    """Freshness and stored-request health as number indicators."""
+    """Freshness (while traffic flows) and stored-request health as number indicators."""
     items: list[tuple[str, float, str]] = []
-    if health.get("freshness_s") is not None:
+    if not idle(health):
         items.append(("freshness", *human_duration(float(health["freshness_s"]))))
     items.append(("requests stored", int(health.get("requests", 0)), ""))
     items.append(("incomplete", int(health.get("incomplete_requests", 0)), ""))
     items.append(("inconsistent", int(health.get("inconsistent_requests", 0)), ""))
     if "dead_letters" in health:
-        items.append(("dead letters", int(health["dead_letters"]), ""))
+        # the pipeline's own; refused lines of ingested files are counted apart (health table)
+        items.append(("dead letters", int(health["dead_letters"]) - int(health.get("ingest_rejects", 0)), ""))
     n = len(items)
     data = [
         {
@@ -399,5 +500,9 @@ def health_figure(health: Mapping[str, Any]) -> Figure:
         }
         for i, (name, value, suffix) in enumerate(items)
     ]
-    layout = _layout("Freshness and pipeline health", height=150, margin={"l": 20, "r": 20, "t": 40, "b": 8})
+    layout = _layout(
+        "Pipeline health" if idle(health) else "Freshness and pipeline health",
+        height=150,
+        margin={"l": 20, "r": 20, "t": 40, "b": 8},
+    )
     return {"data": data, "layout": layout}

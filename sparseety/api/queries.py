@@ -36,6 +36,7 @@ def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
     where, params = scope.where()
     sql = (
         "SELECT count() AS requests, countIf(NOT complete) AS incomplete_requests, "
+        "if(count() = 0, 0, min(finished_ts_ns)) AS earliest_finished_ts_ns, "
         "countIf(NOT consistent) AS inconsistent_requests, countIf(seq_gap) AS seq_gap_requests, "
         "if(count() = 0, 0, max(finished_ts_ns)) AS latest_finished_ts_ns "
         f"FROM {db}.requests_v WHERE {where}"
@@ -43,9 +44,32 @@ def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
     return sql, params
 
 
+#: The component of dead letters that are lines an ingest refused (producers/logs/ingest.py).
+INGEST_COMPONENT = "ingest"
+
+
 def dead_letters_sql(db: str) -> tuple[str, dict[str, Any]]:
-    """Dead letters stored (the whole pipeline's; not tenant-scoped)."""
-    return f"SELECT count() AS dead_letters FROM {db}.dead_letters FINAL", {}
+    """Dead letters stored (the whole pipeline's; not tenant-scoped), and how many of them are
+    lines of ingested files that were refused (``ingest_rejects``) rather than records the
+    pipeline could not use."""
+    sql = (
+        "SELECT count() AS dead_letters, countIf(component = {ingest:String}) AS ingest_rejects "
+        f"FROM {db}.dead_letters FINAL"
+    )
+    return sql, {"ingest": INGEST_COMPONENT}
+
+
+def dead_letter_rows_sql(db: str, *, limit: int, component: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The newest dead letters (what failed where, and why; never the payload), of one
+    ``component`` when given."""
+    where = "component = {component:String}" if component else "1"
+    sql = (
+        "SELECT fromUnixTimestamp64Nano(ts_ns, 'UTC') AS at, toString(component) AS component, "
+        "toString(error_type) AS error_type, reason, topic, partition, offset, "
+        "dlq_topic, dlq_partition, dlq_offset "
+        f"FROM {db}.dead_letters FINAL WHERE {where} ORDER BY ts_ns DESC LIMIT {{limit:UInt32}}"
+    )
+    return sql, {"limit": limit, **({"component": component} if component else {})}
 
 
 def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -71,12 +95,24 @@ def timeline_counts(segments: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 class ApiQueries(Queries):
     """The query library plus the health figures the API serves."""
 
+    def dead_letters(self, *, limit: int = 100, component: str | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` dead letters of the whole pipeline, or of one ``component``
+        (``ingest``: refused lines of ingested files) (an admin's question)."""
+        return self._run(dead_letter_rows_sql(self.db, limit=limit, component=component))
+
+    def prices_list(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Every stored price (:func:`~sparseety.sinks.clickhouse.prices.list_prices`)."""
+        from sparseety.sinks.clickhouse.prices import list_prices
+
+        return list_prices(self.store, model)  # type: ignore[arg-type]
+
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int) -> dict[str, Any]:
         """Store-side pipeline health within ``scope``.
 
         Keys: ``requests``, ``incomplete_requests``, ``inconsistent_requests``, ``seq_gap_requests``,
         ``latest_finished_ts_ns`` (0 when empty), ``freshness_s`` (now - newest finish; None when
-        empty) and, for an unscoped caller, ``dead_letters``.
+        empty) and, for an unscoped caller, ``dead_letters`` (all stored) and ``ingest_rejects``
+        (those that are refused lines of ingested files; the rest are the pipeline's own).
         """
         (row,) = self._run(health_sql(self.db, scope=scope))
         out: dict[str, Any] = {k: int(v) for k, v in row.items()}
@@ -85,4 +121,5 @@ class ApiQueries(Queries):
         if scope.tenants is None:
             (dead,) = self._run(dead_letters_sql(self.db))
             out["dead_letters"] = int(dead["dead_letters"])
+            out["ingest_rejects"] = int(dead["ingest_rejects"])
         return out

@@ -23,6 +23,34 @@ def _print_status(rows: list) -> None:  # type: ignore[type-arg]
     click.echo(f"logs: {rows[0].log.parent}")
 
 
+def _print_engines(c: CliContext, *, store_up: bool) -> None:
+    """The engines: undelivered spill journals under the data dir, and (while the store runs)
+    each engine's newest finished request (sparseety/stack/engines.py)."""
+    import time
+
+    from sparseety.stack.engines import engine_rows, journals
+
+    stored: list[dict[str, object]] = []
+    if store_up:
+        from sparseety.api.client import RemoteQueries
+
+        try:
+            with RemoteQueries.from_config(c.cfg) as remote:
+                stored = remote.engines()
+        except Exception as exc:  # status reports what it can
+            click.echo(f"engines: the store did not answer ({exc})")
+    rows = engine_rows(
+        journals(c.cfg.spill_path), stored, bootstrap=c.cfg.kafka.bootstrap, now_ns=time.time_ns()
+    )
+    click.echo(f"\nengines (spill journals under {c.cfg.spill_path}; requests in the store):")
+    if not rows:
+        click.echo("  none seen")
+        return
+    from sparseety.sinks.output import render
+
+    click.echo(render(rows, "table"))
+
+
 @click.command("up")
 @click.option("--workers", default=1, show_default=True, help="Assembler workers (one consumer group).")
 @pass_ctx
@@ -33,7 +61,12 @@ def up(c: CliContext, workers: int) -> None:
     stack = Stack(c.cfg, workers=workers)
     rows = stack.up(progress=lambda t: click.echo(t, err=True))
     _print_status(rows)
-    click.echo(f"\nAPI and dashboard: {stack.api_url}   engines publish to: {stack.broker.bootstrap}")
+    if c.cfg.api.tokens:
+        # the page needs a sign-in: a token from api.tokens, or the admin token the store wrote
+        where = f"dashboard: {stack.api_url}/login (sign in with a token from api.tokens)"
+    else:
+        where = f"API and dashboard: {stack.api_url}/dashboard"
+    click.echo(f"\n{where}   API: {stack.api_url}   engines publish to: {stack.broker.bootstrap}")
 
 
 @click.command("down")
@@ -54,6 +87,7 @@ def status(c: CliContext) -> None:
 
     rows = Stack(c.cfg).status()
     _print_status(rows)
+    _print_engines(c, store_up=any(r.name == "store" and r.state == "ready" for r in rows))
     states = {r.state for r in rows}
     sys.exit(1 if "unhealthy" in states or (states - {"stopped"} and "stopped" in states) else 0)
 

@@ -148,7 +148,8 @@ class Stack:
         """
         if self.broker.pid() is None:
             self._stop_orphans(progress)
-        progress(f"broker: starting on {self.broker.bootstrap}")
+        already = self.broker.status().ready
+        progress(f"broker: {'already running' if already else 'starting'} on {self.broker.bootstrap}")
         self.broker.start()
         if self._pid("store") is None:
             if not port_is_free(self.cfg.api.host, self.cfg.api.port):

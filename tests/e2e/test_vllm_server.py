@@ -317,6 +317,114 @@ def test_proxy_streaming_passes_chunks_through(server: ServerEngine, proxy: tupl
     assert kinds == {"proxy"}
 
 
+# --- issue 21: the client's ids, and n > 1 billed as the response's usage -------------------
+
+
+def test_found_by_response_id_and_n2_list_cost_equals_usage(
+    server: ServerEngine, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A chat completion is found in the store by the ``chatcmpl-...`` id its client got, a
+    completion with ``n = 2`` by its ``cmpl-...`` id (both choices listed, never one guessed), and
+    that request's ``list`` cost bills exactly the response's usage: the prompt once.
+
+    The engine's events go through the fold (``Assembler``: the Faust worker runs this fold,
+    tests/topology/test_worker.py checks they agree) into chDB with the real sink."""
+    from decimal import Decimal
+
+    from sparseety.config import WorkerConfig
+    from sparseety.errors import AmbiguousIdError
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from sparseety.streams.assembler import TIMELINES, Assembler
+    from sparseety.streams.state import MemoryStore
+    from tests.helpers import chdb_config, throwaway_store
+
+    tag = f"n{random.randrange(1 << 30):x}"
+    tenant = f"ids-{tag}"
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        chat = _chat(
+            client,
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": SYSTEMS[1] + "What is a tenant?"}],
+                "max_tokens": 5,
+                "temperature": 0,
+                "vllm_xargs": {"tenant": tenant},
+            },
+            {},  # no X-Request-Id: the id is vLLM's random one, known to the client only
+        )
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": SYSTEMS[3] + "Count:",
+                "max_tokens": 7,
+                "n": 2,
+                "temperature": 1.0,
+                "seed": 3,
+                "vllm_xargs": {"tenant": tenant + "-n2"},
+            },
+            headers={"X-Request-Id": f"{tag}-n2"},
+        )
+        r.raise_for_status()
+        n2 = r.json()
+    assert chat["id"].startswith("chatcmpl-") and n2["id"] == f"cmpl-{tag}-n2"
+    assert len(n2["choices"]) == 2
+
+    def complete(events: list[dict[str, Any]]) -> bool:
+        done = {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+        return chat["id"] in done and {f"0_cmpl-{tag}-n2-0", f"1_cmpl-{tag}-n2-0"} <= done
+
+    events = engine_events(server.cfg, complete, timeout=90)
+    asm = Assembler(WorkerConfig(), MemoryStore())
+    records = [o.record for e in events for o in asm.apply(e) if o.topic == TIMELINES]
+    ours = [r for r in records if r["tenant"] in (tenant, tenant + "-n2")]
+    assert len(ours) == 3, [r["request_id"] for r in ours]
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        migrate(store)
+        sink = ClickHouseSink(store)
+        for i, rec in enumerate(ours):
+            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        d = Decimal
+        set_prices(store, [Price("tiny", "input", d("10"), 0), Price("tiny", "cached_input", d("2.5"), 0)])
+        set_prices(store, [Price("tiny", "output", d("40"), 0)])
+        q = Queries(store)
+
+        found = q.request(chat["id"])
+        assert found is not None and found["external_request_id"] == chat["id"]
+        assert (found["prompt_tokens"], found["output_tokens"]) == (
+            chat["usage"]["prompt_tokens"],
+            chat["usage"]["completion_tokens"],
+        )
+        stats = q.tokens_statistics(chat["id"])
+        assert stats is not None and stats["input_token_count"] == chat["usage"]["prompt_tokens"]
+
+        with pytest.raises(AmbiguousIdError) as amb:
+            q.request(n2["id"])
+        assert sorted(c["choice_index"] for c in amb.value.candidates) == [0, 1]
+        assert {c["parent_request_id"] for c in amb.value.candidates} == {
+            c["request_id"].split("_", 1)[1] for c in amb.value.candidates
+        }
+        assert len(q.requests(client_id=f"{tag}-n2")) == 2
+
+        (row,) = q.cost(mode="list", scope=Scope(tenants=(tenant + "-n2",)))
+        usage = n2["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        assert row["requests"] == 2
+        assert row["input_tokens"] + row["cached_tokens"] == usage["prompt_tokens"]
+        assert row["cached_tokens"] == cached
+        assert row["output_tokens"] == usage["completion_tokens"]
+        want = (
+            (usage["prompt_tokens"] - cached) * d("10")
+            + cached * d("2.5")
+            + usage["completion_tokens"] * d("40")
+        ) / 1_000_000
+        assert row["cost_usd"] == want
+
+
 # --- Kafka outage (last: it restarts the server's broker) ------------------------------------
 
 

@@ -46,6 +46,7 @@ CHROMIUM_ARGS = [
 STATUSES = ["computed", "cached", "recomputed", "skipped", "evicted", "draft accepted"]
 CHARTS = [
     "health",
+    "over-time",
     "cost",
     "savings",
     "timeline",
@@ -158,7 +159,11 @@ def assert_charts_drawn(visit: Visit) -> None:
     assert page.locator("#experts-0 g.hm").count() == 1  # the heatmap layer
     assert page.locator("#cost g.trace.bars").count() == 4  # actual, amortized, list, gpu
     assert page.locator("#savings g.trace.bars").count() == 2
-    assert page.locator("#health .indicatorlayer g.trace").count() == 5
+    # the data set's newest finish is 4 minutes before NOW: idle, so no freshness indicator ...
+    assert page.locator("#health .indicatorlayer g.trace").count() == 4
+    # ... but the pause said as such
+    assert "no traffic since 2023-11-14 22:19:20 UTC (" in page.inner_text("table.health")
+    assert page.locator("#over-time g.trace.scatter").count() >= 2  # cost and tokens per tenant
     assert visit.errors == [], visit.errors
 
 
@@ -215,3 +220,98 @@ def test_remote_rendering_matches_local(live: str, store: Store) -> None:
     here = collect(ApiQueries(store), scope=scope, request_uids=picks, now_ns=NOW)
     assert build_figures(there) == build_figures(here)
     assert [r["request_uid"] for r in there.timelines] == picks
+
+
+def _cells(page: Page, heading: str) -> list[list[str]]:
+    """The body rows of the table in the card headed ``heading``."""
+    card = page.locator("section.card", has=page.locator(f"h2:text-is('{heading}')"))
+    return [
+        [c.strip() for c in row.locator("td").all_text_contents()] for row in card.locator("tbody tr").all()
+    ]
+
+
+def _drawn(page: Page) -> None:
+    page.wait_for_function(
+        "location.pathname === '/dashboard' && document.body && document.body.dataset.charts !== undefined",
+        timeout=60_000,
+    )
+
+
+def test_browser_login_opens_the_dashboard(browser: Browser, live: str) -> None:
+    """No token in any URL: a browser without one is sent to /login, signs in with the form (or
+    a #token= fragment), holds an HttpOnly session cookie and sees its tenants' dashboard; the
+    cookie reads, it never writes."""
+    context = browser.new_context(viewport=VIEWPORT)
+    seen: list[str] = []
+    context.on("request", lambda r: seen.append(r.url))
+    page = context.new_page()
+    errors: list[str] = []
+    failed: list[tuple[int, str]] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on(
+        "response", lambda r: failed.append((r.status, r.url.split("/", 3)[3])) if r.status >= 400 else None
+    )
+    try:
+        page.goto(f"{live}/dashboard")
+        assert page.url == f"{live}/login"
+        page.fill("#token", "wrong")
+        page.click("button[type=submit]")
+        assert "not known" in page.inner_text("#message")
+        page.fill("#token", "tok-admin")
+        page.click("button[type=submit]")
+        _drawn(page)
+        assert page.url == f"{live}/dashboard"
+        assert page.evaluate("document.body.dataset.charts") == str(len(CHARTS))
+        (cookie,) = context.cookies()
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["value"] not in ("tok-admin",)
+        assert page.evaluate("document.cookie") == ""  # scripts cannot read it
+        # the panels a platform engineer asks for first
+        tenants = _cells(page, "Tenants: hit rate, waste, cost per mode")
+        assert [r[0] for r in tenants] == ["acme", "globex", "initech"]
+        assert tenants[0][1:3] == ["2", "192"] and tenants[0][4] == "33.3 %"  # acme: 64 of 192 cached
+        spec = _cells(page, "Speculative decoding")
+        assert spec[0][:5] == ["tiny-moe", "12", "8", "4", "0"]
+        assert spec[0][5:7] == ["66.7 %", "66.7 %"]
+        prices = _cells(page, "Prices in effect")
+        assert ["tiny-moe", "input", "$10", "per 1M tokens", "always"] in prices
+        # counts link to the rows behind them, read with the session cookie
+        health = page.locator("table.health")
+        with page.expect_navigation():
+            health.locator("a", has_text="list").last.click()
+        assert page.url.endswith("/api/v1/dead-letters")
+        assert len(page.evaluate("JSON.parse(document.body.innerText).rows")) == 1
+        page.go_back()
+        _drawn(page)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-login.png"), full_page=True)
+        # the cookie never authorizes a change: a write needs the bearer header
+        status = page.evaluate(
+            "fetch('/api/v1/prices', {method: 'POST', headers: {'Content-Type': 'application/json'},"
+            " body: JSON.stringify({prices: []})}).then(r => r.status)"
+        )
+        assert status == 401
+        page.click(".logout button")
+        assert page.url == f"{live}/login"
+        page.goto(f"{live}/dashboard")
+        assert page.url == f"{live}/login"  # signed out
+    finally:
+        context.close()
+    # a link with the token in its fragment: the page posts it and drops it from the address bar
+    context = browser.new_context(viewport=VIEWPORT)
+    context.on("request", lambda r: seen.append(r.url))
+    page = context.new_page()
+    try:
+        page.goto(f"{live}/login#token=tok-acme")
+        _drawn(page)
+        assert page.url == f"{live}/dashboard"
+        assert "tenants: acme" in page.inner_text("header")
+        assert [r[0] for r in _cells(page, "Tenants: hit rate, waste, cost per mode")] == ["acme"]
+        assert page.evaluate("window.history.length") >= 1 and "tok-" not in page.evaluate("location.href")
+    finally:
+        context.close()
+    assert not [u for u in seen if "tok-" in u], "a token appeared in a URL"
+    # the page's only failed loads are the two this test asked for; the console adds the browser's
+    # own favicon probe on the JSON page (404) and nothing else
+    assert sorted(set(failed)) == [(401, "api/v1/prices"), (401, "login")], failed
+    assert [e for e in errors if not e.startswith("Failed to load resource")] == [], errors
+    assert len(errors) <= len(failed) + 1, errors

@@ -43,14 +43,17 @@ def test_up_status_down(tmp_path: Path) -> None:
 
         status = cli(env, "status")
         assert status.returncode == 0 and status.stdout.count("running") == 2
+        assert "engines (spill journals under" in status.stdout and "none seen" in status.stdout
 
         again = cli(env, "up")  # idempotent: nothing new starts
-        assert again.returncode == 0 and "starting" not in again.stderr.replace("broker: starting", "")
+        assert again.returncode == 0 and "starting" not in again.stderr
+        assert "broker: already running on" in again.stderr
         assert (tmp_path / "data" / "logs" / "worker-0.log").stat().st_size > 0
     finally:
         down = cli(env, "down")
     assert down.returncode == 0, down.stderr
     assert "stopped: worker-0, worker-1, store, broker" in down.stdout
     after = cli(env, "status")
-    states = [line.split()[1] for line in after.stdout.splitlines()[1:] if not line.startswith("logs:")]
+    parts = after.stdout.split("\nlogs:")[0].splitlines()[1:]  # the parts table; engines follow
+    states = [line.split()[1] for line in parts]
     assert after.returncode == 0 and states and set(states) == {"stopped"}

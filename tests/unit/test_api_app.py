@@ -240,9 +240,11 @@ def test_experts_duplication_requests_and_health(client: TestClient, local: ApiQ
         "incomplete_requests": 1,
         "inconsistent_requests": 1,
         "seq_gap_requests": 0,
+        "earliest_finished_ts_ns": T0 + 1 * MIN,
         "latest_finished_ts_ns": T0 + 6 * MIN,
         "freshness_s": 240.0,
         "dead_letters": 1,
+        "ingest_rejects": 0,
     }
     assert health["pipeline"] == {"sink_in_process": False, "jobs_active": 0}
 
@@ -418,7 +420,9 @@ def test_bad_collect_specs_are_400_before_any_job_runs(client: TestClient, tmp_p
         assert r.status_code == 400, r.text
         return str(r.json()["message"])
 
-    assert "tag 'scrape'" in post({"kind": "scrape"})
+    assert "unknown collect kind 'scrape': choose from replay, ingest, analyze, vllm_log" in post(
+        {"kind": "scrape"}
+    )
     assert "cannot read 'yesterday' as a replay bound" in post(
         {"kind": "replay", "topic": "timelines", "from": "yesterday"}
     )

@@ -47,6 +47,15 @@ def run(env: dict[str, str], *args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def test_a_data_dir_without_a_stack_says_so(tmp_path: Path) -> None:
+    empty = tmp_path / "no-stack-here"
+    env = {"SPARSEETY_DATA_DIR": str(empty)}
+    for args in (("query", "cost"), ("prices", "list"), ("sql", "SELECT 1")):
+        code, out = run(env, *args)
+        assert code == 2 and f"no store at {empty / 'chdb'}" in out and "sparseety up" in out, out
+    assert not empty.exists()  # nothing was created
+
+
 def test_db_migrate_and_status(env: dict[str, str]) -> None:
     code, out = run(env, "db", "status")
     assert code == 1 and "tables" in out and "no" in out
@@ -161,7 +170,14 @@ def test_price_files() -> None:
         ("input", 150_000, 1_735_689_600 * 10**9),
         ("output", 600_000, 0),
     ]
+    # the CSV's columns as TOML keys: the same price as the CSV row
+    same = prices_from_toml(
+        '[[prices]]\nmodel = "tiny"\ntoken_class = "input"\nusd = "0.15"\neffective_from = 2025-01-01'
+    )
+    assert same == prices_from_csv(csv)[:1]
     for bad, match in [
+        ('[[prices]]\nmodel = "m"\ntoken_class = "premium"\nusd = "1"', "token class"),
+        ('[[prices]]\nmodel = "m"\ntoken_class = "input"\nusd = "1"\ninput = "2"', "unknown keys"),
         ('[[prices]]\nmodel = "m"\ninput = "-1"', "non-negative"),
         ('[[prices]]\nmodel = "m"\ninput = "0.0000001"', "six decimals"),
         ('[[prices]]\nmodel = "m"\nspeculative = "1"', "unknown keys"),

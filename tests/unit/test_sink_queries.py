@@ -426,6 +426,9 @@ def test_spec_efficiency(q: Queries) -> None:
         1,
     )
     assert m1["acceptance_rate"] == pytest.approx(50 / 80)
+    # no draft was cut: vLLM's rate (accepted / verified) equals ours (accepted / computed)
+    assert m1["draft_verified_tokens"] == m1["draft_tokens"] == 80
+    assert m1["vllm_acceptance_rate"] == pytest.approx(50 / 80)
     assert m1["rejected_compute_share"] == pytest.approx(30 / (4499 + 1229 + 1599 + 1009 + 1009))
     assert m1["output_from_drafts"] == pytest.approx(50 / (500 + 200 + 100 + 10 + 10))
 

@@ -274,3 +274,15 @@ def test_an_over_long_line_is_one_bad_line(tmp_path: Path) -> None:
     assert bad == [(301, "too long")]
     whole, _ = parse([LOG])
     assert len(done) == len(whole.requests)
+
+
+def test_a_log_without_request_lines_says_how_to_get_them(cfg: Config, tmp_path: Path) -> None:
+    # what a server started without --enable-log-requests writes: its start-up lines only
+    lines = LOG.read_text().splitlines(keepends=True)
+    quiet = tmp_path / "quiet-server.log"
+    quiet.write_text("".join(line for line in lines if "request" not in line.lower()))
+    report = ingest(cfg, quiet, fmt="vllm-log", default_model="tiny", producer=FakeProducer())
+    assert report.requests == 0 and "--enable-log-requests" in report.hint
+    assert report.to_dict()["hint"] == report.hint
+    # a log with requests gets no hint
+    assert not ingest(cfg, LOG, default_model="tiny", producer=FakeProducer()).hint

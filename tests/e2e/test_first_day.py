@@ -1,0 +1,239 @@
+"""Issue 21's walkthrough, as a new user does it with the README and the documented surfaces:
+`sparseety up` with API tokens, a vLLM OpenAI server with the plugin publishing to it, then
+
+- a chat completion found by the ``chatcmpl-...`` id its client got;
+- prices set while the stack runs;
+- ``sparseety sql`` answering (the admin everything, a tenant's token its rows);
+- ``list`` cost of an ``n = 2`` completion equal to its response's usage;
+- the dashboard opened after a browser sign-in, and screenshotted;
+- an engine at a wrong bootstrap shown by ``sparseety status`` as a silent engine.
+
+Real everything: the stack's Tansu broker, Faust worker and store process (chDB), vLLM's server
+(front end, EngineCore, worker) with the plugin, the CLI as processes, Debian's Chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sparseety.api.auth import read_admin_token
+from sparseety.config import load_config
+from tests.e2e.conftest import EnginePool, ServerEngine, tiny_model
+from tests.helpers import VENV_BIN, free_port, wait_for
+from tests.topology.test_producer_outage import _finished
+
+TOKENS = {"tok-admin": ["*"], "tok-acme": ["acme"]}
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VENV_BIN / "sparseety"), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok(env: dict[str, str], *args: str) -> Any:
+    out = cli(env, *args)
+    assert out.returncode == 0, f"sparseety {' '.join(args)}: {out.stderr[-3000:]}"
+    return json.loads(out.stdout) if "json" in args else out.stdout
+
+
+def test_a_platform_engineers_first_day(engine_pool: EnginePool, tmp_path: Path) -> None:
+    engine_pool.close_all()  # this test runs its own server: at most one engine at a time
+    data = tmp_path / "stack"
+    broker_port, api_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env |= {
+        "SPARSEETY_DATA_DIR": str(data),
+        "SPARSEETY_BROKER_PORT": str(broker_port),
+        "SPARSEETY_KAFKA_BOOTSTRAP": f"127.0.0.1:{broker_port}",
+        "SPARSEETY_API_PORT": str(api_port),
+        "SPARSEETY_API_TOKENS": json.dumps(TOKENS),
+        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
+    }
+    up = cli(env, "up")
+    assert up.returncode == 0, up.stderr
+    assert f"http://127.0.0.1:{api_port}/login" in up.stdout  # where a browser signs in
+    srv = None
+    try:
+        cfg = load_config(env=env, producer={"engine_name": "first-day", "heartbeat_interval_s": 2.0})
+        srv = ServerEngine(
+            cfg,
+            [
+                "--model",
+                str(tiny_model("llama")),
+                "--served-model-name",
+                "tiny",
+                "--enable-prefix-caching",
+                "--block-size",
+                "32",
+                "--max-model-len",
+                "1024",
+                "--max-num-seqs",
+                "8",
+                "--enforce-eager",
+                "--enable-prompt-tokens-details",
+                "--kv-events-config",
+                json.dumps({"enable_kv_cache_events": True, "publisher": "null"}),
+                "--shutdown-timeout",
+                "10",
+            ],
+            tmp_path / "server.log",
+        )
+        tag = f"d{random.randrange(1 << 30):x}"
+        with httpx.Client(base_url=srv.url, timeout=120) as client:
+            r = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "Which tenant pays for this? " * 4}],
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "vllm_xargs": {"tenant": "acme"},
+                },
+            )
+            r.raise_for_status()
+            chat = r.json()
+            r = client.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "Two answers to one question, one prompt billed: " * 3,
+                    "max_tokens": 5,
+                    "n": 2,
+                    "temperature": 1.0,
+                    "seed": 7,
+                    "vllm_xargs": {"tenant": "globex"},
+                },
+                headers={"X-Request-Id": f"{tag}-n2"},
+            )
+            r.raise_for_status()
+            n2 = r.json()
+
+        admin = {"Authorization": f"Bearer {read_admin_token(data)}"}
+        api = f"http://127.0.0.1:{api_port}"
+
+        def stored() -> bool:
+            rows = httpx.get(f"{api}/api/v1/requests", params={"limit": 100}, headers=admin, timeout=10)
+            return rows.status_code == 200 and len(rows.json()["rows"]) >= 3
+
+        wait_for(stored, 120, 1.0, "the three engine requests in the store")
+
+        # 1. found by the id the client has (no X-Request-Id was sent: vLLM's random one)
+        found = ok(env, "query", "request", chat["id"], "--format", "json")
+        assert found["external_request_id"] == chat["id"] and found["tenant"] == "acme"
+        assert (found["prompt_tokens"], found["output_tokens"]) == (
+            chat["usage"]["prompt_tokens"],
+            chat["usage"]["completion_tokens"],
+        )
+        stats = ok(env, "query", "tokens", chat["id"], "--format", "json")
+        assert stats["input_token_count"] == chat["usage"]["prompt_tokens"]
+        # the n = 2 response's id names both choices: listed, never guessed
+        amb = cli(env, "query", "request", n2["id"], "--format", "json")
+        assert amb.returncode == 1 and "names 2 requests" in amb.stderr
+        assert sorted(c["choice_index"] for c in json.loads(amb.stdout)) == [0, 1]
+
+        # 2. prices while the stack runs
+        ok(env, "prices", "set", "--model", "tiny", "--class", "input", "--usd", "10")
+        ok(env, "prices", "set", "--model", "tiny", "--class", "cached_input", "--usd", "2.5")
+        ok(env, "prices", "set", "--model", "tiny", "--class", "output", "--usd", "40")
+        assert len(ok(env, "prices", "list", "--format", "json")) == 3
+
+        # 3. list cost of the n = 2 completion = its usage, the prompt once
+        (row,) = ok(env, "query", "cost", "--mode", "list", "--tenant", "globex", "--format", "json")
+        usage = n2["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        assert row["requests"] == 2
+        assert (row["input_tokens"] + row["cached_tokens"], row["cached_tokens"], row["output_tokens"]) == (
+            usage["prompt_tokens"],
+            cached,
+            usage["completion_tokens"],
+        )
+        d = Decimal
+        want = (
+            (usage["prompt_tokens"] - cached) * d(10) + cached * d("2.5") + usage["completion_tokens"] * d(40)
+        ) / 10**6
+        assert d(row["cost_usd"]) == want
+
+        # 4. own SQL: the admin sees both tenants, acme's token only acme
+        sql = "SELECT tenant, count() AS n FROM sparseety.requests_v GROUP BY tenant ORDER BY tenant"
+        assert ok(env, "sql", sql, "--format", "json") == [
+            {"tenant": "acme", "n": 1},
+            {"tenant": "globex", "n": 2},
+        ]
+        assert ok(env, "sql", sql, "--format", "json", "--token", "tok-acme") == [{"tenant": "acme", "n": 1}]
+
+        # 5. the dashboard opens after a browser sign-in
+        _browser_sign_in(api, tmp_path)
+
+        # 6. an engine at a wrong bootstrap, spilling under the stack's data dir, is silent
+        _wrong_bootstrap_is_silent(env, data)
+    finally:
+        if srv is not None:
+            srv.close()
+        down = cli(env, "down")
+        assert down.returncode == 0, down.stderr
+
+
+def _browser_sign_in(api: str, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.topology.test_dashboard import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, VIEWPORT
+
+    assert shutil.which(CHROMIUM), "Debian's chromium is missing: scripts/setup.sh installs it"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(viewport=VIEWPORT).new_page()
+            page.goto(f"{api}/dashboard")
+            assert page.url == f"{api}/login"
+            page.fill("#token", "tok-admin")
+            page.click("button[type=submit]")
+            page.wait_for_function(
+                "location.pathname === '/dashboard' && document.body"
+                " && document.body.dataset.charts !== undefined",
+                timeout=60_000,
+            )
+            text = page.inner_text("main")
+            assert "acme" in text and "globex" in text and "Prices in effect" in text
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "first-day-dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+def _wrong_bootstrap_is_silent(env: dict[str, str], data: Path) -> None:
+    from sparseety.producers.emitter import Emitter
+
+    wrong = f"127.0.0.1:{free_port()}"
+    cfg = load_config(
+        env={"SPARSEETY_DATA_DIR": str(data), "SPARSEETY_KAFKA_BOOTSTRAP": wrong},
+        producer={"memory_limit_bytes": 1024 * 1024, "heartbeat_interval_s": 3600, "flush_timeout_s": 1},
+    )
+    em = Emitter(cfg, engine_name="wrong-bootstrap", epoch="1", stall_s=2.0)
+    try:
+        for i in range(4000):
+            em.emit(_finished, i)
+        journal = cfg.spill_path / "wrong-bootstrap" / "core"
+        deadline = time.monotonic() + 30
+        while not any(journal.glob("*.seg")):
+            assert time.monotonic() < deadline, "nothing was spilled"
+            time.sleep(0.2)
+        out = cli(env, "status")
+        lines = out.stdout.splitlines()
+        silent = next(x for x in lines if x.strip().startswith("wrong-bootstrap"))
+        # it names the stack's broker, the address the engine should have been given
+        assert "silent: not delivering" in silent and env["SPARSEETY_KAFKA_BOOTSTRAP"] in silent
+        reporting = next(x for x in lines if x.strip().startswith("first-day"))
+        assert "reporting" in reporting
+    finally:
+        em.close(timeout=1)
