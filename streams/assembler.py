@@ -305,21 +305,36 @@ class Assembler:
         r.prompt_ids = list(body.get("prompt_token_ids") or ())
         r.prompt_hashes = list(body.get("prompt_token_hashes") or ())
         cached = r.cached_at_admission = body["num_cached_tokens"]
-        r.cache_read += cached
+        # A KV connector's tokens (P/D decode side) follow the local hit: loaded, not read from
+        # this engine's prefix cache, not computed here.
+        external = min(cached, max(0, body.get("num_external_cached_tokens", 0)))
+        local = cached - external
+        r.external_kv = external
+        r.cache_read += local
         r.kv_end = max(r.kv_end, cached)
-        self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, cached)
+        self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, local, cached)
         self._put_request(r)
 
     def _plan_prompt(
-        self, epoch: EpochState, r: RequestState, seq: int, hashes: list[bytes], prompt: int, cached: int
+        self,
+        epoch: EpochState,
+        r: RequestState,
+        seq: int,
+        hashes: list[bytes],
+        prompt: int,
+        cached: int,
+        loaded: int | None = None,
     ) -> None:
-        """Lay out the prompt's statuses at admission: cached blocks with their source, computed
-        blocks (recomputed when the engine had cached and evicted them before), and claims."""
+        """Lay out the prompt's statuses at admission: cached blocks with their source, positions
+        a KV connector loaded (``[cached, loaded)``), computed blocks (recomputed when the engine
+        had cached and evicted them before), and claims."""
         bs = (epoch.config or {}).get("block_size") or 0
         segs = r.segments
+        loaded = cached if loaded is None else max(cached, loaded)
         if not bs or not hashes:
             sg.append(segs, cached, sg.PROMPT, sg.CACHED)
-            sg.append(segs, prompt - cached, sg.PROMPT, sg.COMPUTED)
+            sg.append(segs, loaded - cached, sg.PROMPT, sg.EXTERNAL_KV)
+            sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)
             return
         cleared = epoch.cleared
         pos = 0
@@ -338,6 +353,17 @@ class Assembler:
                 sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
                 sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
                 r.blocks.append([hexh, "cached", int(live[pidx.STORED]) if live else -1])
+            elif start < loaded:
+                # Loaded by a KV connector: no BlockUse (not computed or read here); a block it
+                # fills only in part is finished here, so this request begins its lifetime.
+                head = min(bs, loaded - start)
+                sg.append(segs, head, sg.PROMPT, sg.EXTERNAL_KV)
+                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
+                if block is None:
+                    block = pidx.new_block()
+                    epoch.block_count += 1
+                pidx.claim(block, r.request_id, seq, cleared)
+                self.store.put(key, block)
             else:
                 if block is None:
                     block = pidx.new_block()
@@ -360,7 +386,9 @@ class Assembler:
         tail = prompt - pos
         head = max(0, min(cached - pos, tail))
         sg.append(segs, head, sg.PROMPT, sg.CACHED)
-        sg.append(segs, tail - head, sg.PROMPT, sg.COMPUTED)
+        ext = max(0, min(loaded - pos - head, tail - head))
+        sg.append(segs, ext, sg.PROMPT, sg.EXTERNAL_KV)
+        sg.append(segs, tail - head - ext, sg.PROMPT, sg.COMPUTED)
         self._bound_index(epoch)
 
     def _on_step(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
@@ -781,6 +809,7 @@ class Assembler:
             "external_request_id": r.external_request_id,
             "parent_request_id": r.parent_request_id,
             "choice_index": r.choice_index,
+            "external_kv_tokens": r.external_kv,
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

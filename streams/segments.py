@@ -25,6 +25,7 @@ CACHED = "cached"
 RECOMPUTED_PREEMPTION = "recomputed_after_preemption"
 RECOMPUTED_EVICTION = "recomputed_after_eviction"
 NOT_COMPUTED = "not_computed"  # the request ended (aborted) before computing it
+EXTERNAL_KV = "external_kv"  # loaded by a KV connector from outside this engine (P/D decode side)
 # Old symbols, kept so records written before the two-axis model still decode; never written now.
 RECOMPUTED, SKIPPED, EVICTED = "recomputed", "skipped", "evicted"
 

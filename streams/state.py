@@ -160,6 +160,8 @@ class RequestState(_Record):
     # processed when it scheduled the last step, what it frees sliding-window blocks on (-1: the
     # last step's num_computed_before; no earlier step of the request was in flight then).
     release_basis: int = -1
+    # Added with KV connectors (appended): prompt positions loaded from outside this engine.
+    external_kv: int = 0
 
     @property
     def uid(self) -> str:

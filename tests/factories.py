@@ -103,6 +103,7 @@ def request_started(
         "external_request_id": "",
         "parent_request_id": "",
         "choice_index": 0,
+        "num_external_cached_tokens": 0,
         **over,
     }
 
@@ -318,6 +319,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "external_request_id": "",
         "parent_request_id": "",
         "choice_index": 0,
+        "external_kv_tokens": 0,
     }
     rec.update(over)
     return rec

@@ -86,7 +86,7 @@ class RecordBuilder:
         hi = n if end_tokens is None else min(n, end_tokens // self.block_size)
         return [block_hash_bytes(view[i]) for i in range(lo, hi)]
 
-    def request_started(self, req: Any, num_cached: int) -> tuple[str, dict[str, Any]]:
+    def request_started(self, req: Any, num_cached: int, num_external: int = 0) -> tuple[str, dict[str, Any]]:
         rid = req.request_id
         prompt_len = int(req.num_prompt_tokens)
         self._admitted_cached[rid] = num_cached
@@ -107,6 +107,7 @@ class RecordBuilder:
             "prompt_token_ids": ids,
             "prompt_token_hashes": hashes,
             "num_cached_tokens": int(num_cached),
+            "num_external_cached_tokens": int(num_external),
             "block_hashes": self._block_hashes(req, 0, prompt_len),
             "max_tokens": getattr(sampling, "max_tokens", None) if sampling is not None else None,
             "tenant": str(tenant) if tenant is not None else "",
@@ -117,9 +118,9 @@ class RecordBuilder:
             **request_identity(rid),  # the client's response id, the n choices' parent
         }
 
-    def requests_started(self, items: list[tuple[Any, int]]) -> list[tuple[str, dict[str, Any]]]:
-        """RequestStarted for each ``(request, cached tokens)`` admitted in one step."""
-        return [self.request_started(req, cached) for req, cached in items]
+    def requests_started(self, items: list[tuple[Any, int, int]]) -> list[tuple[str, dict[str, Any]]]:
+        """RequestStarted for each ``(request, cached tokens, of which external)`` admitted in one step."""
+        return [self.request_started(req, cached, external) for req, cached, external in items]
 
     def requests_finished(self, reqs: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         """RequestFinished for each request freed in one step."""

@@ -117,7 +117,7 @@ class EngineSession:
         #: Steps scheduled and not yet updated: start time, admissions, preemptions carried over,
         #: resumes seen in scheduled_new_reqs, updates completed at schedule time, the output.
         self._pending: dict[
-            int, tuple[int, list[tuple[Any, int]], frozenset[str], frozenset[str], int, Any]
+            int, tuple[int, list[tuple[Any, int, int]], frozenset[str], frozenset[str], int, Any]
         ] = {}
         #: Finishes held for an in-flight step that still schedules the request.
         self._held: dict[int, list[Any]] = {}
@@ -194,7 +194,7 @@ class EngineSession:
         owner = self._kv_queue_owner
         if owner is not None:
             self._kv_marks.append((step, len(owner.kv_event_queue)))
-        new: list[tuple[Any, int]] = []
+        new: list[tuple[Any, int, int]] = []
         resumed: set[str] | None = None
         if scheduler_output.scheduled_new_reqs:
             requests = self._requests
@@ -212,14 +212,12 @@ class EngineSession:
                 # RequestOutput.num_cached_tokens is PrefillStats.num_cached_tokens, set by
                 # this schedule() call; the scheduler hands it out (and drops it) later.
                 prefill_stats = req.prefill_stats
-                new.append(
-                    (
-                        req,
-                        prefill_stats.num_cached_tokens
-                        if prefill_stats is not None
-                        else new_request.num_computed_tokens,
-                    )
-                )
+                if prefill_stats is not None:
+                    # vLLM < 0.32 has no split of local and external hits
+                    external = getattr(prefill_stats, "num_external_cached_tokens", 0) or 0
+                    new.append((req, prefill_stats.num_cached_tokens, external))
+                else:
+                    new.append((req, new_request.num_computed_tokens, 0))
                 live.add(new_request.req_id)
         carried = frozenset(self._carry) if self._carry else frozenset()
         self._carry.clear()

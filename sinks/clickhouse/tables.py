@@ -68,6 +68,7 @@ REQUESTS = Table(
         "external_request_id",
         "parent_request_id",
         "choice_index",
+        "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
         "attention_window",
         "segment_count",
         "block_use_count",

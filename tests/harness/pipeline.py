@@ -33,6 +33,7 @@ CLASSES = (
     "window_released_tokens",
     "scheduled_tokens",
     "preemptions",
+    "external_kv_tokens",
 )
 
 

@@ -42,7 +42,8 @@ SHAPED = [
     for shape in ("sliding", "hybrid", "chunked")
     for a in (False, True)
 ]
-MODES = FULL + SHAPED
+PD = [Mode(async_scheduling=a, pd_consumer=True, pressure=p) for a in (False, True) for p in (False, True)]
+MODES = FULL + SHAPED + PD
 
 _RUNS: dict[str, ModeRun] = {}
 
@@ -75,6 +76,7 @@ def test_truth_equals_what_vllm_reported(mode: Mode, broker: Config, workdir: Pa
         assert t.output_tokens == len(tokens), rid
         stats = h.prefill[rid]
         assert t.admission_hit == stats.num_local_cached_tokens, rid
+        assert truth.external.get(rid, 0) == stats.num_external_cached_tokens, rid
     assert sum(t.preemptions for t in truth.requests.values()) == h.preempted_events
     if mode.spec:
         assert sum(t.drafts_accepted_vllm for t in truth.requests.values()) == h.spec_accepted_tokens
@@ -88,6 +90,8 @@ def test_truth_equals_what_vllm_reported(mode: Mode, broker: Config, workdir: Pa
             assert sum(t.preemptions for t in truth.requests.values()) > 0
             assert sum(t.recomputed_preemption for t in truth.requests.values()) > 0
     assert any(h.finish[r] == "stop" for r in h.finish), "a stop token ends some requests"
+    if mode.pd_consumer:
+        assert sum(truth.external.values()) > 0
 
 
 @pytest.mark.parametrize("mode", MODES, ids=_ids(MODES))

@@ -55,14 +55,19 @@ class HarnessTruth(EngineTruth):
         super()._on_lookup(request, hit)
         self._pending_external = None
 
-    def _after_update(self, so: Any, before: dict[str, Any]) -> None:
+    def _before_update(self, so: Any, mro: Any) -> dict[str, Any]:
+        # The request objects too: one that finishes in this update may leave the scheduler
+        # by a path the KV-manager wrapper does not see (a KV connector's free).
+        out = super()._before_update(so, mro)
         reqs = self.scheduler.requests
-        for rid, (state, drafts, accepted, outputs_before) in before.items():
+        return {rid: (*v, reqs.get(rid)) for rid, v in out.items()}
+
+    def _after_update(self, so: Any, before: dict[str, Any]) -> None:
+        for rid, (state, drafts, accepted, outputs_before, req) in before.items():
             rt = self.requests[rid]
             if state == "finished":
                 rt.drafts_unverified += drafts
                 continue
-            req = reqs.get(rid) or self._finished.get(rid)
             new = (req.num_output_tokens - outputs_before) if req is not None else 0
             rt.output_tokens += new
             if drafts:
