@@ -210,35 +210,37 @@ class EngineTruth:
         for rid in so.preempted_req_ids or ():
             self.requests[rid].preemptions += 1
         spec = so.scheduled_spec_decode_tokens or {}
-        bs = self.block_size
         for rid, n in so.num_scheduled_tokens.items():
-            rt = self.requests[rid]
-            c = before.get(rid, 0)
-            k = len(spec.get(rid, ()))
-            end = c + n - k  # drafts are the last k positions
-            rt.scheduled += n
-            rt.drafts_scheduled += k
-            for q in range(c, c + n):
-                rt.full_pairs += q + 1
-                for grp in self.groups:
-                    if grp["attention_chunk_size"]:
-                        keys = q % grp["attention_chunk_size"] + 1
-                    elif grp["sliding_window"]:
-                        keys = min(q + 1, grp["sliding_window"])
-                    else:
-                        keys = q + 1
-                    rt.layer_pairs += grp["layers"] * keys
-            pre = max(0, min(end, rt.high) - c)
-            evict = 0
-            for p in range(max(c, rt.high), end):
-                i = p // bs
-                if i in rt.evicted_idx:
-                    evict += 1
-                    rt.recomputed_idx.add(i)
-            rt.recomputed_preemption += pre
-            rt.recomputed_eviction += evict
-            rt.uncached_computed += end - c - pre - evict
-            rt.evicted_blocks_recomputed = len(rt.recomputed_idx)
+            self._count_step(self.requests[rid], before.get(rid, 0), n, len(spec.get(rid, ())), self.groups)
+
+    def _count_step(self, rt: RequestTruth, c: int, n: int, k: int, groups: list[dict[str, Any]]) -> None:
+        """One step's ``n`` tokens from position ``c`` (the last ``k`` are drafts) into the
+        request's classes and attention pairs (per layer, from ``groups``' reach)."""
+        bs = self.block_size
+        end = c + n - k  # drafts are the last k positions
+        rt.scheduled += n
+        rt.drafts_scheduled += k
+        for q in range(c, c + n):
+            rt.full_pairs += q + 1
+            for grp in groups:
+                if grp["attention_chunk_size"]:
+                    keys = q % grp["attention_chunk_size"] + 1
+                elif grp["sliding_window"]:
+                    keys = min(q + 1, grp["sliding_window"])
+                else:
+                    keys = q + 1
+                rt.layer_pairs += grp["layers"] * keys
+        pre = max(0, min(end, rt.high) - c)
+        evict = 0
+        for p in range(max(c, rt.high), end):
+            i = p // bs
+            if i in rt.evicted_idx:
+                evict += 1
+                rt.recomputed_idx.add(i)
+        rt.recomputed_preemption += pre
+        rt.recomputed_eviction += evict
+        rt.uncached_computed += end - c - pre - evict
+        rt.evicted_blocks_recomputed = len(rt.recomputed_idx)
 
     def _admit(self, rid: str, request: Any, *, first: bool) -> None:
         rt = self.requests[rid]
@@ -336,6 +338,44 @@ class EngineTruth:
             "scheduled_tokens": rt.scheduled,
             "preemptions": rt.preemptions,
         }
+
+
+def unattended_end(group: dict[str, Any], kv_end: int) -> int:
+    """Positions ``[0, result)`` the last query no longer attends in one group."""
+    if kv_end <= 0:
+        return 0
+    if group.get("attention_chunk_size"):
+        return (kv_end - 1) // group["attention_chunk_size"] * group["attention_chunk_size"]
+    if group.get("sliding_window"):
+        return max(0, kv_end - group["sliding_window"])
+    return 0
+
+
+def majority_end(groups: list[dict[str, Any]], ends: list[int]) -> int:
+    """The largest prefix end shared by groups holding more than half of the layers."""
+    total = sum(g["layers"] for g in groups)
+    acc = 0
+    for end, layers in sorted(zip(ends, (g["layers"] for g in groups), strict=True), reverse=True):
+        acc += layers
+        if 2 * acc > total:
+            return end
+    return 0
+
+
+#: RequestAccounting fields held against the truth of the same name.
+CLASSES = (
+    "cache_read_tokens",
+    "uncached_computed_tokens",
+    "recomputed_preemption_tokens",
+    "recomputed_eviction_tokens",
+    "evicted_blocks_recomputed",
+    "draft_accepted_tokens",
+    "draft_rejected_tokens",
+    "draft_cut_tokens",
+    "window_released_tokens",
+    "scheduled_tokens",
+    "preemptions",
+)
 
 
 def attach(llm: Any) -> EngineTruth:

@@ -24,6 +24,7 @@ from sparseety import events as ev
 from sparseety.config import Config, WorkerConfig
 from tests.e2e.conftest import MODEL_CACHE, engine_config, run_driver, tiny_model
 from tests.e2e.engine_events import engine_events
+from tests.e2e.ground_truth import CLASSES, majority_end, unattended_end
 from tests.e2e.truth_workloads import ENGINES, phases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,21 +35,6 @@ from tests.e2e.ground_truth import main
 if __name__ == "__main__":
     main()
 """
-
-#: The fold's RequestAccounting fields held against the truth of the same name.
-CLASSES = (
-    "cache_read_tokens",
-    "uncached_computed_tokens",
-    "recomputed_preemption_tokens",
-    "recomputed_eviction_tokens",
-    "evicted_blocks_recomputed",
-    "draft_accepted_tokens",
-    "draft_rejected_tokens",
-    "draft_cut_tokens",
-    "window_released_tokens",
-    "scheduled_tokens",
-    "preemptions",
-)
 
 
 class Run:
@@ -177,27 +163,6 @@ def test_preemption_recompute_is_separate_from_eviction_recompute(
     ) or (kind != "llama")
 
 
-def _unattended(group: dict[str, Any], kv_end: int) -> int:
-    """Positions ``[0, result)`` the last query no longer attends in one group."""
-    if kv_end <= 0:
-        return 0
-    if group.get("attention_chunk_size"):
-        return (kv_end - 1) // group["attention_chunk_size"] * group["attention_chunk_size"]
-    if group.get("sliding_window"):
-        return max(0, kv_end - group["sliding_window"])
-    return 0
-
-
-def _majority(groups: list[dict[str, Any]], ends: list[int]) -> int:
-    total = sum(g["layers"] for g in groups)
-    acc = 0
-    for end, layers in sorted(zip(ends, (g["layers"] for g in groups), strict=True), reverse=True):
-        acc += layers
-        if 2 * acc > total:
-            return end
-    return 0
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_skipped_tokens_follow_the_groups_window_and_chunk_arithmetic(
     kind: str, broker: Config, workdir: Path
@@ -216,7 +181,7 @@ def test_skipped_tokens_follow_the_groups_window_and_chunk_arithmetic(
     for r in run.requests:
         acc = run.accounts[r["engine_request_id"]]
         t = r["truth"]
-        unattended = _majority(groups, [_unattended(g, t["kv_end"]) for g in groups])
+        unattended = majority_end(groups, [unattended_end(g, t["kv_end"]) for g in groups])
         released = t["window_released_tokens"]
         assert acc["skipped_tokens"] == max(0, unattended - released), r["engine_request_id"]
 

@@ -17,24 +17,12 @@ from sparseety import events as ev
 from sparseety.config import Config, WorkerConfig, to_env
 from tests.e2e.conftest import environ
 from tests.e2e.engine_events import engine_events
+from tests.e2e.ground_truth import CLASSES as E2E_CLASSES
 from tests.e2e.truth_workloads import phases
 from tests.harness.engine import Harness, Mode, build, drive, request
 
-#: The fold's RequestAccounting fields held against the harness truth of the same name.
-CLASSES = (
-    "cache_read_tokens",
-    "uncached_computed_tokens",
-    "recomputed_preemption_tokens",
-    "recomputed_eviction_tokens",
-    "evicted_blocks_recomputed",
-    "draft_accepted_tokens",
-    "draft_rejected_tokens",
-    "draft_cut_tokens",
-    "window_released_tokens",
-    "scheduled_tokens",
-    "preemptions",
-    "external_kv_tokens",
-)
+#: The e2e classes, and the tokens a KV connector loaded (P/D decode side).
+CLASSES = (*E2E_CLASSES, "external_kv_tokens")
 
 
 def workload(prefix: str = "h") -> list[list[Any]]:

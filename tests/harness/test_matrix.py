@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sparseety import events as ev
 from sparseety.config import Config
 from tests.e2e.conftest import tiny_model
+from tests.e2e.ground_truth import majority_end, unattended_end
 from tests.harness.engine import Mode
 from tests.harness.pipeline import ModeRun, mismatches, run_mode
 
@@ -164,29 +164,9 @@ def test_attention_pairs_and_skipped_follow_each_layers_reach(
         assert acc["attention_pairs_skipped"] == (t.full_pairs - pairs if limited else 0), rid
         # KV end on the timeline: drafts a stop cut were computed but are no position of it.
         kv_end = min(t.high, t.prompt_len + t.output_tokens)
-        unattended = _majority(groups, [_unattended(g, kv_end) for g in groups])
+        unattended = majority_end(groups, [unattended_end(g, kv_end) for g in groups])
         released = truth.window_released(rid)
         assert acc["skipped_tokens"] == max(0, unattended - released), rid
-
-
-def _unattended(group: dict[str, Any], kv_end: int) -> int:
-    if kv_end <= 0:
-        return 0
-    if group.get("attention_chunk_size"):
-        return (kv_end - 1) // group["attention_chunk_size"] * group["attention_chunk_size"]
-    if group.get("sliding_window"):
-        return max(0, kv_end - group["sliding_window"])
-    return 0
-
-
-def _majority(groups: list[dict[str, Any]], ends: list[int]) -> int:
-    total = sum(g["layers"] for g in groups)
-    acc = 0
-    for end, layers in sorted(zip(ends, (g["layers"] for g in groups), strict=True), reverse=True):
-        acc += layers
-        if 2 * acc > total:
-            return end
-    return 0
 
 
 @pytest.mark.parametrize("mode", HYBRID_OFF, ids=_ids(HYBRID_OFF))

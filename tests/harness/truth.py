@@ -96,34 +96,10 @@ class HarnessTruth(EngineTruth):
             self._admit(rid, reqs.get(rid), first=False)
         self._starts = dict(starts)
         spec = so.scheduled_spec_decode_tokens or {}
-        bs = self.block_size
         for rid, n in so.num_scheduled_tokens.items():
-            rt = self.requests[rid]
-            c = starts[rid]
-            k = len(spec.get(rid, ()))
-            end = c + n - k
-            rt.scheduled += n
-            rt.drafts_scheduled += k
-            for q in range(c, c + n):
-                rt.full_pairs += q + 1
-                for grp in self.attention_groups:
-                    if grp["attention_chunk_size"]:
-                        keys = q % grp["attention_chunk_size"] + 1
-                    elif grp["sliding_window"]:
-                        keys = min(q + 1, grp["sliding_window"])
-                    else:
-                        keys = q + 1
-                    rt.layer_pairs += grp["layers"] * keys
-            pre = max(0, min(end, rt.high) - c)
-            evict = 0
-            for p in range(max(c, rt.high), end):
-                if p // bs in rt.evicted_idx:
-                    evict += 1
-                    rt.recomputed_idx.add(p // bs)
-            rt.recomputed_preemption += pre
-            rt.recomputed_eviction += evict
-            rt.uncached_computed += end - c - pre - evict
-            rt.evicted_blocks_recomputed = len(rt.recomputed_idx)
+            self._count_step(
+                self.requests[rid], starts[rid], n, len(spec.get(rid, ())), self.attention_groups
+            )
 
     def on_sample(self, so: Any, accepted: dict[str, int], sampled: dict[str, int]) -> None:
         spec = so.scheduled_spec_decode_tokens or {}
