@@ -110,7 +110,6 @@ class EngineTruth:
         self.owner: dict[bytes, str | None] = {}
         self._caching: str | None = None  # request of the cache_full_blocks call in progress
         self.steps = 0
-        self._finished: dict[str, Any] = {}  # freed inside update_from_output, read after it
         self._wrap()
 
     # --- wrapping ------------------------------------------------------------------------------
@@ -265,23 +264,22 @@ class EngineTruth:
             req = reqs.get(rid)
             drafts = len(spec.get(rid, ()))
             if req is None or req.is_finished():
-                out[rid] = ("finished", drafts, 0, 0)
+                out[rid] = ("finished", drafts, 0, 0, None)
                 continue
             i = index.get(rid)
             n = len(sampled[i]) if sampled and i is not None else 0
             accepted = max(n - 1, 0) if drafts and n else 0
-            out[rid] = ("live", drafts, accepted, req.num_output_tokens)
+            # The object itself: a request that finishes in this update leaves the scheduler.
+            out[rid] = ("live", drafts, accepted, req.num_output_tokens, req)
         return out
 
     def _after_update(self, so: Any, before: dict[str, Any]) -> None:
-        reqs = self.scheduler.requests
-        for rid, (state, drafts, accepted, outputs_before) in before.items():
+        for rid, (state, drafts, accepted, outputs_before, req) in before.items():
             rt = self.requests[rid]
             if state == "finished":
                 rt.drafts_unverified += drafts
                 continue
-            req = reqs.get(rid) or self._finished.get(rid)
-            new = (req.num_output_tokens - outputs_before) if req is not None else 0
+            new = req.num_output_tokens - outputs_before
             rt.output_tokens += new
             if drafts:
                 kept = min(accepted, new)
@@ -289,9 +287,12 @@ class EngineTruth:
                 rt.drafts_kept += kept
                 rt.drafts_cut_by_stop += accepted - kept
                 rt.drafts_rejected += drafts - accepted
-            if req is not None:
-                rt.high = max(rt.high, int(req.num_computed_tokens))
-        self._finished.clear()
+            self._computed_up_to(rt, req)
+
+    def _computed_up_to(self, rt: RequestTruth, req: Any) -> None:
+        """After an update: the positions the request has computed (the plain scheduler's
+        ``num_computed_tokens`` is exact then; the harness takes them from its executor)."""
+        rt.high = max(rt.high, int(req.num_computed_tokens))
 
     def _on_free(self, request: Any) -> None:
         """Blocks replaced by the null block, per group, when the request's blocks are freed."""
@@ -302,8 +303,6 @@ class EngineTruth:
         rt.released_blocks = [sum(1 for b in m.req_to_blocks.get(rid, ()) if b is null) for m in managers]
         if request.is_finished():
             rt.finished = True
-            # update_from_output frees a finished request before the wrapper reads it back.
-            self._finished[rid] = request
 
     # --- derived -------------------------------------------------------------------------------
 

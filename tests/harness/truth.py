@@ -55,28 +55,10 @@ class HarnessTruth(EngineTruth):
         super()._on_lookup(request, hit)
         self._pending_external = None
 
-    def _before_update(self, so: Any, mro: Any) -> dict[str, Any]:
-        # The request objects too: one that finishes in this update may leave the scheduler
-        # by a path the KV-manager wrapper does not see (a KV connector's free).
-        out = super()._before_update(so, mro)
-        reqs = self.scheduler.requests
-        return {rid: (*v, reqs.get(rid)) for rid, v in out.items()}
-
-    def _after_update(self, so: Any, before: dict[str, Any]) -> None:
-        for rid, (state, drafts, accepted, outputs_before, req) in before.items():
-            rt = self.requests[rid]
-            if state == "finished":
-                rt.drafts_unverified += drafts
-                continue
-            new = (req.num_output_tokens - outputs_before) if req is not None else 0
-            rt.output_tokens += new
-            if drafts:
-                kept = min(accepted, new)
-                rt.drafts_accepted_vllm += accepted
-                rt.drafts_kept += kept
-                rt.drafts_cut_by_stop += accepted - kept
-                rt.drafts_rejected += drafts - accepted
-        self._finished.clear()
+    def _computed_up_to(self, rt: Any, req: Any) -> None:
+        # Under async scheduling num_computed_tokens is optimistic: positions come from the
+        # executor (on_sample).
+        pass
 
     # --- executor side (the simulated GPU) -------------------------------------------------------
 
