@@ -9,21 +9,11 @@ from typing import Any
 from sparseety.config import WorkerConfig
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
+from tests.e2e.ground_truth import CLASSES
 from tests.recorded import load_scenario
 
-PER_REQUEST = (
-    "cache_read_tokens",
-    "uncached_computed_tokens",
-    "recomputed_preemption_tokens",
-    "recomputed_eviction_tokens",
-    "evicted_blocks_recomputed",
-    "draft_accepted_tokens",
-    "draft_rejected_tokens",
-    "draft_cut_tokens",
-    "window_released_tokens",
-    "scheduled_tokens",
-    "preemptions",
-)
+#: The classes the recording's truth holds (the same list the e2e truth checks).
+PER_REQUEST = CLASSES
 
 
 def _fold() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
