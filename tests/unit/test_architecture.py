@@ -19,6 +19,7 @@ COMPONENTS = (
     "sparseety.producers",
     "sparseety.streams",
     "sparseety.sinks",
+    "sparseety.offline",
     "sparseety.api",
     "sparseety.stack",
 )
@@ -29,11 +30,24 @@ ENTRY_POINTS = {"sparseety.cli", "sparseety.cli_context", "sparseety.__main__"}
 RULES = [
     (
         "sparseety.producers",
-        ("sparseety.streams", "sparseety.sinks", "sparseety.api", "sparseety.stack"),
+        ("sparseety.streams", "sparseety.sinks", "sparseety.offline", "sparseety.api", "sparseety.stack"),
         "the engine side ships alone into the engine process",
     ),
-    ("sparseety.sinks", ("sparseety.api", "sparseety.stack"), "the API depends on the sinks, not back"),
-    ("sparseety.streams", ("sparseety.sinks", "sparseety.api", "sparseety.stack"), "streams feed sinks"),
+    (
+        "sparseety.streams",
+        ("sparseety.producers", "sparseety.sinks", "sparseety.offline", "sparseety.api", "sparseety.stack"),
+        "streams feed sinks",
+    ),
+    (
+        "sparseety.sinks",
+        ("sparseety.producers", "sparseety.offline", "sparseety.api", "sparseety.stack"),
+        "the sinks store what the fold sends; offline wiring of the stages lives in sparseety.offline",
+    ),
+    (
+        "sparseety.offline",
+        ("sparseety.api", "sparseety.stack"),
+        "offline analysis wires producers, streams and sinks; the CLI and the API run it",
+    ),
     ("sparseety.api", ("sparseety.stack",), "the stack runs the API, not the other way"),
 ]
 
