@@ -148,4 +148,5 @@ def test_rule_checker_catches_a_violation(tmp_path: Path) -> None:
     ]
 
 
-# Replay importing no Faust is checked at run time in test_sink_client.test_replay_imports_no_faust.
+# Replay loading no Faust is checked at run time:
+# tests/topology/test_sink_replay.py::test_a_replay_run_loads_no_faust.
