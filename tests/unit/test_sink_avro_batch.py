@@ -255,14 +255,14 @@ def test_container_round_trips_through_clickhouse(stores: tuple[Store, Store]) -
 
 
 def test_the_worker_dead_letters_a_refused_batch_s_bad_records(stores: tuple[Store, Store]) -> None:
-    """SinkWorker over the fast path: a corrupt body's batch is decoded in Python after
+    """SinkFeeder over the fast path: a corrupt body's batch is decoded in Python after
     ClickHouse refused it; the bad payload goes to the dlq topic with its raw bytes, a bad header
     never reaches the sink, and the rest is written once and acknowledged."""
     import asyncio
 
     from sparseety.config import load_config
     from sparseety.kafka import make_decoder
-    from sparseety.sinks.consumer import SinkWorker
+    from sparseety.sinks.consumer import SinkFeeder
     from tests.unit.test_sink_worker import Controls, Msg
 
     _, store = stores
@@ -278,7 +278,7 @@ def test_the_worker_dead_letters_a_refused_batch_s_bad_records(stores: tuple[Sto
 
     sink = ClickHouseSink(store)
     controls = Controls()
-    worker = SinkWorker(sink, make_decoder(load_config()), "dlq", send, controls)
+    worker = SinkFeeder(sink, make_decoder(load_config()), "dlq", send, controls)
     asyncio.run(worker.process(msgs))
 
     assert [(k, d["error_type"], d["partition"], d["offset"]) for k, d in sent] == [
