@@ -27,6 +27,8 @@ from typing import Any
 
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
+from sparseety.sinks.output import render
+from sparseety.stack.engine_checks import check_engine_counters, same_text
 from sparseety.stack.supervisor import Stack
 
 Say = Callable[[str], None]
@@ -198,17 +200,9 @@ def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -
         time.sleep(1.0)
 
 
-def _cell(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = [max(len(c), *(len(_cell(r.get(c, ""))) for r in rows)) for c in columns]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
-    body = [
-        "  ".join(_cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows
-    ]
-    return "\n".join([line, "  ".join("-" * w for w in widths), *body])
+    """``rows`` in ``columns`` as the CLI prints tables (:func:`sparseety.sinks.output.render`)."""
+    return render([{c: r.get(c, "") for c in columns} for r in rows], "table")
 
 
 def build_report(
@@ -405,71 +399,11 @@ def restored_request(
     return lines, problems
 
 
-def same_text(decoded: str, streamed: str) -> bool:
-    """Whether a whole decode equals vLLM's text: its incremental detokenizer withholds a trailing
-    incomplete UTF-8 sequence, which a whole decode shows as U+FFFD (random weights emit byte tokens)."""
-    return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
-
-
 def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every stored count of each request (the list rows omit engine_cached_tokens, preemptions)."""
     from urllib.parse import quote
 
     return [api.get(f"/api/v1/requests/{quote(r['request_uid'], safe='')}") for r in stored]
-
-
-def check_engine_counters(
-    stored: list[dict[str, Any]], engine: dict[str, Any], by_tenant_engine: dict[str, dict[str, int]]
-) -> list[str]:
-    """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
-
-    Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
-    ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
-    ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
-    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
-    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
-    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
-    """
-    problems: list[str] = []
-    tenants: dict[str, dict[str, int]] = {}
-    for r in stored:
-        t = tenants.setdefault(
-            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
-        )
-        t["requests"] += 1
-        t["prompt_tokens"] += int(r["prompt_tokens"])
-        t["output_tokens"] += int(r["output_tokens"])
-        t["cached"] += int(r.get("engine_cached_tokens", -1))
-    for name, e in sorted(by_tenant_engine.items()):
-        t = tenants.get(name, {})
-        for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
-            if t.get(k) != e[k]:
-                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
-    m = engine.get("metrics", {})
-
-    def total(*keys: str) -> int:
-        return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
-
-    pairs = [
-        (
-            "accepted drafts",
-            total("draft_accepted_tokens", "draft_cut_tokens"),
-            "vllm:spec_decode_num_accepted_tokens",
-        ),
-        ("preemptions", total("preemptions"), "vllm:num_preemptions"),
-    ]
-    for label, got, metric in pairs:
-        if metric not in m:
-            problems.append(f"{label}: the engine did not report {metric}")
-        elif got != int(m[metric]):
-            problems.append(f"{label}: {got} stored, {int(m[metric])} counted by vLLM ({metric})")
-    hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
-    if hit is not None and total("engine_cached_tokens") != int(hit):
-        problems.append(
-            f"cached: {total('engine_cached_tokens')} stored, {int(hit)} counted by vLLM "
-            "(vllm:prompt_tokens_by_source{source=local_cache_hit})"
-        )
-    return problems
 
 
 def run_demo(

@@ -1,0 +1,67 @@
+"""The demo's checks against the engine's own answers: what vLLM returned (``RequestOutput``) and
+counted (its Prometheus metrics), compared with what SparSEEty stored. Pure functions over plain
+rows, shared by ``sparseety demo`` (``sparseety/stack/demo.py``) and the end-to-end tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def same_text(decoded: str, streamed: str) -> bool:
+    """Whether a whole decode equals vLLM's text: its incremental detokenizer withholds a trailing
+    incomplete UTF-8 sequence, which a whole decode shows as U+FFFD (random weights emit byte tokens)."""
+    return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
+
+
+def check_engine_counters(
+    stored: list[dict[str, Any]], engine: dict[str, Any], by_tenant_engine: dict[str, dict[str, int]]
+) -> list[str]:
+    """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
+
+    Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
+    ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
+    ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
+    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
+    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
+    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
+    """
+    problems: list[str] = []
+    tenants: dict[str, dict[str, int]] = {}
+    for r in stored:
+        t = tenants.setdefault(
+            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
+        )
+        t["requests"] += 1
+        t["prompt_tokens"] += int(r["prompt_tokens"])
+        t["output_tokens"] += int(r["output_tokens"])
+        t["cached"] += int(r.get("engine_cached_tokens", -1))
+    for name, e in sorted(by_tenant_engine.items()):
+        t = tenants.get(name, {})
+        for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
+            if t.get(k) != e[k]:
+                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    m = engine.get("metrics", {})
+
+    def total(*keys: str) -> int:
+        return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
+
+    pairs = [
+        (
+            "accepted drafts",
+            total("draft_accepted_tokens", "draft_cut_tokens"),
+            "vllm:spec_decode_num_accepted_tokens",
+        ),
+        ("preemptions", total("preemptions"), "vllm:num_preemptions"),
+    ]
+    for label, got, metric in pairs:
+        if metric not in m:
+            problems.append(f"{label}: the engine did not report {metric}")
+        elif got != int(m[metric]):
+            problems.append(f"{label}: {got} stored, {int(m[metric])} counted by vLLM ({metric})")
+    hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
+    if hit is not None and total("engine_cached_tokens") != int(hit):
+        problems.append(
+            f"cached: {total('engine_cached_tokens')} stored, {int(hit)} counted by vLLM "
+            "(vllm:prompt_tokens_by_source{source=local_cache_hit})"
+        )
+    return problems
