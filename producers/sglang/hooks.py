@@ -175,6 +175,12 @@ def _on_schedule_batch_module(module: Any) -> list[str]:
     return ["ScheduleBatch.retract_decode"]
 
 
+def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a recorder call is about the device tier (``medium`` None or StorageMedium.GPU)."""
+    medium = args[0] if args else kwargs.get("medium")
+    return medium is None or getattr(medium, "name", str(medium)) == "GPU"
+
+
 def _on_events_module(module: Any) -> list[str]:
     cls = module.KVCacheEventRecorder
     missing = _missing(cls, RECORDER_SEAMS)
@@ -186,16 +192,14 @@ def _on_events_module(module: Any) -> list[str]:
     @functools.wraps(orig_store)
     def record_store(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         session = _session
-        medium = args[0] if args else kwargs.get("medium")
-        if session is not None and medium is None:  # device tier only (host tiers: not yet)
+        if session is not None and _device(args, kwargs):  # device tier only (host tiers: not yet)
             _guarded(session.on_store)(node)
         return orig_store(self, node, *args, **kwargs)
 
     @functools.wraps(orig_remove)
     def record_remove(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         session = _session
-        medium = args[0] if args else kwargs.get("medium")
-        if session is not None and medium is None:
+        if session is not None and _device(args, kwargs):
             _guarded(session.on_remove)(node)
         return orig_remove(self, node, *args, **kwargs)
 
