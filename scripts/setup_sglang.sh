@@ -54,7 +54,7 @@ fi
 echo "[setup-sglang] installing sparseety (editable, no deps) and what its SGLang producer needs"
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 "${PIP[@]}" install -c "$CONSTRAINTS" "confluent-kafka>=2.6" "fastavro>=1.9" "wrapt>=1.14" "click>=8.1" \
-  "httpx>=0.27" "tenacity>=8.2" "tomli-w>=1.0"
+  "httpx>=0.27" "tenacity>=8.2" "tomli-w>=1.0" "pydantic-settings>=2.10"
 
 echo "[setup-sglang] installing this CPU's shims (deploy/sglang-cpu) into $VENV"
 "${PIP[@]}" install --no-deps --no-build-isolation ./deploy/sglang-cpu
