@@ -21,8 +21,6 @@ import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -33,10 +31,10 @@ import httpx
 import pytest
 
 from sparseety import events as ev
-from sparseety.config import Config, to_env
-from tests.e2e.conftest import engine_config, tiny_model
+from sparseety.config import Config
+from tests.e2e.conftest import ServerEngine, engine_config, tiny_model
 from tests.e2e.engine_events import engine_events
-from tests.helpers import free_port, read_topic
+from tests.helpers import read_topic
 from tests.sglang_checks import check_run
 
 pytestmark = pytest.mark.e2e
@@ -66,56 +64,28 @@ WORKLOAD: list[tuple[str, str, list[int]]] = [
 ]
 
 
-class SglangServer:
+class SglangServer(ServerEngine):
     """``python -m tests.e2e.sglang_launch`` (SGLang's HTTP server) in its own process group."""
 
+    command = (str(SGLANG_PYTHON), "-m", "tests.e2e.sglang_launch")
+    what = "SGLang server"
+
     def __init__(self, cfg: Config, model: Path, workdir: Path, timeout_s: float = 600.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "sglang.log"
         self.truth_path = workdir / "truth.jsonl"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-        env.update(to_env(cfg))
-        env.update(
-            {
-                "SGLANG_USE_CPU_ENGINE": "1",
-                # The Python TreeCore: the producer sees its radix inserts and evictions (the Rust
-                # TreeCore, SGLang's Linux default, keeps them in Rust: docs/sglang.md).
-                "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
-                "TOKENIZERS_PARALLELISM": "false",
-                "E2E_SGLANG_TRUTH": str(self.truth_path),
-            }
-        )
+        env = {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            # The Python TreeCore: the producer sees its radix inserts and evictions (the Rust
+            # TreeCore, SGLang's Linux default, keeps them in Rust: docs/sglang.md).
+            "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+            "E2E_SGLANG_TRUTH": str(self.truth_path),
+        }
         args = [
             "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
             "--disable-cuda-graph", "--disable-overlap-schedule", "--skip-server-warmup",
-            "--enable-metrics", "--mem-fraction-static", "0.1", "--port", str(self.port),
+            "--enable-metrics", "--mem-fraction-static", "0.1",
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--random-seed", "0",
         ]  # fmt: skip
-        with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(
-                [str(SGLANG_PYTHON), "-m", "tests.e2e.sglang_launch", *args],
-                cwd=ROOT,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang exited with {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"SGLang not ready after {timeout_s:.0f} s:\n{self.tail()}")
-            time.sleep(1.0)
-
-    def tail(self, n: int = 60) -> str:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return "\n".join(lines[-n:])
+        super().__init__(cfg, args, workdir / "sglang.log", timeout_s, env=env, cwd=ROOT)
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int = 8) -> dict[str, Any]:
         body = {
@@ -140,18 +110,6 @@ class SglangServer:
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
 
 
 def _abort_one(server: SglangServer) -> dict[str, Any]:
