@@ -70,6 +70,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of ``pid`` (by thread id)."""
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+STAGES = ("decode", "fold", "encode", "send", "state")
+
+
+def stage_cpu(port: int) -> dict[str, float]:
+    """The worker's ``sparseety:worker_stage_cpu_seconds_total`` per stage (its metrics endpoint)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = dict.fromkeys(STAGES, 0.0)
+    for line in text.splitlines():
+        if line.startswith("sparseety:worker_stage_cpu_seconds_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('stage="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
 def fold_cpu(cfg: WorkerConfig, events: list[dict[str, Any]], runs: int) -> float:
     """Median CPU seconds of the pure fold over ``events`` (the worker's settings, and the
     worker's garbage-collector settings: with CPython's defaults the fold's own rate falls as its
@@ -181,11 +209,15 @@ def run_worker(
     events: list[dict[str, Any]],
     profile: str | None,
     py_spy: str | None = None,
-) -> tuple[float, float]:
-    """Worker (CPU seconds, wall seconds) to turn ``events`` into their timelines."""
+) -> tuple[float, float, dict[str, float]]:
+    """Worker (CPU seconds, wall seconds, CPU seconds per stage) to turn ``events`` into their
+    timelines. The stages are the worker's ``sparseety:worker_stage_cpu_seconds_total`` (its batch
+    thread), ``rest`` the batch thread's CPU outside them (Faust's delivery, acks, commits, timers),
+    ``others`` the process's other threads (Faust's consumer thread)."""
     from sparseety.kafka import ensure_topics
-    from tests.helpers import VENV_BIN, ComponentProcess
+    from tests.helpers import VENV_BIN, ComponentProcess, free_port
 
+    port = free_port()
     cfg = base.replace(
         topics={
             "engine_events": f"{tag}.ee",
@@ -194,7 +226,7 @@ def run_worker(
             "dlq": f"{tag}.dlq",
             "partitions": 1,
         },
-        worker={"app_id": f"bench-{tag}"},
+        worker={"app_id": f"bench-{tag}", "metrics_port": port},
     )
     ensure_topics(cfg)
     command = None
@@ -209,15 +241,23 @@ def run_worker(
         time.sleep(0.5)  # let the warm-up batch's changelog write and commit settle
         n_closed = 1 + sum(1 for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED)
         sampler = start_py_spy(worker.proc.pid, py_spy) if py_spy else None
+        threads0, stages0 = thread_cpu(worker.proc.pid), stage_cpu(port)
         cpu0, wall0 = cpu_seconds(worker.proc.pid), time.monotonic()
         produce(cfg, events)
         print(f"  produced in {time.monotonic() - wall0:.2f} s", flush=True)
         wall1 = counter.wait(n_closed, worker, 600)
+        time.sleep(0.3)  # the last batch writes its state after its outputs were acknowledged
         cpu1 = cpu_seconds(worker.proc.pid)
+        threads1, stages1 = thread_cpu(worker.proc.pid), stage_cpu(port)
+        pid = worker.proc.pid
+        split = {k: stages1[k] - stages0[k] for k in STAGES}
+        # The batch thread is the main one; Faust's consumer thread and the rest are "others".
+        split["rest"] = threads1.get(pid, 0.0) - threads0.get(pid, 0.0) - sum(split.values())
+        split["others"] = sum(v - threads0.get(t, 0.0) for t, v in threads1.items() if t != pid)
         if sampler is not None:
             sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
             sampler.wait(60)
-        return cpu1 - cpu0, wall1 - wall0
+        return cpu1 - cpu0, wall1 - wall0, split
     finally:
         counter.close()
         worker.stop()
@@ -273,15 +313,18 @@ def main() -> None:
                 profile = f"{args.profile}.{batch}" if args.profile and r == args.rounds - 1 else None
                 last = r == args.rounds - 1
                 sampled = f"{args.py_spy}.{batch}" if args.py_spy and last else None
-                cpu, wall = run_worker(base, tmp, f"b{batch}r{r}", events, profile, sampled)
+                cpu, wall, split = run_worker(base, tmp, f"b{batch}r{r}", events, profile, sampled)
                 fold_s = fold_cpu(base.worker, events, 3)
                 res = results[batch]
                 res["worker"].append(cpu)
                 res["wall"].append(wall)
                 res["fold"].append(fold_s)
+                for k, v in split.items():
+                    res.setdefault(f"stage {k}", []).append(v / fold_s)
                 print(
                     f"round {r} batch {batch}: {len(events)} events, {request_steps} request-steps; "
-                    f"worker {cpu:.2f} CPU-s ({wall:.2f} s wall), fold {fold_s:.2f} CPU-s",
+                    f"worker {cpu:.2f} CPU-s ({wall:.2f} s wall), fold {fold_s:.2f} CPU-s; worker "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
                     flush=True,
                 )
     finally:
@@ -296,6 +339,12 @@ def main() -> None:
             f"({len(events) / worker_s:,.0f} events/CPU-s; "
             f"wall {request_steps / wall_s:,.0f} request-steps/s), "
             f"fold {request_steps / fold_s:,.0f} request-steps/CPU-s; ratio {ratio:.2f}"
+        )
+        print(
+            f"batch {batch:>3}: worker CPU per fold CPU-s, by stage (medians): "
+            + ", ".join(
+                f"{k} {statistics.median(res[f'stage {k}']):.2f}" for k in (*STAGES, "rest", "others")
+            )
         )
         lines[batch] = (ratio, request_steps / worker_s, len(events) / worker_s)
     if args.only:
