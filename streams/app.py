@@ -40,9 +40,10 @@ from sparseety.streams.compat import (
     Refetcher,
     deliver_in_batches,
     fill_holes,
+    send_batches,
 )
 from sparseety.streams.runtime import create_app as create_faust_app
-from sparseety.streams.runtime import raw_topic, send_awaited
+from sparseety.streams.runtime import raw_topic
 from sparseety.streams.state import TableStore
 
 log = logging.getLogger("sparseety.worker")
@@ -213,7 +214,9 @@ class AssemblerWorker:
             by_topic[out.topic].append((out.key.encode(), value))
             metrics.OUTPUTS.labels(out.topic).inc()
         encoded = time.thread_time()
-        await asyncio.gather(*(send_awaited(self.topics[t], items) for t, items in by_topic.items()))
+        await asyncio.gather(
+            *(send_batches(self.app, self.topics[t].get_topic_name(), items) for t, items in by_topic.items())
+        )
         metrics.STAGE_CPU.labels("encode").inc(encoded - cpu)
         metrics.STAGE_CPU.labels("send").inc(time.thread_time() - encoded)
 
