@@ -24,7 +24,8 @@ CPU-second of the pure fold: its batch thread's stages (``sparseety:worker_stage
 from its metrics endpoint: decode, fold, encode, send, state), ``rest`` (that thread outside the
 stages: Faust's delivery, acks, commits, timers) and ``others`` (its other threads, Faust's
 consumer thread); and the worker's own fold stage as a share of its CPU, which is measured at the
-same moment as the rest and so moves less with a shared machine's load than the ratio does. Wall-clock rates are printed too; on a shared machine they include waiting for a core.
+same moment as the rest and so moves less with a shared machine's load than the ratio does.
+Wall-clock rates are printed too; on a shared machine they include waiting for a core.
 The last two lines are the issue-13 targets::
 
     bench_worker: batch-4 NNN events/s per worker core (worker/fold ratio 0.NN)
@@ -199,9 +200,11 @@ main()
 
 
 def start_py_spy(pid: int, path: str) -> subprocess.Popen[bytes]:
-    """Sample ``pid`` with py-spy (collapsed stacks, idle frames left out) until SIGINT."""
+    """Sample ``pid`` with py-spy (collapsed stacks) until SIGINT: only threads holding the GIL,
+    since on a shared machine a thread back from ``select`` but waiting for a core is not idle to
+    py-spy, and such samples hid where the CPU goes (most of a loaded run's samples)."""
     exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-    command = [exe, "record", "--pid", str(pid), "--rate", "1000", "--format", "raw", "-o", path]
+    command = [exe, "record", "--pid", str(pid), "--rate", "1000", "--gil", "--format", "raw", "-o", path]
     sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches before the workload starts
     return sampler
