@@ -22,8 +22,16 @@ from tests.topology.test_api_collect import run_job as run_kind_job
 LOG = DATA / "vllm_log" / "server.log"
 
 
+def _damaged(data: bytes, request: str) -> bytes:
+    """The log with ``request``'s output ids line damaged: a request record that fails to parse."""
+    line = f"Generated response {request} details: output_token_ids: [".encode()
+    assert line in data
+    return data.replace(line, line + b"x", 1)
+
+
 def _rotated(tmp: Path) -> Path:
-    data = LOG.read_bytes()
+    # one damaged request record in each segment: the dead letters name their segments
+    data = _damaged(_damaged(LOG.read_bytes(), "chatcmpl-log-1"), "chatcmpl-log-5")
     cut = data.index(b"Generated response chatcmpl-log-3: output") - 20  # mid-request, mid-line
     (tmp / "server.log.1").write_bytes(data[:cut])
     (tmp / "server.log").write_bytes(data[cut:])
@@ -78,7 +86,9 @@ def test_seed_body_collects_a_rotated_log_into_the_store(
     result = job["result"]
     assert job["kind"] == "vllm_log" and job["params"]["segments"] == [str(tmp_path / "server.log.1")]
     assert result["format"] == "vllm-log" and result["requests"] == 8 and result["unfinished_requests"] == 1
-    assert result["bad_lines"] == result["dead_lettered"] > 0 and result["already_accounted"] == 0
+    # only the damaged request records are dead letters; the server's other lines are skipped
+    assert result["bad_lines"] == result["dead_lettered"] == 2 and result["already_accounted"] == 0
+    assert result["skipped_lines"] > 300 and "hint" not in result
     dead = read_topic(kafka_cfg, kafka_cfg.topics.dlq)
     assert {d[3]["topic"] for d in dead} == {f"file:{tmp_path / 'server.log.1'}", f"file:{path}"}
     # filters: another model, or one request by the client's id
@@ -124,11 +134,12 @@ def test_ingest_command_reads_rotated_segments_as_one_log(kafka_cfg: Config, tmp
     path = _rotated(tmp_path)
     args = ["ingest", "--format", "vllm-log", str(path), str(tmp_path / "server.log.1"), "--tenant", "acme"]
     result = CliRunner().invoke(main, args, env=to_env(kafka_cfg))
-    assert result.exit_code == 1, result.output  # the log's library warnings are bad lines
+    assert result.exit_code == 1, result.output  # the two damaged request records are bad lines
     assert (
         "8 requests, 18 events published" in result.output
     )  # EngineStarted, 8 x (start, finish), EngineStopped
-    assert "bad lines skipped" in result.output
+    assert "2 bad lines skipped" in result.output
+    assert "lines that are not request records skipped (not dead-lettered)" in result.output
     records = read_topic(kafka_cfg, kafka_cfg.topics.engine_events, quiet_s=0.5)
     started = [ev.payload(r[3]) for r in records if ev.payload_type(r[3]) == ev.REQUEST_STARTED]
     assert len(started) == 8 and {s["tenant"] for s in started} == {"acme"}
