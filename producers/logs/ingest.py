@@ -305,6 +305,7 @@ def ingest(
     log_utc_offset_s: int = 0,
     log_select: Callable[[LogRequest], bool] | None = None,
     log_window_s: float | None = None,
+    log_published: Callable[[LogRequest], None] | None = None,
 ) -> IngestReport:
     """Publish a trace file to ``cfg.topics.engine_events``.
 
@@ -325,6 +326,7 @@ def ingest(
         log_select: ``vllm-log``: publish only the requests this accepts.
         log_window_s: ``vllm-log``: publish only the requests that finished within this many
             seconds of the log's last finished request (the log's own clock).
+        log_published: ``vllm-log``: called with each request published (a collect job's report).
 
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
@@ -417,6 +419,8 @@ def ingest(
             for event in epoch.log_request(req, default_tenant, default_model or "vllm-log"):
                 publisher.send(key, encoder.encode(event))
             report.requests += 1
+            if log_published is not None:
+                log_published(req)
         report.bytes_read = report.total_bytes
         parsed = parser.finish()
         report.unfinished = len(parsed.unfinished)

@@ -36,8 +36,8 @@ steps) or a uvicorn access line (``ignored_lines``), and any other line (warning
 libraries, tracebacks, progress bars: ``foreign_lines``). A line that claims to be a request
 record (a vLLM-format line whose message starts as one does) and does not parse, or names a
 request the log never received, is a bad line, dead-lettered with its line number; so is a line
-over :data:`MAX_LOG_LINE_BYTES` (it cannot be read to tell). A request seen received but never finished (vLLM's ``/v1/completions`` logs no
-output) is reported as unfinished and emits nothing.
+over :data:`MAX_LOG_LINE_BYTES` (it cannot be read to tell). A request seen received but never
+finished (vLLM's ``/v1/completions`` logs no output) is reported as unfinished and emits nothing.
 
 Rotation: the segments of one log are read as one stream, oldest first
 (:func:`rotation_order`: ``server.log.2``, ``server.log.1``, ``server.log``), so a request received

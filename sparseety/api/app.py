@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
@@ -543,6 +544,23 @@ def _router() -> APIRouter:
         if found is None:
             raise NotFound(f"no job {job_id!r}")
         return JSONResponse(found)
+
+    @api.get("/jobs/{job_id}/output", tags=["jobs"])
+    async def job_output(job_id: str, who: Caller, back: Back) -> Response:
+        """The report file a finished ``vllm_log`` job wrote (its result's ``output``), in its
+        ``output_format``."""
+        who.require_admin("jobs")
+        found = back.jobs.get(job_id)
+        if found is None:
+            raise NotFound(f"no job {job_id!r}")
+        path = (found.get("result") or {}).get("output")
+        if not path:
+            raise NotFound(f"job {job_id!r} wrote no report (state {found['state']}; only vllm_log jobs do)")
+        if not Path(path).is_file():
+            raise NotFound(f"job {job_id!r}'s report {path} is gone from the API's machine")
+        fmt = str(found["result"].get("output_format", "json"))
+        media = {"json": "application/json", **MEDIA_TYPES}.get(fmt, "application/octet-stream")
+        return FileResponse(path, media_type=media, filename=Path(path).name)
 
     return api
 

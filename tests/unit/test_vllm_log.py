@@ -203,9 +203,8 @@ def test_ingest_publishes_request_level_events_and_dead_letters_bad_lines(
     assert report.to_dict()["skipped_lines"] == report.skipped and "hint" not in report.to_dict()
     # a damaged request line is dead-lettered with its number
     log = tmp_path / "server.log"
-    log.write_bytes(
-        LOG.read_bytes().replace(b"output_token_ids: [211, 412, 385, 58, 347]", b"output_token_ids: [211, x]", 1)
-    )
+    good = b"output_token_ids: [211, 412, 385, 58, 347]"
+    log.write_bytes(LOG.read_bytes().replace(good, b"output_token_ids: [211, x]", 1))
     producer = FakeProducer()
     report = ingest(cfg, log, default_model="tiny", producer=producer)
     _, bad = parse([log])
