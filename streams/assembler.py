@@ -35,6 +35,7 @@ from sparseety.config import WorkerConfig
 from sparseety.streams import attention, windows
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
+from sparseety.streams.caveats import history_lost_at, is_warmup_step
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.state import (
     EpochState,
@@ -186,6 +187,8 @@ class Assembler:
         if len(pending) < self.cfg.reorder_max_events and newest - oldest < self.lateness_ns:
             return
         missing = seqs[0] - epoch.next_seq[stream]
+        first_after = pending[str(seqs[0])]["ts_ns"]
+        epoch.history_lost_ns = history_lost_at(stream, missing, first_after, epoch.history_lost_ns)
         epoch.gaps += missing
         self.stats.gaps += missing
         for rid in epoch.open_requests:
@@ -349,6 +352,8 @@ class Assembler:
                 live = pidx.live_as_of(block, seq, cleared) if block is not None else None
                 owner = live[pidx.COMPUTED_BY] if live else None
                 source = f"{epoch.engine_id}/{owner}" if owner else None
+                if owner is None and epoch.history_lost_ns:
+                    r.source_lost_ns = epoch.history_lost_ns  # docs: streams/caveats.py
                 head = min(bs, cached - start)
                 sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
                 sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
@@ -537,8 +542,12 @@ class Assembler:
         store.touch_many(touched)
         if total > 0:
             scale = step_ns / total
-            for req, f in shares:
-                req.gpu_ns += f * scale
+            if is_warmup_step(step):  # the cold start: reported apart (streams/caveats.py)
+                for req, f in shares:
+                    req.warmup_gpu_ns += f * scale
+            else:
+                for req, f in shares:
+                    req.gpu_ns += f * scale
 
     def _recompute_after_preemption(self, req: RequestState, start: int, end: int) -> None:
         """Re-prefill of [start, end), positions this request had computed or read before."""
@@ -810,6 +819,8 @@ class Assembler:
             "parent_request_id": r.parent_request_id,
             "choice_index": r.choice_index,
             "external_kv_tokens": r.external_kv,
+            "warmup_gpu_time_ns": round(r.warmup_gpu_ns),
+            "source_history_lost_ns": r.source_lost_ns,
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

@@ -320,6 +320,8 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "parent_request_id": "",
         "choice_index": 0,
         "external_kv_tokens": 0,
+        "warmup_gpu_time_ns": 0,
+        "source_history_lost_ns": 0,
     }
     rec.update(over)
     return rec
