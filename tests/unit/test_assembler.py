@@ -290,39 +290,17 @@ def test_the_first_steps_cold_start_is_warm_up_reported_apart() -> None:
 def test_a_cached_block_whose_source_was_lost_with_the_history_says_when() -> None:
     # r1 computes blocks a, b; the KV events that stored them are lost (a core-stream gap, as
     # when the broker lost its log); r2 reads both from the cache afterwards
-    stored = {
-        "block_hashes": [b"a", b"b"],
-        "parent_block_hash": None,
-        "block_size": 4,
-        "num_tokens": 8,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
-    prompt = list(range(8))
-    r2_started = f.request_started("r2", [*prompt, 9], cached=8, hashes=[b"a", b"b"])
-    events = [
-        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(), ts_ns=1_000),
-        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", prompt, hashes=[b"a", b"b"]), ts_ns=2_000),
-        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 8, 0, [1])]), ts_ns=3_000),
-        # seq 3, the KvBlocksStored of a and b, is lost
-        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=1), ts_ns=5_000),
-        f.wrap(5, ev.REQUEST_STARTED, r2_started, ts_ns=6_000),
-        f.wrap(6, ev.STEP_BATCH, f.step_batch(1, [("r2", 1, 8, [5])]), ts_ns=7_000),
-        f.wrap(7, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=9, output=1, cached=8), ts_ns=8_000),
-    ]
+    events = f.history_loss()
     cfg = WorkerConfig(reorder_max_events=1, closed_retention_s=0)
-    lost = accounts(run(events, cfg)[0])
+    lost = accounts(run([e for e in events if e["seq"] != 3], cfg)[0])
     r2 = lost[f"{f.EID}/r2"]
     assert r2["cache_read_tokens"] == 8
     cached = [s["source_request_uid"] for s in r2["timeline"]["segments"] if s["status"] == "cached"]
     assert cached == [None]
-    assert r2["source_history_lost_ns"] == 5_000  # the first event after the gap
+    assert r2["source_history_lost_ns"] == events[4]["ts_ns"]  # the first event after the gap
     assert lost[f"{f.EID}/r1"]["source_history_lost_ns"] == 0  # it read nothing from the cache
     # with the history whole, the source is named and nothing is flagged
-    kept = [*events[:3], f.wrap(3, ev.KV_STORED, stored, ts_ns=4_000), *events[3:]]
-    whole = accounts(run(kept, cfg)[0])[f"{f.EID}/r2"]
+    whole = accounts(run(events, cfg)[0])[f"{f.EID}/r2"]
     cached = [s["source_request_uid"] for s in whole["timeline"]["segments"] if s["status"] == "cached"]
     assert cached == [f"{f.EID}/r1"]
     assert whole["source_history_lost_ns"] == 0
