@@ -74,6 +74,17 @@ def test_a_source_lost_with_the_history_is_named_and_amortized_says_it_fell_back
     )
 
 
+@pytest.mark.parametrize("q", ["lost"], indirect=True)
+def test_the_dashboards_timeline_hover_names_the_lost_source(q: Queries) -> None:
+    from sparseety.api.dashboard import build_figures, collect
+    from sparseety.api.queries import ApiQueries
+
+    data = collect(ApiQueries(q.store), request_uids=[f"{f.EID}/r2"])
+    timeline = build_figures(data)["timeline"]
+    hovers = {str(c[3]) for trace in timeline["data"] for c in trace.get("customdata") or ()}
+    assert SOURCE_LOST.format(at="2023-11-14T22:13:20.000Z") in hovers
+
+
 @pytest.mark.parametrize("q", ["whole"], indirect=True)
 def test_with_the_history_whole_the_source_is_named_and_amortized_shares(q: Queries) -> None:
     r2 = q.request(f"{f.EID}/r2")
