@@ -139,7 +139,7 @@ def test_rotated_segments_are_one_input(tmp_path: Path) -> None:
 
 def test_cli(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = ["--data-dir", str(tmp_path / "d"), "analyze", str(RECORDING), str(LOG), "--out", str(out)]
+    args = ["--data-dir", str(tmp_path / "d"), "analyze", str(RECORDING), str(LOG), "--output", str(out)]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     assert "total: 9 requests (8 duplicates not counted)" in r.output
