@@ -188,7 +188,7 @@ class Assembler:
             return
         missing = seqs[0] - epoch.next_seq[stream]
         first_after = pending[str(seqs[0])]["ts_ns"]
-        epoch.history_lost_ns = history_lost_at(stream, missing, first_after, epoch.history_lost_ns)
+        epoch.history_lost_ts_ns = history_lost_at(stream, missing, first_after, epoch.history_lost_ts_ns)
         epoch.gaps += missing
         self.stats.gaps += missing
         for rid in epoch.open_requests:
@@ -352,8 +352,8 @@ class Assembler:
                 live = pidx.live_as_of(block, seq, cleared) if block is not None else None
                 owner = live[pidx.COMPUTED_BY] if live else None
                 source = f"{epoch.engine_id}/{owner}" if owner else None
-                if owner is None and epoch.history_lost_ns:
-                    r.source_lost_ns = epoch.history_lost_ns  # docs: streams/caveats.py
+                if owner is None and epoch.history_lost_ts_ns:
+                    r.source_lost_ns = epoch.history_lost_ts_ns  # docs: streams/caveats.py
                 head = min(bs, cached - start)
                 sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
                 sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
@@ -820,7 +820,7 @@ class Assembler:
             "choice_index": r.choice_index,
             "external_kv_tokens": r.external_kv,
             "warmup_gpu_time_ns": round(r.warmup_gpu_ns),
-            "source_history_lost_ns": r.source_lost_ns,
+            "source_history_lost_ts_ns": r.source_lost_ns,
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

@@ -11,8 +11,8 @@ requests is still the wall time of its steps, and the gpu cost mode charges no o
 epoch's prefix index, which the KV events build. When the fold declares events of the core
 stream lost (a seq gap: the broker lost its log, or a fresh worker met the engine mid-stream),
 the index has no history before that point, and a block cached then reads as cached with no
-source. The epoch remembers when (``history_lost_ns``: the event time of the first event after
-the gap); a request admitted later with such a block carries it as ``source_history_lost_ns``,
+source. The epoch remembers when (``history_lost_ts_ns``: the event time of the first event after
+the gap); a request admitted later with such a block carries it as ``source_history_lost_ts_ns``,
 which the API and the dashboard show as "source unknown (history lost at ...)", and amortized
 cost says it fell back to the cache-read price for those positions (no lifetime to share).
 """
@@ -31,7 +31,7 @@ def is_warmup_step(step: int) -> bool:
 
 
 def history_lost_at(stream: str, missing: int, first_after_ns: int, known_ns: int) -> int:
-    """The epoch's ``history_lost_ns`` after a declared gap of ``missing`` events on ``stream``
+    """The epoch's ``history_lost_ts_ns`` after a declared gap of ``missing`` events on ``stream``
     (``first_after_ns``: event time of the first event after it; ``known_ns``: the value so far).
 
     Only the core stream carries the KV events the prefix index is built from; a gap elsewhere

@@ -210,7 +210,7 @@ class EpochState(_Record):
     producer_stats: dict[str, int] = field(default_factory=dict)
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
     step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
-    history_lost_ns: int = 0  # event time after the last core-stream gap (streams/caveats.py)
+    history_lost_ts_ns: int = 0  # event time after the last core-stream gap (streams/caveats.py)
 
 
 @dataclass(slots=True)

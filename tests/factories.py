@@ -349,7 +349,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "choice_index": 0,
         "external_kv_tokens": 0,
         "warmup_gpu_time_ns": 0,
-        "source_history_lost_ns": 0,
+        "source_history_lost_ts_ns": 0,
     }
     rec.update(over)
     return rec

@@ -1,6 +1,6 @@
 """What a request's answer says about the fold's caveats (streams/caveats.py), pure.
 
-A stored request whose ``source_history_lost_ns`` is set read cached prompt blocks whose source
+A stored request whose ``source_history_lost_ts_ns`` is set read cached prompt blocks whose source
 the fold could not know: the engine's KV history was lost with a seq gap (the broker lost its
 log, or a fresh worker met the engine mid-stream). Its answer (``query request``,
 ``/api/v1/requests/{id}``, the dashboard's timelines) shows those segments' source as
@@ -32,7 +32,7 @@ def note_lost_sources(request: dict[str, Any]) -> dict[str, Any]:
     amortized charged as read, as actual does, for want of a source. A request without the
     flag is returned unchanged.
     """
-    lost = int(request.get("source_history_lost_ns") or 0)
+    lost = int(request.get("source_history_lost_ts_ns") or 0)
     if not lost:
         return request
     note = SOURCE_LOST.format(at=iso_ns(lost))

@@ -173,7 +173,7 @@ def cost_sql(
         if mode == "amortized":
             measures += (
                 ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico, "
-                "countIf(w.source_history_lost_ns > 0) AS fallback_requests"
+                "countIf(w.source_history_lost_ts_ns > 0) AS fallback_requests"
             )
     join = (
         f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid {_caveats_join(db)}"
@@ -391,7 +391,7 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
 def _caveats_join(db: str) -> str:
     """The fold's caveats of each request (streams/caveats.py) beside ``c``, as ``w``."""
     return (
-        f"LEFT JOIN (SELECT request_uid, warmup_gpu_time_ns, source_history_lost_ns FROM {db}.requests_v) "
+        f"LEFT JOIN (SELECT request_uid, warmup_gpu_time_ns, source_history_lost_ts_ns FROM {db}.requests_v) "
         "AS w ON c.request_uid = w.request_uid"
     )
 

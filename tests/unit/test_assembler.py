@@ -78,7 +78,7 @@ def test_single_request_plain_prefill_and_decode() -> None:
     assert acc["attention_pairs"] == 55 + 11 + 12 and acc["attention_pairs_skipped"] == 0
     # alone in every step: the whole step time, but the epoch's first step is warm-up, apart
     assert (acc["gpu_time_ns"], acc["warmup_gpu_time_ns"]) == (2_000_000, 1_000_000)
-    assert acc["source_history_lost_ns"] == 0
+    assert acc["source_history_lost_ts_ns"] == 0
 
 
 def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
@@ -297,13 +297,13 @@ def test_a_cached_block_whose_source_was_lost_with_the_history_says_when() -> No
     assert r2["cache_read_tokens"] == 8
     cached = [s["source_request_uid"] for s in r2["timeline"]["segments"] if s["status"] == "cached"]
     assert cached == [None]
-    assert r2["source_history_lost_ns"] == events[4]["ts_ns"]  # the first event after the gap
-    assert lost[f"{f.EID}/r1"]["source_history_lost_ns"] == 0  # it read nothing from the cache
+    assert r2["source_history_lost_ts_ns"] == events[4]["ts_ns"]  # the first event after the gap
+    assert lost[f"{f.EID}/r1"]["source_history_lost_ts_ns"] == 0  # it read nothing from the cache
     # with the history whole, the source is named and nothing is flagged
     whole = accounts(run(events, cfg)[0])[f"{f.EID}/r2"]
     cached = [s["source_request_uid"] for s in whole["timeline"]["segments"] if s["status"] == "cached"]
     assert cached == [f"{f.EID}/r1"]
-    assert whole["source_history_lost_ns"] == 0
+    assert whole["source_history_lost_ts_ns"] == 0
 
 
 def test_windows_final_then_correction_for_late_requests() -> None:

@@ -58,7 +58,7 @@ def test_a_source_lost_with_the_history_is_named_and_amortized_says_it_fell_back
     r2 = q.request(f"{f.EID}/r2")
     assert r2 is not None
     lost_at = "2023-11-14T22:13:20.000Z"  # T0 + 5 µs, the first event after the gap, in ms
-    assert r2["source_history_lost_ns"] == T0 + 5000
+    assert r2["source_history_lost_ts_ns"] == T0 + 5000
     cached = [s for s in r2["segments"] if s["status"] == "cached"]
     assert [s["source_request_uid"] for s in cached] == [SOURCE_LOST.format(at=lost_at)]
     assert (
@@ -88,7 +88,7 @@ def test_the_dashboards_timeline_hover_names_the_lost_source(q: Queries) -> None
 @pytest.mark.parametrize("q", ["whole"], indirect=True)
 def test_with_the_history_whole_the_source_is_named_and_amortized_shares(q: Queries) -> None:
     r2 = q.request(f"{f.EID}/r2")
-    assert r2 is not None and r2["source_history_lost_ns"] == 0 and "amortized_note" not in r2
+    assert r2 is not None and r2["source_history_lost_ts_ns"] == 0 and "amortized_note" not in r2
     assert [s["source_request_uid"] for s in r2["segments"] if s["status"] == "cached"] == [f"{f.EID}/r1"]
     assert r2["cost"]["amortized"] != r2["cost"]["actual"]  # it pays its share of r1's blocks
     assert q.cost(mode="amortized")[0]["fallback_requests"] == 0
