@@ -39,6 +39,7 @@ from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
+from sparseety.api.clickhouse_http import router as clickhouse_router
 from sparseety.api.collect import (
     COLLECT_KINDS,
     AnalyzeSpec,
@@ -764,6 +765,7 @@ def create_api(backend: Backend) -> FastAPI:
     app.state.backend = backend
     app.state.sessions = Sessions()
     app.include_router(_router())
+    app.include_router(clickhouse_router(backend_of))
     _ops(app)
     _errors(app)
     _metrics_middleware(app)
