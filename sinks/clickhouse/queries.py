@@ -158,6 +158,7 @@ def cost_sql(
     if mode == "list":
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
+            "input_tokens + cached_tokens AS prompt_tokens, "
             "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
@@ -899,7 +900,8 @@ COST = QuerySpec(
     "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
     "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
     "amortized every computed position that is not an output (prefill, recompute, rejected "
-    "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
+    "drafts); cached_tokens is beside it, and list adds prompt_tokens = input + cached (OpenAI's "
+    "usage.prompt_tokens, once per API request).",
     group_by="tenant",
     bucket=True,
     params=(
