@@ -11,6 +11,8 @@ import pytest
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.kafka import make_encoder
+from sparseety.schema_store import SchemaStore
+from sparseety.serde import Decoder, Encoder
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
@@ -33,11 +35,18 @@ def worker_cfg(cfg: Config, unique: str) -> Config:
 
 
 def expected_outputs(cfg: Config, events: list[dict[str, Any]]) -> tuple[dict[bytes, Any], dict[bytes, Any]]:
+    """The pure fold's outputs as a reader of the topics sees them (through the wire codec, so
+    fields the fold leaves to their schema default read as that default)."""
     asm = Assembler(cfg.worker, MemoryStore())
+    store = SchemaStore.load()
+    dec = Decoder(store)
+    encoders: dict[str, Encoder] = {}
     timelines, usage = {}, {}
     for e in events:
         for o in asm.apply(e):
-            (timelines if o.topic == TIMELINES else usage)[o.key.encode()] = o.record
+            enc = encoders.setdefault(o.record_name, Encoder(store, o.record_name))
+            record = dec.decode(enc.encode(o.record))[1]
+            (timelines if o.topic == TIMELINES else usage)[o.key.encode()] = record
     return timelines, usage
 
 
