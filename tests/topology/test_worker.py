@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.partitioner import murmur2
 
 from sparseety import events as ev
 from sparseety.config import Config
@@ -98,8 +99,13 @@ def test_worker_matches_the_pure_fold_and_dead_letters_bad_input(worker_factory:
         return len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= len(want_t)
 
     wait_for(done, 180, 2, "timelines")
-    got_t = latest_by_key(read_topic(cfg, cfg.topics.timelines))
+    records = read_topic(cfg, cfg.topics.timelines)
+    got_t = latest_by_key(records)
     assert got_t == want_t
+    # Outputs go as record batches (compat.send_batches): each in the partition Kafka's default
+    # partitioner (murmur2 of the key, as Java's and aiokafka's) gives its key, as Topic.send did.
+    assert {p for p, _, _, _ in records} == {0, 1}
+    assert all(p == (murmur2(key) & 0x7FFFFFFF) % 2 for p, _, key, _ in records)
     assert all(acc["consistent"] for acc in got_t.values())
     wait_for(lambda: len(latest_by_key(read_topic(cfg, cfg.topics.usage))) >= len(want_u), 60, 1, "usage")
     assert latest_by_key(read_topic(cfg, cfg.topics.usage)) == want_u
