@@ -36,6 +36,7 @@ from sparseety.streams import attention, windows
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
 from sparseety.streams.flops import ModelShape
+from sparseety.streams.served import base_model, reasoning_tokens
 from sparseety.streams.state import (
     EpochState,
     HeadState,
@@ -296,7 +297,7 @@ class Assembler:
         r.external_request_id = body.get("external_request_id", "")
         r.parent_request_id = body.get("parent_request_id", "")
         r.choice_index = body.get("choice_index", 0)
-        r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
+        r.model = base_model(body, epoch.config)
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
         r.last_ts = ts
@@ -810,6 +811,7 @@ class Assembler:
             "parent_request_id": r.parent_request_id,
             "choice_index": r.choice_index,
             "external_kv_tokens": r.external_kv,
+            "reasoning_output_tokens": reasoning_tokens(fin, r.out),
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

@@ -74,6 +74,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "num_gpu_blocks": 100,
         "privacy_mode": "raw",
         "routing_capture": False,
+        "reasoning_parser": None,
         **over,
     }
 
@@ -150,6 +151,7 @@ def request_finished(
         "output_block_hashes": [],
         "first_token_ts_ns": 0,
         "chunk_arrival_ns": [],
+        "reasoning_end": None,
         **over,
     }
 
@@ -320,6 +322,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "parent_request_id": "",
         "choice_index": 0,
         "external_kv_tokens": 0,
+        "reasoning_output_tokens": None,
     }
     rec.update(over)
     return rec
@@ -353,6 +356,7 @@ def usage_window(**over: Any) -> dict[str, Any]:
         "window_released_tokens": 0,
         "evicted_blocks_recomputed": 0,
         "waste_tokens": 0,
+        "lora_name": "",
     }
     rec.update(over)
     return rec

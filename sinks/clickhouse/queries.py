@@ -34,7 +34,8 @@ DIMENSIONS: dict[str, str] = {
     "tenant": "tenant",
     "model": "model",
     "engine": "engine_name",
-    "lora": "ifNull(lora_name, '')",
+    "adapter": "ifNull(lora_name, '')",  # the LoRA adapter ('' = the base model)
+    "lora": "ifNull(lora_name, '')",  # the same, by its older name
 }
 
 
@@ -140,6 +141,14 @@ def _per_request(db: str, select: str, measures: str, where: str, keys: str) -> 
     )
 
 
+#: Of the output, the think section's positions (a reasoning parser split them; priced as output
+#: unless a ``reasoning_output`` price says otherwise) and the requests whose split was observed:
+#: NULL when none was (never 0).
+REASONING = (
+    "sum(c.reasoning_output_tokens) AS reasoning_output_tokens, "
+    "countIf(c.reasoning_output_tokens IS NOT NULL) AS reasoning_observed_requests"
+)
+
 # --- SQL builders (pure) --------------------------------------------------------------------------
 
 
@@ -154,7 +163,7 @@ def cost_sql(
     if mode == "list":
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
-            "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
     elif mode == "gpu":
@@ -166,7 +175,7 @@ def cost_sql(
         cost = "c.actual_pico" if mode == "actual" else "(c.actual_pico + ifNull(d.delta_pico, 0))"
         measures = (
             "sum(c.actual_input_tokens) AS input_tokens, sum(c.cache_read_tokens) AS cached_tokens, "
-            f"sum(c.output_tokens) AS output_tokens, sum({cost}) AS cost_pico, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum({cost}) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
         if mode == "amortized":

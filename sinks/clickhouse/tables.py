@@ -69,6 +69,7 @@ REQUESTS = Table(
         "parent_request_id",
         "choice_index",
         "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
+        "reasoning_output_tokens",  # added by migration 013 (issue 23: reasoning tokens)
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -137,6 +138,7 @@ USAGE = Table(
         "gpu_time_ns",
         "est_flops",
         *POSITION_COUNTS,  # added by migration 003
+        "lora_name",  # added by migration 013 (issue 23: windows per adapter)
     ),
     ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
 )

@@ -110,7 +110,7 @@ def token_records_lookup(
     where, params = scope.where()
     params["uid"] = request_uid
     found = q.store.query(
-        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens "
+        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens, reasoning_output_tokens "
         f"FROM {q.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
         params,
     )
@@ -140,9 +140,10 @@ def token_records_lookup(
         # say so rather than misplace ids.
         log.warning("token ids of %s do not cover its positions: content withheld", request_uid)
         ids, content, decode = None, CONTENT_COUNTS, None
+    reasoning = head.get("reasoning_output_tokens")
     records = [
         r
-        for seg in segments
+        for seg in split_reasoning(segments, prompt_len, reasoning)
         for r in _records(seg, ids=ids, hashes=hashes, decode=decode, per_position=per_position)
     ]
     return {
@@ -151,6 +152,7 @@ def token_records_lookup(
         "model": head["model"],
         "prompt_tokens": prompt_len,
         "output_tokens": int(head["output_tokens"]),
+        "reasoning_output_tokens": None if reasoning is None else int(reasoning),
         "privacy": privacy,
         "content": content,
         "note": _note(privacy, content, allowed),
@@ -164,6 +166,28 @@ def token_records_lookup(
     }
 
 
+def split_reasoning(
+    segments: list[dict[str, Any]], prompt_len: int, reasoning: int | None
+) -> list[dict[str, Any]]:
+    """Segments with the think section's output positions (``[prompt, prompt + reasoning)``) of
+    kind ``reasoning``, a segment that straddles its end cut in two; unchanged when reasoning
+    was not observed (None)."""
+    if not reasoning:
+        return segments
+    cut = prompt_len + int(reasoning)
+    out = []
+    for seg in segments:
+        start, end = int(seg["start"]), int(seg["end"])
+        if seg["kind"] != "output" or start >= cut:
+            out.append(seg)
+        elif end <= cut:
+            out.append({**seg, "kind": "reasoning"})
+        else:
+            out.append({**seg, "kind": "reasoning", "end": cut})
+            out.append({**seg, "start": cut})
+    return out
+
+
 def _records(
     seg: dict[str, Any],
     *,
@@ -174,8 +198,9 @@ def _records(
 ) -> list[dict[str, Any]]:
     start, end = int(seg["start"]), int(seg["end"])
     base = {
+        "kind": seg["kind"],  # prompt, reasoning (the output's think section) or output
         "is_input": seg["kind"] == "prompt",
-        "is_output": seg["kind"] == "output",
+        "is_output": seg["kind"] in ("output", "reasoning"),
         "is_draft": bool(seg["draft_accepted"]),
         "is_cached": seg["status"] == "cached",
         "status": seg["status"],
