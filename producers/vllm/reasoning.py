@@ -46,15 +46,18 @@ class ReasoningSplit:
         try:
             parser = parser_cls(tokenizer=tokenizer)
         except Exception as exc:  # a parser that cannot run here: reasoning not observed
-            log.warning("sparseety: reasoning parser %s unusable (%s): reasoning tokens not observed", name, exc)
+            log.warning(
+                "sparseety: reasoning parser %s unusable (%s): reasoning tokens not observed", name, exc
+            )
             return cls(None, None)
         return cls(str(name), parser)
 
-    def reasoning_end(self, output_token_ids: Any) -> int | None:
-        """Output positions ``[0, end)`` are the think section; None without a parser."""
+    def reasoning_end(self, req: Any) -> int | None:
+        """Output positions ``[0, end)`` of a freed ``Request`` are the think section; None
+        without a parser."""
         if self.parser is None:
             return None
-        ids = list(output_token_ids or ())
+        ids = list(req.output_token_ids or ())
         try:
             answer = self.parser.extract_content_ids(ids)
         except Exception:  # the engine must not fail because of us: this request is not observed

@@ -155,7 +155,7 @@ class RecordBuilder:
             ),
             "first_token_ts_ns": 0,
             "chunk_arrival_ns": [],
-            "reasoning_end": self.reasoning.reasoning_end(req.output_token_ids),
+            "reasoning_end": self.reasoning.reasoning_end(req),
         }
 
     # --- steps ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse import ids, outliers, regressions, routing, sessions, whatif
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
@@ -1012,6 +1012,35 @@ QUERIES: tuple[QuerySpec, ...] = (
             ),
             Param("session", str, None, "List the turns of this session instead."),
             Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
+        ),
+    ),
+    QuerySpec(
+        "outliers",
+        outliers.outliers_sql,
+        "Cost outliers: per tenant, the --top requests with the highest cost per output token and "
+        "the --top with the lowest, in one attribution mode, each with what drives its cost "
+        "(docs/cost-model.md, Outliers).\n\n"
+        "Rows: tenant, side (top or bottom), rank, the request (uid, model, adapter, engine, "
+        "finished_at), cost_usd, output_tokens, cost_per_output_token_usd, and the drivers: "
+        "prompt_tokens beside the tenant's median, cache_miss_share, recomputed_tokens, "
+        "rejected_draft_tokens (rejected + cut) of scheduled_tokens, reasoning_output_tokens, "
+        "cut_by_limit (finish_reason length) and reasons (the drivers past their thresholds). "
+        "With --summary 1: per tenant and feature, how much of the costly tail (the --top) has it "
+        "beside the tenant's other requests (tail_share, rest_share, lift, shared_by_tail).",
+        route="outliers",
+        params=(
+            Param(
+                "mode",
+                str,
+                "actual",
+                "actual, amortized, list or gpu (docs/cost-model.md).",
+                choices=outliers.OUTLIER_MODES,
+                what="attribution mode",
+            ),
+            Param(
+                "limit", int, 10, "The N costliest and N cheapest per tenant.", http="top", ge=1, le=10_000
+            ),
+            Param("summary", int, 0, "1: which features the costly tail shares, instead.", ge=0, le=1),
         ),
     ),
     QuerySpec(

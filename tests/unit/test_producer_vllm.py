@@ -18,6 +18,7 @@ from sparseety.config import PrivacyConfig
 from sparseety.producers.privacy import PromptPolicy, token_hasher
 from sparseety.producers.vllm import kv, plugin
 from sparseety.producers.vllm.middleware import TenantHeaderMiddleware, with_tenant
+from sparseety.producers.vllm.reasoning import ReasoningSplit
 from sparseety.producers.vllm.records import RecordBuilder, block_hash_bytes
 from sparseety.producers.vllm.session import STEP_STAMP, EngineSession
 
@@ -79,7 +80,12 @@ def test_request_started_payload() -> None:
     _, p = b.request_started(
         _req("r2", [1, 2], extra_args=None, lora_request=SimpleNamespace(lora_name="ad")), 0
     )
-    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == ("", "ad", "ad", "")
+    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == (
+        "",
+        "tiny",
+        "ad",
+        "",
+    )  # the base model; the adapter beside it
     _, p = b.request_started(_req("r3", [1, 2], extra_args={"tenant": "acme", "session": "conv-1"}), 0)
     assert (p["tenant"], p["session_id"]) == ("acme", "conv-1")
     # vLLM's own session id (body session_id, X-Session-ID header) comes first
@@ -466,3 +472,30 @@ def test_step_columns_match_their_definition(seed: int) -> None:
     _, step = _builder().step(steady, clients, spec, 0, 0, 1, frozenset())
     want = _reference_columns(steady, clients, spec)
     assert {k: step[k] for k in want} == want
+
+
+def test_request_finished_carries_where_the_think_section_ends() -> None:
+    """The split is the engine's parser's: ``len(output) - len(extract_content_ids(output))``;
+    without a parser (or when it fails) the field is None, not observed."""
+
+    class Parser:  # the one method the split asks vLLM's parsers for (BaseThinkingReasoningParser's rule)
+        def extract_content_ids(self, ids: list[int]) -> list[int]:
+            return ids[ids.index(9) + 1 :] if 9 in ids[:-1] else []
+
+    b = _builder(reasoning=ReasoningSplit("think", Parser()))
+    _, p = b.request_finished(_req("r1", [1, 2], output_token_ids=[8, 5, 5, 9, 4, 4]))
+    assert p["reasoning_end"] == 4  # <think> 5 5 </think>, then a 2-token answer
+    _, p = b.request_finished(_req("r2", [1, 2], output_token_ids=[8, 5, 5]))
+    assert p["reasoning_end"] == 3  # cut inside the think section: all of it is reasoning
+    _, p = _builder().request_finished(_req("r3", [1, 2], output_token_ids=[8, 9, 4]))
+    assert p["reasoning_end"] is None
+
+    class Broken:
+        def extract_content_ids(self, ids: list[int]) -> list[int]:
+            raise RuntimeError("boom")
+
+    _, p = _builder(reasoning=ReasoningSplit("x", Broken())).request_finished(
+        _req("r4", [1], output_token_ids=[1])
+    )
+    assert p["reasoning_end"] is None
+    assert ReasoningSplit.of_scheduler(SimpleNamespace()).name is None  # no parser configured

@@ -40,8 +40,8 @@ SELECT u.tenant, transform(u.engine_name, arrayMap(x -> x.1, bases), arrayMap(x 
     u.recomputed_tokens, u.draft_accepted_tokens, u.draft_rejected_tokens, u.skipped_tokens, u.evicted_tokens,
     u.gpu_time_ns, u.est_flops, u.recomputed_preemption_tokens, u.recomputed_eviction_tokens, u.draft_cut_tokens,
     u.window_released_tokens, u.evicted_blocks_recomputed, u.waste_tokens, u.model AS lora_name
-FROM {db}.usage_1m AS u FINAL
-WHERE u.lora_name = '' AND has(adapters, (u.engine_name, u.model)) AND has(arrayMap(x -> x.1, bases), u.engine_name);
+FROM (SELECT * FROM {db}.usage_1m FINAL
+      WHERE lora_name = '' AND has(adapters, (engine_name, model)) AND has(arrayMap(x -> x.1, bases), engine_name)) AS u;
 
 ALTER TABLE {db}.usage_1m{on_cluster}
     DELETE WHERE lora_name = '' AND (engine_name, model) IN (
@@ -53,8 +53,8 @@ WITH (SELECT groupArray((engine_id, base)) FROM (
           SELECT engine_id, argMax(model, finished_ts_ns) AS base FROM {db}.requests FINAL
           WHERE lora_name IS NULL GROUP BY engine_id)) AS bases
 SELECT * REPLACE (transform(engine_id, arrayMap(x -> x.1, bases), arrayMap(x -> x.2, bases), model) AS model)
-FROM {db}.requests FINAL
-WHERE lora_name IS NOT NULL AND model = lora_name AND has(arrayMap(x -> x.1, bases), engine_id);
+FROM (SELECT * FROM {db}.requests FINAL
+      WHERE lora_name IS NOT NULL AND model = lora_name AND has(arrayMap(x -> x.1, bases), engine_id));
 
 ALTER TABLE {db}.requests{on_cluster}
     DELETE WHERE lora_name IS NOT NULL AND model = lora_name AND request_uid IN (
@@ -82,7 +82,7 @@ SELECT
     r.evicted_tokens AS evicted_tokens, r.preemptions AS preemptions, r.gpu_time_ns AS gpu_time_ns,
     r.est_flops AS est_flops, r.complete AS complete,
     r.parent_request_id AS parent_request_id, r.choice_index AS choice_index,
-    r.reasoning_output_tokens AS reasoning_output_tokens,
+    r.reasoning_output_tokens AS reasoning_output_tokens, r.finish_reason AS finish_reason,
     toInt64(r.output_tokens) - toInt64(ifNull(r.reasoning_output_tokens, 0)) AS answer_output_tokens,
     toInt64(if(r.recomputed_preemption_tokens + r.recomputed_eviction_tokens = r.recomputed_tokens,
                r.recomputed_preemption_tokens, r.recomputed_tokens)) AS recomputed_preemption_tokens,
