@@ -36,7 +36,7 @@ from sparseety.streams import attention, windows
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
 from sparseety.streams.flops import ModelShape
-from sparseety.streams.served import base_model, reasoning_tokens
+from sparseety.streams.served import base_model, reasoning
 from sparseety.streams.state import (
     EpochState,
     HeadState,
@@ -758,6 +758,7 @@ class Assembler:
         uid = r.uid
         block_uses = self._block_uses(epoch, r, fin)
         skipped = by_fate.get(sg.FATE_SKIPPED, 0) + by_status.get(sg.NOT_COMPUTED, 0)
+        thought, thought_spans = reasoning(fin, r.out)
         return {
             "request_uid": uid,
             "engine_name": r.engine_name,
@@ -811,7 +812,8 @@ class Assembler:
             "parent_request_id": r.parent_request_id,
             "choice_index": r.choice_index,
             "external_kv_tokens": r.external_kv,
-            "reasoning_output_tokens": reasoning_tokens(fin, r.out),
+            "reasoning_output_tokens": thought,
+            "reasoning_spans": thought_spans,
             **_token_fields(cfg.get("privacy_mode", ""), r),
         }
 

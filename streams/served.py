@@ -23,10 +23,16 @@ def base_model(started: dict[str, Any], config: dict[str, Any] | None) -> str:
     return model
 
 
-def reasoning_tokens(finish: dict[str, Any], output_tokens: int) -> int | None:
-    """Output positions in the think section (RequestFinished.reasoning_end, at most the output);
-    None when the engine ran no reasoning parser or the request has no finish (not observed)."""
-    end = finish.get("reasoning_end")
-    if end is None:
-        return None
-    return max(0, min(int(end), output_tokens))
+def reasoning(finish: dict[str, Any], output_tokens: int) -> tuple[int | None, list[int]]:
+    """``(reasoning_output_tokens, reasoning_spans)`` from RequestFinished.reasoning_spans, the
+    spans cut at the output's end: ``(None, [])`` when the engine ran no reasoning parser or the
+    request has no finish (not observed)."""
+    spans = finish.get("reasoning_spans")
+    if spans is None:
+        return None, []
+    kept: list[int] = []
+    for a, b in zip(spans[::2], spans[1::2], strict=False):
+        a, b = max(0, int(a)), min(int(b), output_tokens)
+        if b > a:
+            kept += [a, b]
+    return sum(b - a for a, b in zip(kept[::2], kept[1::2], strict=True)), kept

@@ -151,7 +151,7 @@ def request_finished(
         "output_block_hashes": [],
         "first_token_ts_ns": 0,
         "chunk_arrival_ns": [],
-        "reasoning_end": None,
+        "reasoning_spans": None,
         **over,
     }
 
@@ -323,6 +323,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "choice_index": 0,
         "external_kv_tokens": 0,
         "reasoning_output_tokens": None,
+        "reasoning_spans": [],
     }
     rec.update(over)
     return rec

@@ -47,7 +47,7 @@ class RecordBuilder:
         hash_block_size: Granularity of ``Request.block_hashes``.
         group_kinds: KV cache group kinds by group index (BlockRemoved carries only the index).
         spec_enabled: Whether the engine runs speculative decoding (spec columns are filled).
-        reasoning: The engine's reasoning parser (where a request's think section ends); None:
+        reasoning: The engine's reasoning parser (which output positions are reasoning); None:
             the engine runs none.
     """
 
@@ -155,7 +155,7 @@ class RecordBuilder:
             ),
             "first_token_ts_ns": 0,
             "chunk_arrival_ns": [],
-            "reasoning_end": self.reasoning.reasoning_end(req),
+            "reasoning_spans": self.reasoning.spans(req),
         }
 
     # --- steps ---------------------------------------------------------------------------------

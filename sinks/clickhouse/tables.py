@@ -69,7 +69,9 @@ REQUESTS = Table(
         "parent_request_id",
         "choice_index",
         "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
-        "reasoning_output_tokens",  # added by migration 013 (issue 23: reasoning tokens)
+        # Added by migration 013 (issue 23: reasoning tokens).
+        "reasoning_output_tokens",
+        "reasoning_spans",
         "attention_window",
         "segment_count",
         "block_use_count",

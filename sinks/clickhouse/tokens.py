@@ -110,7 +110,8 @@ def token_records_lookup(
     where, params = scope.where()
     params["uid"] = request_uid
     found = q.store.query(
-        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens, reasoning_output_tokens "
+        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens, reasoning_output_tokens, "
+        "reasoning_spans "
         f"FROM {q.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
         params,
     )
@@ -143,7 +144,7 @@ def token_records_lookup(
     reasoning = head.get("reasoning_output_tokens")
     records = [
         r
-        for seg in split_reasoning(segments, prompt_len, reasoning)
+        for seg in split_reasoning(segments, prompt_len, list(head.get("reasoning_spans") or ()))
         for r in _records(seg, ids=ids, hashes=hashes, decode=decode, per_position=per_position)
     ]
     return {
@@ -167,24 +168,30 @@ def token_records_lookup(
 
 
 def split_reasoning(
-    segments: list[dict[str, Any]], prompt_len: int, reasoning: int | None
+    segments: list[dict[str, Any]], prompt_len: int, spans: list[int]
 ) -> list[dict[str, Any]]:
-    """Segments with the think section's output positions (``[prompt, prompt + reasoning)``) of
-    kind ``reasoning``, a segment that straddles its end cut in two; unchanged when reasoning
-    was not observed (None)."""
-    if not reasoning:
+    """Segments with the output positions of the reasoning ``spans`` (flat ``[start, end)`` pairs
+    of output indexes) of kind ``reasoning``, segments cut where a span begins or ends."""
+    if not spans:
         return segments
-    cut = prompt_len + int(reasoning)
+    cuts = [(prompt_len + a, prompt_len + b) for a, b in zip(spans[::2], spans[1::2], strict=True)]
     out = []
     for seg in segments:
         start, end = int(seg["start"]), int(seg["end"])
-        if seg["kind"] != "output" or start >= cut:
+        if seg["kind"] != "output":
             out.append(seg)
-        elif end <= cut:
-            out.append({**seg, "kind": "reasoning"})
-        else:
-            out.append({**seg, "kind": "reasoning", "end": cut})
-            out.append({**seg, "start": cut})
+            continue
+        pos = start
+        for lo, hi in cuts:
+            lo, hi = max(lo, start), min(hi, end)
+            if lo >= hi:
+                continue
+            if pos < lo:
+                out.append({**seg, "start": pos, "end": lo})
+            out.append({**seg, "start": lo, "end": hi, "kind": "reasoning"})
+            pos = hi
+        if pos < end:
+            out.append({**seg, "start": pos, "end": end})
     return out
 
 

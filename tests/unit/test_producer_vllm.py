@@ -18,7 +18,7 @@ from sparseety.config import PrivacyConfig
 from sparseety.producers.privacy import PromptPolicy, token_hasher
 from sparseety.producers.vllm import kv, plugin
 from sparseety.producers.vllm.middleware import TenantHeaderMiddleware, with_tenant
-from sparseety.producers.vllm.reasoning import ReasoningSplit
+from sparseety.producers.vllm.reasoning import ReasoningSplit, think_spans
 from sparseety.producers.vllm.records import RecordBuilder, block_hash_bytes
 from sparseety.producers.vllm.session import STEP_STAMP, EngineSession
 
@@ -474,28 +474,40 @@ def test_step_columns_match_their_definition(seed: int) -> None:
     assert {k: step[k] for k in want} == want
 
 
-def test_request_finished_carries_where_the_think_section_ends() -> None:
-    """The split is the engine's parser's: ``len(output) - len(extract_content_ids(output))``;
-    without a parser (or when it fails) the field is None, not observed."""
+def test_request_finished_carries_the_reasoning_positions() -> None:
+    """The positions inside the parser's think delimiters (vLLM's count rule), checked against the
+    parser's own count; without a parser, or when it counts otherwise, None: not observed."""
 
-    class Parser:  # the one method the split asks vLLM's parsers for (BaseThinkingReasoningParser's rule)
-        def extract_content_ids(self, ids: list[int]) -> list[int]:
-            return ids[ids.index(9) + 1 :] if 9 in ids[:-1] else []
+    class Parser:  # what the split reads of vLLM's BaseThinkingReasoningParser
+        start_token_id, end_token_id = 8, 9
+
+        def count_reasoning_tokens(self, ids: list[int]) -> int:  # vLLM's depth-counter rule
+            count = depth = 0
+            for t in ids:
+                if t in (8, 9):
+                    depth = depth + 1 if t == 8 else max(0, depth - 1)
+                else:
+                    count += depth > 0
+            return count
 
     b = _builder(reasoning=ReasoningSplit("think", Parser()))
     _, p = b.request_finished(_req("r1", [1, 2], output_token_ids=[8, 5, 5, 9, 4, 4]))
-    assert p["reasoning_end"] == 4  # <think> 5 5 </think>, then a 2-token answer
+    assert p["reasoning_spans"] == [1, 3]  # <think> 5 5 </think>, then a 2-token answer
     _, p = b.request_finished(_req("r2", [1, 2], output_token_ids=[8, 5, 5]))
-    assert p["reasoning_end"] == 3  # cut inside the think section: all of it is reasoning
+    assert p["reasoning_spans"] == [1, 3]  # cut inside the think section
+    _, p = b.request_finished(_req("r2b", [1, 2], output_token_ids=[4, 4]))
+    assert p["reasoning_spans"] == []  # observed: no reasoning
     _, p = _builder().request_finished(_req("r3", [1, 2], output_token_ids=[8, 9, 4]))
-    assert p["reasoning_end"] is None
+    assert p["reasoning_spans"] is None
 
-    class Broken:
-        def extract_content_ids(self, ids: list[int]) -> list[int]:
-            raise RuntimeError("boom")
+    class Other(Parser):
+        def count_reasoning_tokens(self, ids: list[int]) -> int:
+            return len(ids)
 
-    _, p = _builder(reasoning=ReasoningSplit("x", Broken())).request_finished(
-        _req("r4", [1], output_token_ids=[1])
+    _, p = _builder(reasoning=ReasoningSplit("x", Other())).request_finished(
+        _req("r4", [1], output_token_ids=[8, 1, 9, 2])
     )
-    assert p["reasoning_end"] is None
+    assert p["reasoning_spans"] is None
+    assert ReasoningSplit("y", object()).name is None  # no think tokens: not observed
     assert ReasoningSplit.of_scheduler(SimpleNamespace()).name is None  # no parser configured
+    assert think_spans([8, 1, 8, 2, 9, 3, 9, 4, 8, 5], 8, 9) == [1, 2, 3, 4, 5, 6, 9, 10]

@@ -9,7 +9,7 @@ from typing import Any
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.streams.assembler import TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.served import base_model, reasoning_tokens
+from sparseety.streams.served import base_model, reasoning
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
 
@@ -41,12 +41,13 @@ def fold(requests: list[tuple[dict[str, Any], dict[str, Any]]], **engine: Any) -
     return out
 
 
-def test_reasoning_tokens_not_observed_without_a_parser_and_capped_at_the_output() -> None:
-    assert reasoning_tokens({"reasoning_end": None}, 5) is None
-    assert reasoning_tokens({}, 5) is None  # a RequestFinished written before the field
-    assert reasoning_tokens({"reasoning_end": 3}, 5) == 3
-    assert reasoning_tokens({"reasoning_end": 9}, 5) == 5
-    assert reasoning_tokens({"reasoning_end": 0}, 5) == 0  # observed: no think section
+def test_reasoning_not_observed_without_a_parser_and_cut_at_the_output() -> None:
+    assert reasoning({"reasoning_spans": None}, 5) == (None, [])
+    assert reasoning({}, 5) == (None, [])  # a RequestFinished written before the field
+    assert reasoning({"reasoning_spans": []}, 5) == (0, [])  # observed: no reasoning
+    assert reasoning({"reasoning_spans": [1, 3]}, 5) == (2, [1, 3])
+    assert reasoning({"reasoning_spans": [1, 2, 3, 9]}, 5) == (3, [1, 2, 3, 5])
+    assert reasoning({"reasoning_spans": [6, 9]}, 5) == (0, [])
 
 
 def test_base_model_of_old_and_new_events() -> None:
@@ -63,21 +64,25 @@ def test_fold_carries_reasoning_and_adapter_into_records_and_windows() -> None:
         [
             (
                 f.request_started("r1", model="base-7b", lora_name="sql"),
-                f.request_finished("r1", reasoning_end=2),
+                f.request_finished("r1", reasoning_spans=[1, 2]),
             ),
             (
                 f.request_started("r2", model="sql", lora_name="sql"),
-                f.request_finished("r2", reasoning_end=0),
+                f.request_finished("r2", reasoning_spans=[]),
             ),
             (f.request_started("r3", model="base-7b"), f.request_finished("r3")),  # no parser
         ],
         reasoning_parser="deepseek_r1",
     )
     acc = {o.record["request_id"]: o.record for o in out if o.topic == TIMELINES}
-    assert {k: (a["model"], a["lora_name"], a["reasoning_output_tokens"]) for k, a in acc.items()} == {
-        "r1": ("base-7b", "sql", 2),
-        "r2": ("base-7b", "sql", 0),  # an old event: its model was the adapter
-        "r3": ("base-7b", None, None),
+    got = {
+        k: (a["model"], a["lora_name"], a["reasoning_output_tokens"], a["reasoning_spans"])
+        for k, a in acc.items()
+    }
+    assert got == {
+        "r1": ("base-7b", "sql", 1, [1, 2]),
+        "r2": ("base-7b", "sql", 0, []),  # an old event: its model was the adapter
+        "r3": ("base-7b", None, None, []),
     }
     assert all(a["consistent"] for a in acc.values())
     wins = {(w.record["model"], w.record["lora_name"]): w.record for w in out if w.topic == USAGE}

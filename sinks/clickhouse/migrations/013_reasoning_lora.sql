@@ -1,12 +1,14 @@
 -- Issue 23: reasoning tokens per request, and LoRA adapters as their own column.
 --
--- reasoning_output_tokens: output positions inside the think section, as the engine's reasoning
--- parser split them (RequestAccounting.reasoning_output_tokens). NULL = not observed (an engine
--- without a reasoning parser, rows written before), never 0. Priced as output unless the model has
--- a 'reasoning_output' price (prices.token_class).
+-- reasoning_output_tokens: output positions the engine's reasoning parser counts as reasoning (those
+-- inside its think delimiters, vLLM's completion_tokens_details.reasoning_tokens), and
+-- reasoning_spans which ones ([start, end) pairs of output indexes; token records' kind reasoning).
+-- NULL = not observed (an engine without a reasoning parser, rows written before), never 0. Priced
+-- as output unless the model has a 'reasoning_output' price (prices.token_class).
 
 ALTER TABLE {db}.requests{on_cluster}
-    ADD COLUMN IF NOT EXISTS reasoning_output_tokens Nullable(Int32) AFTER external_kv_tokens;
+    ADD COLUMN IF NOT EXISTS reasoning_output_tokens Nullable(Int32) AFTER external_kv_tokens,
+    ADD COLUMN IF NOT EXISTS reasoning_spans Array(Int32) DEFAULT [] AFTER reasoning_output_tokens;
 
 -- Usage windows are per adapter too (UsageWindow.lora_name; '' = the base model).
 ALTER TABLE {db}.usage_1m{on_cluster}
