@@ -32,6 +32,7 @@ KINDS: Final = (
     "gemma3-hybrid",
     "llama4-chunked",
     "llama-think",
+    "mixtral-sw-think",
 )
 MARKER: Final = ".sparseety-tiny-model.json"
 """Written last; its presence means the checkpoint directory is complete."""
@@ -147,7 +148,7 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
     import transformers
 
     tokenizer = _train_tokenizer()
-    if kind == "llama-think":
+    if kind.endswith("-think"):  # the base kind, with THINK_TOKENS in its vocabulary
         from tokenizers import AddedToken
 
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
@@ -175,7 +176,8 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
         "dtype": "bfloat16",
     }
     config: transformers.PretrainedConfig
-    if kind in ("llama", "llama-think"):
+    kind = kind.removesuffix("-think")
+    if kind == "llama":
         config = transformers.LlamaConfig(**common)
     elif kind in ("mixtral", "mixtral-sw"):
         # mixtral-sw (MoE routing and a 128-token window in one model) is the demo's model.

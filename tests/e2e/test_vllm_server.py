@@ -505,15 +505,23 @@ def test_reasoning_tokens_and_adapter_per_request_equal_vllms_own(
                 },
                 {"X-Request-Id": f"{tag}-{name}"},
             )
+        # one more request, later than the windows of ours (1 s) close: its events pass the
+        # watermark over them, so the fold emits their usage windows
+        time.sleep(1.5)
+        _chat(
+            client,
+            {"model": "tiny", "messages": [{"role": "user", "content": "later"}], "max_tokens": 1},
+            {"X-Request-Id": f"{tag}-later"},
+        )
     externals = {f"chatcmpl-{tag}-{n}": n for n in cases}
 
     def complete(events: list[dict[str, Any]]) -> bool:
-        return set(externals) <= {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+        return {*externals, f"chatcmpl-{tag}-later"} <= {r.rsplit("-", 1)[0] for r in finished_ids(events)}
 
     events = engine_events(server.cfg, complete, timeout=90)
     (started,) = [ev.payload(e) for e in events if ev.payload_type(e) == ev.ENGINE_STARTED][-1:]
     assert started["reasoning_parser"] == "deepseek_r1"
-    asm = Assembler(WorkerConfig(window_s=60, allowed_lateness_s=0), MemoryStore())
+    asm = Assembler(WorkerConfig(window_s=1, allowed_lateness_s=0), MemoryStore())
     outputs = [o for e in events for o in asm.apply(e)]
     by_rid = {o.record["request_id"]: o.record for o in outputs if o.topic == TIMELINES}
     ours = {name: by_rid[engine_rid(events, ext)] for ext, name in externals.items()}
@@ -553,6 +561,7 @@ def test_reasoning_tokens_and_adapter_per_request_equal_vllms_own(
     windows = [o.record for o in outputs if o.topic == USAGE and o.record["tenant"] == tenant]
     assert {(w["model"], w["lora_name"]) for w in windows} == {("tiny", ""), ("tiny", ADAPTER)}
     assert sum(w["requests"] for w in windows if w["lora_name"] == ADAPTER) == 3
+    assert sum(w["requests"] for w in windows if w["lora_name"] == "") == 2
 
     with throwaway_store(chdb_config(tmp_path_factory)) as store:
         migrate(store)
