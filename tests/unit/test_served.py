@@ -90,3 +90,12 @@ def test_fold_carries_reasoning_and_adapter_into_records_and_windows() -> None:
     # an adapter's window keeps the id producers before issue 23 gave it (a replay overwrites it)
     assert wins[("base-7b", "sql")]["usage_id"].startswith(f"{f.EID}/sql/acme/")
     assert wins[("base-7b", "")]["usage_id"].startswith(f"{f.EID}/base-7b/acme/")
+
+
+def test_otel_span_carries_reasoning_only_when_observed() -> None:
+    from sparseety.sinks.otel.spans import span_spec
+
+    key = "gen_ai.usage.reasoning.output_tokens"
+    assert span_spec(f.accounting(reasoning_output_tokens=5)).attributes[key] == 5
+    assert span_spec(f.accounting(reasoning_output_tokens=0)).attributes[key] == 0
+    assert key not in span_spec(f.accounting()).attributes  # not observed: absent, never 0
