@@ -34,17 +34,30 @@ import msgspec
 
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
+#: Prefix of every epoch's key (``StateStore.keys(EPOCHS)`` lists the epochs).
+EPOCHS = "e|"
+
 
 def epoch_key(engine_id: str) -> str:
-    return f"e|{engine_id}"
+    return f"{EPOCHS}{engine_id}"
 
 
 def head_key(engine_name: str) -> str:
     return f"n|{engine_name}"
 
 
+def request_prefix(engine_id: str) -> str:
+    """Prefix of the keys of one epoch's requests: ``request_prefix(e) + request_id`` is a key."""
+    return f"r|{engine_id}|"
+
+
 def request_key(engine_id: str, request_id: str) -> str:
     return f"r|{engine_id}|{request_id}"
+
+
+def block_prefix(engine_id: str) -> str:
+    """Prefix of the keys of one epoch's prefix-index blocks."""
+    return f"b|{engine_id}|"
 
 
 def block_key(engine_id: str, block_hash: str) -> str:

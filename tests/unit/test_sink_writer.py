@@ -18,7 +18,7 @@ from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.rows import request_version
 from sparseety.sinks.clickhouse.tables import SINK_TABLES
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.writer import ClickHouseSink, is_data_error
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store
 
@@ -342,3 +342,27 @@ def test_an_error_every_row_gets_is_not_a_data_error_even_if_the_store_answers(s
         sink.flush()
     assert sink.pending_rows() == 3 and sink.totals.rejected == 0
     assert store.query(f"SELECT count() AS n FROM {store.table('dead_letters')}") == [{"n": 0}]
+
+
+@pytest.mark.parametrize(
+    ("sql", "code"),
+    [
+        ("SELECT * FROM format(TSV, 'x Float64', 'abc')", 72),  # CANNOT_PARSE_NUMBER
+        ("SELECT * FROM format(JSONEachRow, 'x Int32', '{\"x\": 1.5e}')", 27),  # ..._ASSERTION_FAILED
+        ("SELECT toInt32('x')", 6),  # CANNOT_PARSE_TEXT
+    ],
+)
+def test_a_value_chdb_cannot_parse_is_a_data_error_by_its_code(store: Store, sql: str, code: int) -> None:
+    """The code comes from clickhouse-connect's exception (not the message text), and a value the
+    engine cannot parse is a data error: the batch's rows are refused, never retried forever."""
+    with pytest.raises(StoreError) as caught:
+        store.query(sql)
+    assert caught.value.fields["code"] == code
+    assert is_data_error(caught.value)
+
+
+def test_a_missing_table_is_no_data_error(store: Store) -> None:
+    with pytest.raises(StoreError) as caught:
+        store.query("SELECT * FROM no_such_table_here")
+    assert caught.value.fields["code"] == 60  # UNKNOWN_TABLE: the store's, retried
+    assert not is_data_error(caught.value)
