@@ -14,10 +14,11 @@ ALTER TABLE {db}.requests{on_cluster}
 ALTER TABLE {db}.usage_1m{on_cluster}
     ADD COLUMN IF NOT EXISTS lora_name LowCardinality(String) DEFAULT '' AFTER waste_tokens;
 
--- Enum values are appended (old rows keep theirs); 5 is left to the KV memory price (issue 23).
+-- Enum values are appended (old rows keep theirs); 5 is the KV memory price of migration 012
+-- (issue 23), listed here too so that this list never drops it, whichever lands first.
 ALTER TABLE {db}.prices{on_cluster}
     MODIFY COLUMN token_class Enum8('input' = 1, 'cached_input' = 2, 'output' = 3, 'gpu_hour' = 4,
-                                    'reasoning_output' = 6);
+                                    'kv' = 5, 'reasoning_output' = 6);
 
 -- Rows written before issue 23 hold a LoRA request's adapter in `model` (the producer put it there).
 -- They are rewritten once with the engine's base model, the `model` of the same engine's requests
