@@ -1,4 +1,4 @@
-"""Issue 23 in the fold: reasoning tokens from RequestFinished.reasoning_end, and the base model
+"""Issue 23 in the fold: reasoning tokens from RequestFinished.reasoning_spans, and the base model
 beside the LoRA adapter (old events, whose model held the adapter, fold the same way), per
 request and per usage window."""
 
