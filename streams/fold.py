@@ -24,6 +24,7 @@ from sparseety.streams import segments as sg
 from sparseety.streams.caveats import is_warmup_step
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.outputs import Stats
+from sparseety.streams.served import base_model
 from sparseety.streams.state import (
     EpochState,
     RequestState,
@@ -103,7 +104,7 @@ class PositionFold:
         r.external_request_id = body.get("external_request_id", "")
         r.parent_request_id = body.get("parent_request_id", "")
         r.choice_index = body.get("choice_index", 0)
-        r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
+        r.model = base_model(body, epoch.config)
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
         r.last_ts = ts

@@ -74,6 +74,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "num_gpu_blocks": 100,
         "privacy_mode": "raw",
         "routing_capture": False,
+        "reasoning_parser": None,
         **over,
     }
 
@@ -150,6 +151,7 @@ def request_finished(
         "output_block_hashes": [],
         "first_token_ts_ns": 0,
         "chunk_arrival_ns": [],
+        "reasoning_spans": None,
         **over,
     }
 
@@ -350,6 +352,8 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "external_kv_tokens": 0,
         "warmup_gpu_time_ns": 0,
         "source_history_lost_ts_ns": 0,
+        "reasoning_output_tokens": None,
+        "reasoning_spans": [],
     }
     rec.update(over)
     return rec
@@ -383,6 +387,7 @@ def usage_window(**over: Any) -> dict[str, Any]:
         "window_released_tokens": 0,
         "evicted_blocks_recomputed": 0,
         "waste_tokens": 0,
+        "lora_name": "",
     }
     rec.update(over)
     return rec

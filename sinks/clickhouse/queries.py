@@ -23,7 +23,7 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse import ids, outliers, regressions, routing, sessions, whatif
 from sparseety.sinks.clickhouse.caveats import note_lost_sources
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
@@ -38,7 +38,8 @@ DIMENSIONS: dict[str, str] = {
     "tenant": "tenant",
     "model": "model",
     "engine": "engine_name",
-    "lora": "ifNull(lora_name, '')",
+    "adapter": "ifNull(lora_name, '')",  # the LoRA adapter ('' = the base model)
+    "lora": "ifNull(lora_name, '')",  # the same, by its older name
 }
 
 
@@ -144,6 +145,14 @@ def _per_request(db: str, select: str, measures: str, where: str, keys: str) -> 
     )
 
 
+#: Of the output, the think section's positions (a reasoning parser split them; priced as output
+#: unless a ``reasoning_output`` price says otherwise) and the requests whose split was observed:
+#: NULL when none was (never 0).
+REASONING = (
+    "sum(c.reasoning_output_tokens) AS reasoning_output_tokens, "
+    "countIf(c.reasoning_output_tokens IS NOT NULL) AS reasoning_observed_requests"
+)
+
 # --- SQL builders (pure) --------------------------------------------------------------------------
 
 
@@ -159,7 +168,7 @@ def cost_sql(
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
             "input_tokens + cached_tokens AS prompt_tokens, "
-            "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
     elif mode == "gpu":
@@ -171,7 +180,7 @@ def cost_sql(
         cost = "c.actual_pico" if mode == "actual" else "(c.actual_pico + ifNull(d.delta_pico, 0))"
         measures = (
             "sum(c.actual_input_tokens) AS input_tokens, sum(c.cache_read_tokens) AS cached_tokens, "
-            f"sum(c.output_tokens) AS output_tokens, sum({cost}) AS cost_pico, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum({cost}) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
         if mode == "amortized":
@@ -629,6 +638,10 @@ class QueryMethods:
         """Sessions (multi-turn conversations), or the turns of one (:data:`SESSIONS`)."""
         return self.ask(SESSIONS, **arguments)
 
+    def outliers(self, **arguments: Any) -> Rows:
+        """Per tenant the costliest and cheapest requests per output token, and why (:data:`OUTLIERS`)."""
+        return self.ask(OUTLIERS, **arguments)
+
     def requests(self, **arguments: Any) -> Rows:
         """Requests in scope with their token counts (:data:`REQUESTS`)."""
         return self.ask(REQUESTS, **arguments)
@@ -1055,6 +1068,32 @@ SESSIONS = QuerySpec(
         Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
     ),
 )
+OUTLIERS = QuerySpec(
+    "outliers",
+    outliers.outliers_sql,
+    "Cost outliers: per tenant, the --top requests with the highest cost per output token and "
+    "the --top with the lowest, in one attribution mode, each with what drives its cost "
+    "(docs/cost-model.md, Outliers).\n\n"
+    "Rows: tenant, side (top or bottom), rank, the request (uid, model, adapter, engine, "
+    "finished_at), cost_usd, output_tokens, cost_per_output_token_usd, and the drivers: "
+    "prompt_tokens beside the tenant's median, cache_miss_share, recomputed_tokens, "
+    "rejected_draft_tokens (rejected + cut) of scheduled_tokens, reasoning_output_tokens, "
+    "cut_by_limit (finish_reason length) and reasons (the drivers past their thresholds). "
+    "With --summary 1: per tenant and feature, how much of the costly tail (the --top) has it "
+    "beside the tenant's other requests (tail_share, rest_share, lift, shared_by_tail).",
+    params=(
+        Param(
+            "mode",
+            str,
+            "actual",
+            "actual, amortized, list or gpu (docs/cost-model.md).",
+            choices=outliers.OUTLIER_MODES,
+            what="attribution mode",
+        ),
+        Param("limit", int, 10, "The N costliest and N cheapest per tenant.", http="top", ge=1, le=10_000),
+        Param("summary", int, 0, "1: which features the costly tail shares, instead.", ge=0, le=1),
+    ),
+)
 REQUESTS = QuerySpec(
     "requests",
     requests_sql,
@@ -1145,6 +1184,7 @@ QUERIES: tuple[QuerySpec, ...] = (
     DUPLICATION,
     DUPLICATED_BLOCKS,
     SESSIONS,
+    OUTLIERS,
     REQUESTS,
     TIMELINES,
     REQUEST,
