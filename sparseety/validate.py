@@ -63,6 +63,7 @@ ARRAY_BOUNDS: dict[str, dict[str, int]] = {
         "spec_accepted": _T,
     },
     "MoeRouting": {"expert_counts": _T},
+    "RequestFinished": {"reasoning_spans": _T},  # output positions (issue 23)
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from sparseety.streams import attention
 from sparseety.streams import segments as sg
+from sparseety.streams.served import reasoning
 from sparseety.streams.state import EpochState, RequestState
 
 
@@ -71,6 +72,7 @@ def build(
         and sg.total(segs) == prompt + r.out
     )
     skipped = by_fate.get(sg.FATE_SKIPPED, 0) + by_status.get(sg.NOT_COMPUTED, 0)
+    thought, thought_spans = reasoning(fin, r.out)
     return {
         "request_uid": r.uid,
         "engine_name": r.engine_name,
@@ -123,6 +125,10 @@ def build(
         "parent_request_id": r.parent_request_id,
         "choice_index": r.choice_index,
         "external_kv_tokens": r.external_kv,
+        "warmup_gpu_time_ns": round(r.warmup_gpu_ns),
+        "source_history_lost_ts_ns": r.source_lost_ns,
+        "reasoning_output_tokens": thought,
+        "reasoning_spans": thought_spans,
         **token_fields(cfg.get("privacy_mode", ""), r),
     }
 

@@ -21,8 +21,10 @@ from typing import Any
 from sparseety.streams import block_index
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
+from sparseety.streams.caveats import is_warmup_step
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.outputs import Stats
+from sparseety.streams.served import base_model
 from sparseety.streams.state import (
     EpochState,
     RequestState,
@@ -102,7 +104,7 @@ class PositionFold:
         r.external_request_id = body.get("external_request_id", "")
         r.parent_request_id = body.get("parent_request_id", "")
         r.choice_index = body.get("choice_index", 0)
-        r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
+        r.model = base_model(body, epoch.config)
         r.lora_name = body["lora_name"]
         r.arrival_ts = body["arrival_ts_ns"]
         r.last_ts = ts
@@ -156,6 +158,8 @@ class PositionFold:
                 live = pidx.live_as_of(block, seq, cleared) if block is not None else None
                 owner = live[pidx.COMPUTED_BY] if live else None
                 source = f"{epoch.engine_id}/{owner}" if owner else None
+                if owner is None and epoch.history_lost_ts_ns:
+                    r.source_lost_ns = epoch.history_lost_ts_ns  # docs: streams/caveats.py
                 head = min(bs, cached - start)
                 sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
                 sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
@@ -344,8 +348,12 @@ class PositionFold:
         self.store.touch_many(touched)
         if total > 0:
             scale = step_ns / total
-            for req, f in shares:
-                req.gpu_ns += f * scale
+            if is_warmup_step(step):  # the cold start: reported apart (streams/caveats.py)
+                for req, f in shares:
+                    req.warmup_gpu_ns += f * scale
+            else:
+                for req, f in shares:
+                    req.gpu_ns += f * scale
 
     # --- MoE routing -----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tumbling event-time windows of finished requests' usage, per engine, model and tenant.
+"""Tumbling event-time windows of finished requests' usage, per engine, model, adapter and tenant.
 
 A request belongs to the window holding its finish time. A window closes once the engine's
 watermark (its highest event time) passes the window end plus the allowed lateness; it is then
@@ -14,6 +14,14 @@ from typing import Any
 from sparseety.streams.state import WINDOW_COUNTERS, EpochState
 
 _FLOAT_COUNTERS = {"est_flops"}
+#: Separates a LoRA adapter from the base model in a window's key (``start|model<US>adapter|tenant``);
+#: keys persisted before adapters were a key have none, and read as the base model's.
+_ADAPTER_SEP = "\x1f"
+
+
+def _model_slot(acc: dict[str, Any]) -> str:
+    adapter = acc.get("lora_name") or ""
+    return f"{acc['model']}{_ADAPTER_SEP}{adapter}" if adapter else acc["model"]
 
 
 def window_start(ts_ns: int, window_ns: int) -> int:
@@ -40,7 +48,11 @@ def _record(
     kind: str,
     uid: str,
 ) -> dict[str, Any]:
-    usage_id = f"{epoch.engine_id}/{model}/{tenant}/{start}/{kind}" + (f"/{uid}" if uid else "")
+    model, _, adapter = model.partition(_ADAPTER_SEP)
+    # the id producers before issue 23 gave it (their model was the adapter's name): one engine
+    # epoch serves one base model, so the adapter names the window, and a replay overwrites it
+    named = adapter or model
+    usage_id = f"{epoch.engine_id}/{named}/{tenant}/{start}/{kind}" + (f"/{uid}" if uid else "")
     rec: dict[str, Any] = {
         "usage_id": usage_id,
         "kind": kind,
@@ -49,6 +61,7 @@ def _record(
         "engine_name": epoch.engine_name,
         "model": model,
         "tenant": tenant,
+        "lora_name": adapter,
     }
     for name, value in zip(WINDOW_COUNTERS, _padded(counters), strict=True):
         rec[name] = float(value) if name in _FLOAT_COUNTERS else int(value)
@@ -73,14 +86,14 @@ def add(
                 epoch,
                 start,
                 window_ns,
-                acc["model"],
+                _model_slot(acc),
                 acc["tenant"],
                 contribution,
                 "correction",
                 acc["request_uid"] + ("/retract" if retract else ""),
             )
         ]
-    key = f"{start}|{acc['model']}|{acc['tenant']}"
+    key = f"{start}|{_model_slot(acc)}|{acc['tenant']}"
     current = epoch.windows.get(key)
     if current is None:
         epoch.windows[key] = contribution

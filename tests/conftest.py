@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
         if tier in ("unit", "topology", "chaos", "harness", "e2e"):
             item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """scripts/test.sh runs pytest-xdist workers: a file runs in one worker (its module fixtures
+    start once), and every real-engine test runs in the same worker, so each engine kind still
+    starts once per session and at most two engines are alive at a time (tests/e2e/conftest.py).
+    (``--dist loadgroup`` would say this with markers, but it groups nothing under pytest 9.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class EnginesTogether(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/e2e" if nodeid.startswith("tests/e2e/") else super()._split_scope(nodeid)
+
+    return EnginesTogether(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.producers.privacy import PromptPolicy
+from sparseety.producers.vllm.reasoning import ReasoningSplit
 from sparseety.producers.vllm.request_ids import request_identity
 
 _MASK64 = (1 << 64) - 1
@@ -46,6 +47,8 @@ class RecordBuilder:
         hash_block_size: Granularity of ``Request.block_hashes``.
         group_kinds: KV cache group kinds by group index (BlockRemoved carries only the index).
         spec_enabled: Whether the engine runs speculative decoding (spec columns are filled).
+        reasoning: The engine's reasoning parser (which output positions are reasoning); None:
+            the engine runs none.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class RecordBuilder:
         hash_block_size: int,
         group_kinds: list[str],
         spec_enabled: bool,
+        reasoning: ReasoningSplit | None = None,
     ) -> None:
         self.policy = policy
         self.served = served_model_name
@@ -64,6 +68,7 @@ class RecordBuilder:
         self.hash_block_size = hash_block_size or self.block_size
         self.group_kinds = group_kinds or ["full_attention"]
         self.spec_enabled = spec_enabled
+        self.reasoning = reasoning or ReasoningSplit(None, None)
         self._admitted_cached: dict[str, int] = {}
         self._reported_cached: dict[str, int] = {}
         #: ``(step, {request: drafts rejected})`` of the last steps with rejections:
@@ -111,7 +116,8 @@ class RecordBuilder:
             "block_hashes": self._block_hashes(req, 0, prompt_len),
             "max_tokens": getattr(sampling, "max_tokens", None) if sampling is not None else None,
             "tenant": str(tenant) if tenant is not None else "",
-            "model": lora_name or self.served,
+            # the base model; the adapter is its own column (until issue 23 model held the adapter)
+            "model": self.served,
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
             "session_id": str(session) if session else "",
@@ -149,6 +155,7 @@ class RecordBuilder:
             ),
             "first_token_ts_ns": 0,
             "chunk_arrival_ns": [],
+            "reasoning_spans": self.reasoning.spans(req),
         }
 
     # --- steps ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from sparseety.config import Config
 from sparseety.producers.emitter import Emitter, new_epoch
 from sparseety.producers.privacy import PromptPolicy
 from sparseety.producers.vllm import facts
+from sparseety.producers.vllm.reasoning import ReasoningSplit
 from sparseety.producers.vllm.records import RecordBuilder
 
 log = logging.getLogger("sparseety.producer.vllm")
@@ -150,6 +151,8 @@ class EngineSession:
             routing_capture=routing,
             engine_version=vllm_version(),
         )
+        reasoning = ReasoningSplit.of_scheduler(scheduler)
+        started["reasoning_parser"] = reasoning.name
         name = default_engine_name(cfg, vllm_config, started["served_model_name"])
         emitter = Emitter(cfg, engine_name=name, epoch=new_epoch())
         builder = RecordBuilder(
@@ -159,6 +162,7 @@ class EngineSession:
             hash_block_size=int(getattr(scheduler, "hash_block_size", 0) or started["block_size"]),
             group_kinds=[g["kind"] for g in started["kv_cache_groups"]],
             spec_enabled=started["spec_method"] is not None and started["spec_num_tokens"] > 0,
+            reasoning=reasoning,
         )
         session = cls(cfg, scheduler, emitter, builder)
         emitter.emit_record(ev.ENGINE_STARTED, started)

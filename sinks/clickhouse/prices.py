@@ -36,7 +36,7 @@ from sparseety.times import to_ns
 if TYPE_CHECKING:
     from sparseety.sinks.clickhouse.client import Store
 
-PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour")
+PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour", "reasoning_output")
 MICRO = Decimal(1_000_000)
 
 

@@ -23,7 +23,8 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse import ids, outliers, regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse.caveats import note_lost_sources
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup
@@ -37,7 +38,8 @@ DIMENSIONS: dict[str, str] = {
     "tenant": "tenant",
     "model": "model",
     "engine": "engine_name",
-    "lora": "ifNull(lora_name, '')",
+    "adapter": "ifNull(lora_name, '')",  # the LoRA adapter ('' = the base model)
+    "lora": "ifNull(lora_name, '')",  # the same, by its older name
 }
 
 
@@ -143,6 +145,14 @@ def _per_request(db: str, select: str, measures: str, where: str, keys: str) -> 
     )
 
 
+#: Of the output, the think section's positions (a reasoning parser split them; priced as output
+#: unless a ``reasoning_output`` price says otherwise) and the requests whose split was observed:
+#: NULL when none was (never 0).
+REASONING = (
+    "sum(c.reasoning_output_tokens) AS reasoning_output_tokens, "
+    "countIf(c.reasoning_output_tokens IS NOT NULL) AS reasoning_observed_requests"
+)
+
 # --- SQL builders (pure) --------------------------------------------------------------------------
 
 
@@ -157,7 +167,8 @@ def cost_sql(
     if mode == "list":
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
-            "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
+            "input_tokens + cached_tokens AS prompt_tokens, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
     elif mode == "gpu":
@@ -169,13 +180,16 @@ def cost_sql(
         cost = "c.actual_pico" if mode == "actual" else "(c.actual_pico + ifNull(d.delta_pico, 0))"
         measures = (
             "sum(c.actual_input_tokens) AS input_tokens, sum(c.cache_read_tokens) AS cached_tokens, "
-            f"sum(c.output_tokens) AS output_tokens, sum({cost}) AS cost_pico, "
+            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum({cost}) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
         if mode == "amortized":
-            measures += ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico"
+            measures += (
+                ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico, "
+                "countIf(w.source_history_lost_ts_ns > 0) AS fallback_requests"
+            )
     join = (
-        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid"
+        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid {_caveats_join(db)}"
         if mode == "amortized"
         else ""
     )
@@ -387,10 +401,19 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
     return _per_request(db, select, measures, where, keys), params
 
 
+def _caveats_join(db: str) -> str:
+    """The fold's caveats of each request (streams/caveats.py) beside ``c``, as ``w``."""
+    return (
+        f"LEFT JOIN (SELECT request_uid, warmup_gpu_time_ns, source_history_lost_ts_ns FROM {db}.requests_v) "
+        "AS w ON c.request_uid = w.request_uid"
+    )
+
+
 def gpu_time_sql(
     db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
-    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time)."""
+    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time), and
+    beside it the engines' cold first steps (``warmup_gpu_time_ns``, not attributed)."""
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
@@ -398,9 +421,14 @@ def gpu_time_sql(
         "if(sum(sum(c.gpu_time_ns)) OVER () = 0, 0, "
         "gpu_time_ns / sum(sum(c.gpu_time_ns)) OVER ()) AS gpu_share, "
         "sum(c.est_flops) AS est_flops, sum(c.gpu_pico) AS cost_pico, "
-        "countIf(NOT c.gpu_priced) AS unpriced_requests"
+        "countIf(NOT c.gpu_priced) AS unpriced_requests, "
+        "sum(ifNull(w.warmup_gpu_time_ns, 0)) AS warmup_gpu_time_ns"
     )
-    return _per_request(db, select, measures, where, keys), params
+    sql = (
+        f"SELECT {_with_group(select, measures)} FROM {db}.request_costs_v AS c {_caveats_join(db)} "
+        f"WHERE {where} {_group_clause(keys)}"
+    )
+    return sql, params
 
 
 def expert_load_sql(db: str, *, model: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
@@ -610,6 +638,10 @@ class QueryMethods:
         """Sessions (multi-turn conversations), or the turns of one (:data:`SESSIONS`)."""
         return self.ask(SESSIONS, **arguments)
 
+    def outliers(self, **arguments: Any) -> Rows:
+        """Per tenant the costliest and cheapest requests per output token, and why (:data:`OUTLIERS`)."""
+        return self.ask(OUTLIERS, **arguments)
+
     def requests(self, **arguments: Any) -> Rows:
         """Requests in scope with their token counts (:data:`REQUESTS`)."""
         return self.ask(REQUESTS, **arguments)
@@ -689,7 +721,7 @@ class Queries(QueryMethods):
             r["cost"] = {m: r.pop(f"_cost_{m}_usd") for m in ("list", "actual", "amortized", "gpu")}
             r["cost"]["priced"] = bool(r.pop("_cost_priced"))
             r["segments"] = [dict(zip(SEGMENT_FIELDS, seg, strict=True)) for seg in r.pop("_segments")]
-            out[r["request_uid"]] = r
+            out[r["request_uid"]] = note_lost_sources(r)
         return {u: out[u] for u in uids if u in out}
 
 
@@ -876,11 +908,13 @@ COST = QuerySpec(
     "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
     "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
     "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
-    "onto (+) or off (-) the group.\n\n"
+    "onto (+) or off (-) the group, and fallback_requests: requests whose cached prefix lost its "
+    "source with the engine's history (a seq gap), charged as read there, as in actual.\n\n"
     "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
     "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
     "amortized every computed position that is not an output (prefill, recompute, rejected "
-    "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
+    "drafts); cached_tokens is beside it, and list adds prompt_tokens = input + cached (OpenAI's "
+    "usage.prompt_tokens, once per API request).",
     group_by="tenant",
     bucket=True,
     params=(
@@ -935,7 +969,8 @@ ENGINES = QuerySpec(
 GPU_TIME = QuerySpec(
     "gpu_time",
     gpu_time_sql,
-    "GPU time attributed per group, its share and cost.",
+    "GPU time attributed per group, its share and cost; warmup_gpu_time_ns beside it is the "
+    "share of the engines' cold first steps, not attributed (docs/cost-model.md, Warm-up).",
     group_by="tenant",
     bucket=True,
 )
@@ -1033,6 +1068,32 @@ SESSIONS = QuerySpec(
         Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
     ),
 )
+OUTLIERS = QuerySpec(
+    "outliers",
+    outliers.outliers_sql,
+    "Cost outliers: per tenant, the --top requests with the highest cost per output token and "
+    "the --top with the lowest, in one attribution mode, each with what drives its cost "
+    "(docs/cost-model.md, Outliers).\n\n"
+    "Rows: tenant, side (top or bottom), rank, the request (uid, model, adapter, engine, "
+    "finished_at), cost_usd, output_tokens, cost_per_output_token_usd, and the drivers: "
+    "prompt_tokens beside the tenant's median, cache_miss_share, recomputed_tokens, "
+    "rejected_draft_tokens (rejected + cut) of scheduled_tokens, reasoning_output_tokens, "
+    "cut_by_limit (finish_reason length) and reasons (the drivers past their thresholds). "
+    "With --summary 1: per tenant and feature, how much of the costly tail (the --top) has it "
+    "beside the tenant's other requests (tail_share, rest_share, lift, shared_by_tail).",
+    params=(
+        Param(
+            "mode",
+            str,
+            "actual",
+            "actual, amortized, list or gpu (docs/cost-model.md).",
+            choices=outliers.OUTLIER_MODES,
+            what="attribution mode",
+        ),
+        Param("limit", int, 10, "The N costliest and N cheapest per tenant.", http="top", ge=1, le=10_000),
+        Param("summary", int, 0, "1: which features the costly tail shares, instead.", ge=0, le=1),
+    ),
+)
 REQUESTS = QuerySpec(
     "requests",
     requests_sql,
@@ -1123,6 +1184,7 @@ QUERIES: tuple[QuerySpec, ...] = (
     DUPLICATION,
     DUPLICATED_BLOCKS,
     SESSIONS,
+    OUTLIERS,
     REQUESTS,
     TIMELINES,
     REQUEST,

@@ -69,6 +69,12 @@ REQUESTS = Table(
         "parent_request_id",
         "choice_index",
         "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
+        # Added by migration 011 (issue 21: the fold's caveats, streams/caveats.py).
+        "warmup_gpu_time_ns",
+        "source_history_lost_ts_ns",
+        # Added by migration 013 (issue 23: reasoning tokens).
+        "reasoning_output_tokens",
+        "reasoning_spans",
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -137,6 +143,7 @@ USAGE = Table(
         "gpu_time_ns",
         "est_flops",
         *POSITION_COUNTS,  # added by migration 003
+        "lora_name",  # added by migration 013 (issue 23: windows per adapter)
     ),
     ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
 )

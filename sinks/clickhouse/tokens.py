@@ -110,7 +110,8 @@ def token_records_lookup(
     where, params = scope.where()
     params["uid"] = request_uid
     found = q.store.query(
-        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens "
+        "SELECT request_uid, tenant, model, prompt_tokens, output_tokens, reasoning_output_tokens, "
+        "reasoning_spans "
         f"FROM {q.db}.requests_v WHERE request_uid = {{uid:String}} AND {where}",
         params,
     )
@@ -140,9 +141,10 @@ def token_records_lookup(
         # say so rather than misplace ids.
         log.warning("token ids of %s do not cover its positions: content withheld", request_uid)
         ids, content, decode = None, CONTENT_COUNTS, None
+    reasoning = head.get("reasoning_output_tokens")
     records = [
         r
-        for seg in segments
+        for seg in split_reasoning(segments, prompt_len, list(head.get("reasoning_spans") or ()))
         for r in _records(seg, ids=ids, hashes=hashes, decode=decode, per_position=per_position)
     ]
     return {
@@ -151,6 +153,7 @@ def token_records_lookup(
         "model": head["model"],
         "prompt_tokens": prompt_len,
         "output_tokens": int(head["output_tokens"]),
+        "reasoning_output_tokens": None if reasoning is None else int(reasoning),
         "privacy": privacy,
         "content": content,
         "note": _note(privacy, content, allowed),
@@ -164,6 +167,34 @@ def token_records_lookup(
     }
 
 
+def split_reasoning(
+    segments: list[dict[str, Any]], prompt_len: int, spans: list[int]
+) -> list[dict[str, Any]]:
+    """Segments with the output positions of the reasoning ``spans`` (flat ``[start, end)`` pairs
+    of output indexes) of kind ``reasoning``, segments cut where a span begins or ends."""
+    if not spans:
+        return segments
+    cuts = [(prompt_len + a, prompt_len + b) for a, b in zip(spans[::2], spans[1::2], strict=True)]
+    out = []
+    for seg in segments:
+        start, end = int(seg["start"]), int(seg["end"])
+        if seg["kind"] != "output":
+            out.append(seg)
+            continue
+        pos = start
+        for lo, hi in cuts:
+            lo, hi = max(lo, start), min(hi, end)
+            if lo >= hi:
+                continue
+            if pos < lo:
+                out.append({**seg, "start": pos, "end": lo})
+            out.append({**seg, "start": lo, "end": hi, "kind": "reasoning"})
+            pos = hi
+        if pos < end:
+            out.append({**seg, "start": pos, "end": end})
+    return out
+
+
 def _records(
     seg: dict[str, Any],
     *,
@@ -174,8 +205,9 @@ def _records(
 ) -> list[dict[str, Any]]:
     start, end = int(seg["start"]), int(seg["end"])
     base = {
+        "kind": seg["kind"],  # prompt, reasoning (the output's think section) or output
         "is_input": seg["kind"] == "prompt",
-        "is_output": seg["kind"] == "output",
+        "is_output": seg["kind"] in ("output", "reasoning"),
         "is_draft": bool(seg["draft_accepted"]),
         "is_cached": seg["status"] == "cached",
         "status": seg["status"],

@@ -145,6 +145,8 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         attrs["gen_ai.response.finish_reasons"] = [str(record["finish_reason"])]
     if record.get("lora_name"):
         attrs["sparseety.lora.name"] = str(record["lora_name"])
+    if record.get("reasoning_output_tokens") is not None:  # absent: not observed, never 0
+        attrs["gen_ai.usage.reasoning.output_tokens"] = int(record["reasoning_output_tokens"])
     window = (record.get("timeline") or {}).get("attention_window")
     if window is not None:
         attrs["sparseety.attention.window"] = int(window)

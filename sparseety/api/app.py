@@ -17,9 +17,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
@@ -37,6 +39,7 @@ from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
+from sparseety.api.clickhouse_http import router as clickhouse_router
 from sparseety.api.collect import (
     COLLECT_KINDS,
     AnalyzeSpec,
@@ -380,7 +383,7 @@ def _lookup_route(spec: Endpoint) -> Any:
 
     path: dict[str, Any] = {}
     if spec.key_in_path:
-        path["key"] = Annotated[str, Path(alias=key_name)]
+        path["key"] = Annotated[str, PathParam(alias=key_name)]
 
         async def handler(key: str, who: Caller, back: Back, q: Any) -> Response:
             return await answer(key, who, back, q, q.model_dump())
@@ -563,6 +566,23 @@ def _router() -> APIRouter:
         if found is None:
             raise NotFound(f"no job {job_id!r}")
         return JSONResponse(found)
+
+    @api.get("/jobs/{job_id}/output", tags=["jobs"])
+    async def job_output(job_id: str, who: Caller, back: Back) -> Response:
+        """The report file a finished ``vllm_log`` job wrote (its result's ``output``), in its
+        ``output_format``."""
+        who.require_admin("jobs")
+        found = back.jobs.get(job_id)
+        if found is None:
+            raise NotFound(f"no job {job_id!r}")
+        path = (found.get("result") or {}).get("output")
+        if not path:
+            raise NotFound(f"job {job_id!r} wrote no report (state {found['state']}; only vllm_log jobs do)")
+        if not Path(path).is_file():
+            raise NotFound(f"job {job_id!r}'s report {path} is gone from the API's machine")
+        fmt = str(found["result"].get("output_format", "json"))
+        media = {"json": "application/json", **MEDIA_TYPES}.get(fmt, "application/octet-stream")
+        return FileResponse(path, media_type=media, filename=Path(path).name)
 
     return api
 
@@ -760,6 +780,7 @@ def create_api(backend: Backend) -> FastAPI:
     app.state.backend = backend
     app.state.sessions = Sessions()
     app.include_router(_router())
+    app.include_router(clickhouse_router(backend_of))
     _ops(app)
     _errors(app)
     _metrics_middleware(app)

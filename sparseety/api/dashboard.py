@@ -30,6 +30,8 @@ MAX_EXPERT_MODELS = 4
 MAX_ROUTING_ROWS = 10
 #: Inconsistent requests the health card names (the link lists up to 100).
 MAX_LISTED = 10
+#: Outliers per tenant and side the page lists (the costliest and cheapest per output token).
+MAX_OUTLIERS = 5
 #: The what-if scenarios the page compares (kv-curve gives the 1.5x, 2x and 4x rows).
 WHATIF_SCENARIOS = ("no-cache", "kv-curve", "no-spec")
 
@@ -55,6 +57,8 @@ class DashboardData:
     spec: list[dict[str, Any]] = field(default_factory=list)
     prices: list[dict[str, Any]] = field(default_factory=list)
     inconsistent: list[dict[str, Any]] = field(default_factory=list)
+    outliers: list[dict[str, Any]] = field(default_factory=list)  # per tenant, top and bottom
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # actual cost by model and adapter
 
 
 def collect(
@@ -108,6 +112,8 @@ def collect(
         inconsistent=queries.requests(scope=scope, limit=MAX_LISTED, inconsistent=1)
         if health.get("inconsistent_requests")
         else [],
+        outliers=queries.outliers(limit=MAX_OUTLIERS, scope=scope),
+        adapters=queries.cost(mode="actual", by=("model", "adapter"), scope=scope),
     )
 
 
@@ -280,6 +286,36 @@ def spec_rows(data: DashboardData) -> list[list[Any]]:
     return out
 
 
+def outlier_rows(data: DashboardData) -> list[list[Any]]:
+    """Per tenant, the costliest and the cheapest requests per output token, with their reasons."""
+    return [
+        [
+            r["tenant"] or "(none)",
+            f"{r['side']} {r['rank']}",
+            r["request_uid"],
+            f"${r['cost_per_output_token_usd']}",
+            r["output_tokens"],
+            ", ".join(r["reasons"]) or "—",
+        ]
+        for r in data.outliers
+    ]
+
+
+def adapter_rows(data: DashboardData) -> list[list[Any]]:
+    """Per base model and LoRA adapter: requests, output, reasoning, actual cost."""
+    return [
+        [
+            r["model"],
+            r["adapter"] or "(base)",
+            r["requests"],
+            r["output_tokens"],
+            "not observed" if r.get("reasoning_output_tokens") is None else r["reasoning_output_tokens"],
+            f"${r['cost_usd']}",
+        ]
+        for r in data.adapters
+    ]
+
+
 def price_rows(data: DashboardData) -> list[list[Any]]:
     return [
         [
@@ -357,6 +393,18 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         price_rows(data),
         "no prices set: costs read 0 (sparseety prices set|load)",
     )
+    outliers = _html_table(
+        "data",
+        ["tenant", "side", "request", "cost per output token", "output", "reasons"],
+        outlier_rows(data),
+        "no requests with output in scope",
+    )
+    adapters = _html_table(
+        "data",
+        ["model", "adapter", "requests", "output", "reasoning", "actual USD"],
+        adapter_rows(data),
+        "no requests in scope",
+    )
     page = Template(_asset("dashboard.html"))
     return page.substitute(
         title="SparSEEty — token accounting",
@@ -367,6 +415,8 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         tenant_table=tenants,
         spec_table=spec,
         prices_table=prices,
+        outliers_table=outliers,
+        adapters_table=adapters,
         expert_sections=experts,
         figures=_script_json(figures),
         script=_asset("dashboard.js"),

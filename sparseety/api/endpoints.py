@@ -141,6 +141,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(q.DUPLICATION, "duplication"),
     Endpoint(q.DUPLICATED_BLOCKS, "duplication", selected_by="limit"),
     Endpoint(q.SESSIONS, "sessions"),
+    Endpoint(q.OUTLIERS, "outliers"),
     Endpoint(
         q.REQUESTS,
         "requests",

@@ -28,7 +28,8 @@ from typing import Any
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
 from sparseety.sinks.output import render
-from sparseety.stack.engine_checks import check_engine_counters, same_text
+from sparseety.stack.engine import TINY_ENGINE, TINY_REASONING_PARSER
+from sparseety.stack.engine_checks import check_engine_counters, reasoning_by_tenant, same_text
 from sparseety.stack.supervisor import Stack
 
 Say = Callable[[str], None]
@@ -63,6 +64,10 @@ CLASS_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 TOKEN_CLASSES = tuple(col for col, _, _ in CLASS_COLUMNS)
+REASONING_MEANING = (
+    "of output, the positions inside the think section (the engine's reasoning parser; "
+    "vLLM's reasoning_tokens)"
+)
 
 
 class DemoError(SparseetyError):
@@ -102,9 +107,9 @@ def _model(cfg: Config, model: Path | None, say: Say) -> tuple[Path, str]:
         return model, model.name
     from sparseety.stack.tiny_models import build_tiny_model
 
-    path = cfg.data_path / "models" / "mixtral-sw"
+    path = cfg.data_path / "models" / "mixtral-sw-think"
     say(f"model: building the tiny MoE model with a sliding window under {path} (once)")
-    return build_tiny_model("mixtral-sw", path), "tiny-mixtral-sw"
+    return build_tiny_model("mixtral-sw-think", path), "tiny-mixtral-sw"
 
 
 def _prepare_store(cfg: Config, model_name: str, say: Say) -> None:
@@ -131,8 +136,6 @@ def _run_engine(
     engine_args: dict[str, Any] | None,
     say: Say,
 ) -> dict[str, Any]:
-    from sparseety.stack.engine import TINY_ENGINE
-
     out = run_dir / "engine.json"
     cfg = stack.cfg.replace(
         producer={
@@ -246,7 +249,10 @@ def build_report(
         e["cached"] += r["num_cached_tokens"]
     if len(stored) != len(eng):
         problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
-    problems += check_engine_counters(_details(api, stored), engine, by_tenant_engine)
+    details = _details(api, stored)
+    problems += check_engine_counters(details, engine, by_tenant_engine)
+    for name, count in reasoning_by_tenant(details).items():
+        tenants[name]["reasoning"] = "not observed" if count is None else count
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
     lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
     m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
@@ -263,13 +269,19 @@ def build_report(
         "",
     ]
     lines += [f"  {name:<12} {meaning}" for _, name, meaning in CLASS_COLUMNS]
+    lines.append(f"  {'reasoning':<12} {REASONING_MEANING}")
     lines.append("")
     short = {col: name for col, name, _ in CLASS_COLUMNS}
     rows = [
-        {"tenant": t["tenant"], "requests": t["requests"], **{short[k]: t[k] for k in TOKEN_CLASSES}}
+        {
+            "tenant": t["tenant"],
+            "requests": t["requests"],
+            **{short[k]: t[k] for k in TOKEN_CLASSES},
+            "reasoning": t.get("reasoning", "not observed"),
+        }
         for t in sorted(tenants.values(), key=lambda x: x["tenant"])
     ]
-    lines.append(_table(rows, ["tenant", "requests", *short.values()]))
+    lines.append(_table(rows, ["tenant", "requests", *short.values(), "reasoning"]))
     lines += ["", "Cost per tenant, USD (docs/cost-model.md):", ""]
     rows = [
         {
@@ -347,7 +359,7 @@ def _whatif_and_regressions(api: Api) -> list[str]:
 
 #: The report's check line; every engine counter the report prints is compared (see below).
 CHECK_LINE = (
-    "Check: per-tenant totals = sum over requests; prompt, output, cached (per tenant), "
+    "Check: per-tenant totals = sum over requests; prompt, output, cached, reasoning (per tenant), "
     "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's"
 )
 
@@ -432,6 +444,9 @@ def run_demo(
     try:
         for row in stack.up(progress=say):
             say(f"  {row.name:<10} {row.state:<9} {row.endpoint}")
+        if model is None and engine_args is None:
+            # the tiny model's tokenizer has think tokens: the engine runs vLLM's reasoning parser
+            engine_args = {**TINY_ENGINE, "reasoning_parser": TINY_REASONING_PARSER}
         engine = _run_engine(stack, model_path, model_name, run_dir, sessions, quick, engine_args, say)
         api = Api(stack.api_url)
         stored = _wait_visible(api, len(engine["requests"]), say)

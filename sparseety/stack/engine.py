@@ -35,6 +35,8 @@ QUESTIONS = [
 FOLLOW_UPS = ["And the total?", "Break it down by tenant.", "Compare it with yesterday."]
 DOCUMENT = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
 
+#: The reasoning parser of the demo's tiny model (its tokenizer has <think> and </think>).
+TINY_REASONING_PARSER = "deepseek_r1"
 #: Engine arguments of the demo on the tiny local model (CPU): a KV cache of 40 blocks of 32.
 TINY_ENGINE: dict[str, Any] = {
     "enable_prefix_caching": True,
@@ -86,6 +88,15 @@ def fit_tokens(ids: list[int], room: int, tail: int = 16) -> list[int]:
     return ids[: room - tail] + ids[-tail:]
 
 
+def _reasoner(name: str | None, tokenizer: Any) -> Any:
+    """vLLM's reasoning parser ``name`` over ``tokenizer`` (the front end's), or None."""
+    if not name:
+        return None
+    from vllm.reasoning import ReasoningParserManager
+
+    return ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+
+
 def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
@@ -100,6 +111,7 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
     )
     print(f"engine: ready in {time.time() - started:.0f} s", flush=True)
     tokenizer = llm.get_tokenizer()
+    reasoner = _reasoner(engine_args.get("reasoning_parser"), tokenizer)
     max_model_len = llm.llm_engine.model_config.max_model_len
     results: list[dict[str, Any]] = []
     answers: list[str] = []
@@ -131,6 +143,11 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
                     # what the demo's restored request is checked against (token records)
                     "output_token_ids": list(o.outputs[0].token_ids),
                     "output_text": o.outputs[0].text,
+                    # vLLM's own count, what its API server reports as
+                    # completion_tokens_details.reasoning_tokens (None: no reasoning parser)
+                    "reasoning_tokens": None
+                    if reasoner is None
+                    else reasoner.count_reasoning_tokens(list(o.outputs[0].token_ids)),
                 }
             )
         print(

@@ -13,6 +13,16 @@ def same_text(decoded: str, streamed: str) -> bool:
     return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
 
 
+def reasoning_by_tenant(stored: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Per tenant, the stored reasoning positions; None when no request of it was observed."""
+    out: dict[str, int | None] = {}
+    for r in stored:
+        n = r.get("reasoning_output_tokens")
+        prev = out.get(r["tenant"])
+        out[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
+    return out
+
+
 def check_engine_counters(
     stored: list[dict[str, Any]], engine: dict[str, Any], by_tenant_engine: dict[str, dict[str, int]]
 ) -> list[str]:
@@ -40,6 +50,19 @@ def check_engine_counters(
         for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
             if t.get(k) != e[k]:
                 problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    # reasoning: vLLM's own count per request (its parser's count_reasoning_tokens over its output)
+    theirs: dict[str, int | None] = {}
+    for r in engine["requests"]:
+        n = r.get("reasoning_tokens")
+        prev = theirs.get(r["tenant"])
+        theirs[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
+    ours = reasoning_by_tenant(stored)
+    for name in sorted(set(theirs) | set(ours)):
+        if ours.get(name) != theirs.get(name):
+            problems.append(
+                f"tenant {name}: reasoning {ours.get(name)} stored, "
+                f"{theirs.get(name)} counted by vLLM's parser"
+            )
     m = engine.get("metrics", {})
 
     def total(*keys: str) -> int:

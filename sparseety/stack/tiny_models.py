@@ -24,13 +24,25 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-KINDS: Final = ("llama", "mixtral", "mistral-sw", "mixtral-sw", "gemma3-hybrid", "llama4-chunked")
+KINDS: Final = (
+    "llama",
+    "mixtral",
+    "mistral-sw",
+    "mixtral-sw",
+    "gemma3-hybrid",
+    "llama4-chunked",
+    "llama-think",
+    "mixtral-sw-think",
+)
 MARKER: Final = ".sparseety-tiny-model.json"
 """Written last; its presence means the checkpoint directory is complete."""
 
 _FORMAT_VERSION: Final = 1
 _VOCAB_SIZE: Final = 512
 _SPECIAL_TOKENS: Final = ("<unk>", "<s>", "</s>", "<pad>")
+#: ``llama-think``: the think delimiters of vLLM's ``deepseek_r1`` reasoning parser, added tokens
+#: that are not special (they stay in the decoded text, as in DeepSeek-R1's tokenizer).
+THINK_TOKENS: Final = ("<think>", "</think>")
 _CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -136,6 +148,10 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
     import transformers
 
     tokenizer = _train_tokenizer()
+    if kind.endswith("-think"):  # the base kind, with THINK_TOKENS in its vocabulary
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     tokenizer.save_pretrained(out)
     # transformers 5 records its backend class ("TokenizersBackend"), which transformers 4
     # cannot resolve; the generic name loads with both.
@@ -160,6 +176,7 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
         "dtype": "bfloat16",
     }
     config: transformers.PretrainedConfig
+    kind = kind.removesuffix("-think")
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
     elif kind in ("mixtral", "mixtral-sw"):
@@ -240,6 +257,46 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=_CHAT_TEMPLATE,
         model_max_length=4096,
     )
+
+
+def build_tiny_lora(model: Path, path: Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """A LoRA adapter for the tiny ``llama``/``llama-think`` checkpoint at ``model``, written
+    as PEFT writes one (``adapter_config.json``, ``adapter_model.safetensors``: q_proj and
+    v_proj of every layer, random A and B), without PEFT. Rebuilt in place each call (tiny)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    out_dims = {"q_proj": heads * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, out_dim in out_dims.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.02
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, path / "adapter_model.safetensors"
+    )
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(out_dims),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

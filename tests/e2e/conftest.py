@@ -154,19 +154,34 @@ def run_driver(code: str, cfg: Config, args: list[str], workdir: Path, timeout: 
 class ServerEngine:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
 
-    def __init__(self, cfg: Config, args: list[str], log: Path, timeout_s: float = 240.0) -> None:
+    #: The engine's server module and its name in messages (the SGLang server overrides them).
+    command: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+    what = "vLLM server"
+
+    def __init__(
+        self,
+        cfg: Config,
+        args: list[str],
+        log: Path,
+        timeout_s: float = 240.0,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.cfg = cfg
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-        env.update(ENGINE_ENV)
-        env.update(to_env(cfg))
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+        child_env.update(ENGINE_ENV)
+        child_env.update(to_env(cfg))
+        child_env.update(env or {})
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(self.port), *args],
-                env=env,
+                [*self.command, "--port", str(self.port), *args],
+                env=child_env,
+                cwd=cwd,
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -174,13 +189,13 @@ class ServerEngine:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f} s:\n{self.tail()}")
+                raise RuntimeError(f"{self.what} not ready after {timeout_s:.0f} s:\n{self.tail()}")
             time.sleep(1.0)
 
     def tail(self, n: int = 60) -> str:

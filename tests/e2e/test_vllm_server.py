@@ -24,7 +24,8 @@ from sparseety import events as ev
 from sparseety.broker import EmbeddedBroker
 from sparseety.config import Config
 from sparseety.kafka import ensure_topics
-from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, tiny_model
+from sparseety.stack.tiny_models import THINK_TOKENS, build_tiny_lora
+from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, environ, tiny_model
 from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
 from tests.helpers import free_port, running_broker
 from tests.recorded import reconstruct, seq_gaps
@@ -37,6 +38,8 @@ SYSTEMS = [
     "Translate every sentence into French, then explain each word. " * 9,
 ]
 QUESTION = "Question {i}: " + "please explain the report in detail, " * 1
+ADAPTER = "sql"  # the server's LoRA adapter (--lora-modules)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +60,14 @@ def server(engine_pool: EnginePool, server_broker: EmbeddedBroker, e2e_dir: Path
         heartbeat_interval_s=3600,  # quiet when idle, so the outage starts with nothing in flight
         flush_timeout_s=10,
     )
+    # The llama with <think> tokens, a LoRA adapter built here, vLLM's deepseek_r1 reasoning
+    # parser and a logits processor that makes a request think on demand (issue 23): one server
+    # for every test of the module, so no engine starts for them alone.
+    model = tiny_model("llama-think")
+    lora = build_tiny_lora(model, e2e_dir / "lora-sql")
     args = [
         "--model",
-        str(tiny_model("llama")),
+        str(model),
         "--served-model-name",
         "tiny",
         "--enable-prefix-caching",
@@ -77,8 +85,20 @@ def server(engine_pool: EnginePool, server_broker: EmbeddedBroker, e2e_dir: Path
         "sparseety.producers.vllm.middleware.TenantHeaderMiddleware",
         "--shutdown-timeout",
         "10",
+        "--enable-lora",
+        "--lora-modules",
+        f"{ADAPTER}={lora}",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "1",
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--logits-processors",
+        "tests.e2e.think_logits:ThinkFirst",
     ]
-    srv = ServerEngine(cfg, args, e2e_dir / "server.log")
+    with environ({"PYTHONPATH": str(REPO)}):  # the engine process imports the logits processor
+        srv = ServerEngine(cfg, args, e2e_dir / "server.log")
     try:
         yield srv
     finally:
@@ -423,6 +443,194 @@ def test_found_by_response_id_and_n2_list_cost_equals_usage(
             + usage["completion_tokens"] * d("40")
         ) / 1_000_000
         assert row["cost_usd"] == want
+
+
+# --- issue 23: reasoning tokens, LoRA adapters, cost outliers -------------------------------------
+
+
+def test_reasoning_tokens_and_adapter_per_request_equal_vllms_own(
+    server: ServerEngine, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Requests made to think (a logits processor forces ``<think>``, K tokens, ``</think>``)
+    on the base model and on a LoRA adapter: per request, the reasoning positions SparSEEty
+    records (the engine's deepseek_r1 parser, read in the engine process) are as many as vLLM's
+    own ``completion_tokens_details.reasoning_tokens`` and exactly the positions its front end
+    parsed into the reasoning text (the answer decodes from the rest); a request cut inside the
+    think section counts every position after ``<think>``, one never asked to think counts 0; the
+    adapter is recorded beside the base model. Then in chDB: cost and usage group by adapter,
+    reasoning is priced at its own price, token records carry kind reasoning, the OTel span the
+    GenAI attribute, and the outliers query ranks the same requests, the length cut a reason
+    exactly where vLLM said length."""
+    from decimal import Decimal
+
+    from transformers import AutoTokenizer
+
+    from sparseety.config import WorkerConfig
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from sparseety.sinks.otel.spans import span_spec
+    from sparseety.streams.assembler import TIMELINES, USAGE, Assembler
+    from sparseety.streams.state import MemoryStore
+    from tests.helpers import chdb_config, throwaway_store
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama-think"))
+    think_ids = tok.convert_tokens_to_ids(list(THINK_TOKENS))
+    tag = f"r{random.randrange(1 << 30):x}"
+    tenant = f"think-{tag}"
+    # (model, think K or None, max_tokens)
+    cases = {
+        "base-k3": ("tiny", 3, 9),
+        "base-k6": ("tiny", 6, 12),
+        "lora-k4": (ADAPTER, 4, 10),
+        "lora-cut": (ADAPTER, 10, 5),  # stops (length) inside the think section
+        "lora-plain": (ADAPTER, None, 6),
+    }
+    responses: dict[str, dict[str, Any]] = {}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for name, (model, k, max_tokens) in cases.items():
+            xargs: dict[str, Any] = {"tenant": tenant}
+            if k is not None:
+                xargs |= {"think": k, "think_ids": think_ids}
+            responses[name] = _chat(
+                client,
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": SYSTEMS[0] + f"Think about {name}."}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                    "vllm_xargs": xargs,
+                },
+                {"X-Request-Id": f"{tag}-{name}"},
+            )
+        # one more request, later than the windows of ours (1 s) close: its events pass the
+        # watermark over them, so the fold emits their usage windows
+        time.sleep(1.5)
+        _chat(
+            client,
+            {"model": "tiny", "messages": [{"role": "user", "content": "later"}], "max_tokens": 1},
+            {"X-Request-Id": f"{tag}-later"},
+        )
+    externals = {f"chatcmpl-{tag}-{n}": n for n in cases}
+
+    def complete(events: list[dict[str, Any]]) -> bool:
+        return {*externals, f"chatcmpl-{tag}-later"} <= {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+
+    events = engine_events(server.cfg, complete, timeout=90)
+    (started,) = [ev.payload(e) for e in events if ev.payload_type(e) == ev.ENGINE_STARTED][-1:]
+    assert started["reasoning_parser"] == "deepseek_r1"
+    asm = Assembler(WorkerConfig(window_s=1, allowed_lateness_s=0), MemoryStore())
+    outputs = [o for e in events for o in asm.apply(e)]
+    by_rid = {o.record["request_id"]: o.record for o in outputs if o.topic == TIMELINES}
+    ours = {name: by_rid[engine_rid(events, ext)] for ext, name in externals.items()}
+    assert len({r["request_uid"] for r in ours.values()}) == len(cases)
+
+    for name, (model, k, max_tokens) in cases.items():
+        rec, resp = ours[name], responses[name]
+        ids = resp["choices"][0]["token_ids"]
+        msg = resp["choices"][0]["message"]
+        vllm_reasoning = msg.get("reasoning") or msg.get("reasoning_content")  # 0.32: reasoning
+        assert rec["output_tokens"] == len(ids) == resp["usage"]["completion_tokens"], name
+        assert (rec["model"], rec["lora_name"]) == ("tiny", ADAPTER if model == ADAPTER else None), name
+        n = rec["reasoning_output_tokens"]
+        # vLLM's own count (its front end's parser: the positions inside the delimiters)
+        assert resp["usage"]["completion_tokens_details"]["reasoning_tokens"] == n, name
+        if k is None:
+            # never asked to think: no delimiter (the logits processor leaves the request alone,
+            # and the random model did not pick one), so no reasoning position. vLLM's text
+            # parse still files the whole output under reasoning (deepseek_r1 assumes R1's
+            # template opened the think section in the prompt): its count and its text disagree.
+            assert not set(think_ids) & set(ids), ids
+            assert n == 0 and rec["reasoning_spans"] == [], name
+        elif k + 2 <= max_tokens:
+            assert ids[0] == think_ids[0] and ids[k + 1] == think_ids[1], (name, ids)
+            assert n == k and rec["reasoning_spans"] == [1, k + 1], name
+            # vLLM's text parse: the reasoning is those positions, the content what follows
+            assert vllm_reasoning == tok.decode(ids[1 : k + 1]), name
+            assert (msg.get("content") or "") == tok.decode(ids[k + 2 :]), name
+        else:  # cut inside the think section: every position after <think> is reasoning
+            assert resp["choices"][0]["finish_reason"] == "length"
+            assert n == max_tokens - 1 and rec["reasoning_spans"] == [1, max_tokens], name
+            assert vllm_reasoning == tok.decode(ids[1:]) and not msg.get("content"), name
+        span = span_spec(rec)
+        assert span.attributes["gen_ai.usage.reasoning.output_tokens"] == n
+        assert span.attributes.get("sparseety.lora.name") == (ADAPTER if model == ADAPTER else None)
+
+    windows = [o.record for o in outputs if o.topic == USAGE and o.record["tenant"] == tenant]
+    assert {(w["model"], w["lora_name"]) for w in windows} == {("tiny", ""), ("tiny", ADAPTER)}
+    assert sum(w["requests"] for w in windows if w["lora_name"] == ADAPTER) == 3
+    assert sum(w["requests"] for w in windows if w["lora_name"] == "") == 2
+
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        migrate(store)
+        sink = ClickHouseSink(store)
+        for i, rec in enumerate(ours.values()):
+            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
+        for i, w in enumerate(windows):
+            sink.add(ev.USAGE_WINDOW, w, topic="usage", partition=0, offset=i)
+        sink.flush()
+        d = Decimal
+        set_prices(
+            store,
+            [
+                Price("tiny", "input", d("10"), 0),
+                Price("tiny", "output", d("40"), 0),
+                Price("tiny", "reasoning_output", d("20"), 0),
+            ],
+        )
+        q = Queries(store)
+        scope = Scope(tenants=(tenant,))
+        rows = {r["adapter"]: r for r in q.cost(by=["model", "adapter"], scope=scope)}
+        assert set(rows) == {"", ADAPTER} and {r["model"] for r in rows.values()} == {"tiny"}
+        assert rows[ADAPTER]["requests"] == 3 and rows[""]["requests"] == 2
+        for adapter, names in (
+            ("", ("base-k3", "base-k6")),
+            (ADAPTER, ("lora-k4", "lora-cut", "lora-plain")),
+        ):
+            recs = [ours[n] for n in names]
+            reasoning = sum(r["reasoning_output_tokens"] for r in recs)
+            assert rows[adapter]["reasoning_output_tokens"] == reasoning
+            want = (
+                sum(  # no cached_input price: a cache read costs what input costs
+                    (r["scheduled_tokens"] - r["output_tokens"]) * d("10")
+                    + r["cache_read_tokens"] * d("10")
+                    + (r["output_tokens"] - r["reasoning_output_tokens"]) * d("40")
+                    + r["reasoning_output_tokens"] * d("20")
+                    for r in recs
+                )
+                / 1_000_000
+            )
+            assert rows[adapter]["cost_usd"] == want, adapter
+        usage = {r["adapter"]: r["requests"] for r in q.usage(by=["adapter"], scope=scope)}
+        assert usage == {"": 2, ADAPTER: 3}
+
+        uid = ours["lora-k4"]["request_uid"]
+        found = q.token_records(uid, per_position=True)
+        assert found is not None and found["reasoning_output_tokens"] == 4
+        kinds = [r["kind"] for r in found["records"]]
+        prompt = ours["lora-k4"]["prompt_tokens"]
+        # <think>, 4 reasoning positions, </think> and the 4-token answer
+        assert kinds == ["prompt"] * prompt + ["output"] + ["reasoning"] * 4 + ["output"] * 5
+
+        outliers = q.outliers(limit=2, scope=scope)
+        top = [r for r in outliers if r["side"] == "top"]
+        per_token = {  # each request's own cost (the request lookup) over its output
+            r["request_uid"]: (q.request(r["request_uid"]) or {})["cost"]["actual"] / r["output_tokens"]
+            for r in ours.values()
+        }
+        top_uids = [r["request_uid"] for r in top]
+        assert len(top_uids) == 2 and per_token[top_uids[0]] >= per_token[top_uids[1]]
+        assert all(per_token[t] >= v for t in top_uids for u, v in per_token.items() if u not in top_uids)
+        for r in outliers:  # the length cut is a reason exactly where vLLM said finish_reason length
+            name = next(n for n, rec in ours.items() if rec["request_uid"] == r["request_uid"])
+            length = responses[name]["choices"][0]["finish_reason"] == "length"
+            assert ("cut_by_limit" in r["reasons"]) == length, (name, r["reasons"])
+        summary = {r["feature"]: r for r in q.outliers(limit=2, summary=1, scope=scope)}
+        assert summary["cut_by_limit"]["tail_with"] + summary["cut_by_limit"]["rest_with"] == sum(
+            r["choices"][0]["finish_reason"] == "length" for r in responses.values()
+        )
 
 
 # --- Kafka outage (last: it restarts the server's broker) ------------------------------------

@@ -177,6 +177,9 @@ def test_every_deploy_file_parses() -> None:
         elif name.startswith("Dockerfile") and not name.endswith(".dockerignore"):
             dockerfile(path)
             kind = "dockerfile"
+        elif name.endswith(".py"):  # deploy/sglang-cpu: the CPU shims installed into SGLang's venv
+            compile(path.read_text(), str(path), "exec")
+            kind = "python"
         elif name in (".env.example", ".gitignore") or name.endswith(".dockerignore"):
             assert path.read_text().strip()
             kind = "text"

@@ -18,6 +18,7 @@ from sparseety.config import PrivacyConfig
 from sparseety.producers.privacy import PromptPolicy, token_hasher
 from sparseety.producers.vllm import kv, plugin
 from sparseety.producers.vllm.middleware import TenantHeaderMiddleware, with_tenant
+from sparseety.producers.vllm.reasoning import ReasoningSplit, think_spans
 from sparseety.producers.vllm.records import RecordBuilder, block_hash_bytes
 from sparseety.producers.vllm.session import STEP_STAMP, EngineSession
 
@@ -79,7 +80,12 @@ def test_request_started_payload() -> None:
     _, p = b.request_started(
         _req("r2", [1, 2], extra_args=None, lora_request=SimpleNamespace(lora_name="ad")), 0
     )
-    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == ("", "ad", "ad", "")
+    assert (p["tenant"], p["model"], p["lora_name"], p["session_id"]) == (
+        "",
+        "tiny",
+        "ad",
+        "",
+    )  # the base model; the adapter beside it
     _, p = b.request_started(_req("r3", [1, 2], extra_args={"tenant": "acme", "session": "conv-1"}), 0)
     assert (p["tenant"], p["session_id"]) == ("acme", "conv-1")
     # vLLM's own session id (body session_id, X-Session-ID header) comes first
@@ -466,3 +472,42 @@ def test_step_columns_match_their_definition(seed: int) -> None:
     _, step = _builder().step(steady, clients, spec, 0, 0, 1, frozenset())
     want = _reference_columns(steady, clients, spec)
     assert {k: step[k] for k in want} == want
+
+
+def test_request_finished_carries_the_reasoning_positions() -> None:
+    """The positions inside the parser's think delimiters (vLLM's count rule), checked against the
+    parser's own count; without a parser, or when it counts otherwise, None: not observed."""
+
+    class Parser:  # what the split reads of vLLM's BaseThinkingReasoningParser
+        start_token_id, end_token_id = 8, 9
+
+        def count_reasoning_tokens(self, ids: list[int]) -> int:  # vLLM's depth-counter rule
+            count = depth = 0
+            for t in ids:
+                if t in (8, 9):
+                    depth = depth + 1 if t == 8 else max(0, depth - 1)
+                else:
+                    count += depth > 0
+            return count
+
+    b = _builder(reasoning=ReasoningSplit("think", Parser()))
+    _, p = b.request_finished(_req("r1", [1, 2], output_token_ids=[8, 5, 5, 9, 4, 4]))
+    assert p["reasoning_spans"] == [1, 3]  # <think> 5 5 </think>, then a 2-token answer
+    _, p = b.request_finished(_req("r2", [1, 2], output_token_ids=[8, 5, 5]))
+    assert p["reasoning_spans"] == [1, 3]  # cut inside the think section
+    _, p = b.request_finished(_req("r2b", [1, 2], output_token_ids=[4, 4]))
+    assert p["reasoning_spans"] == []  # observed: no reasoning
+    _, p = _builder().request_finished(_req("r3", [1, 2], output_token_ids=[8, 9, 4]))
+    assert p["reasoning_spans"] is None
+
+    class Other(Parser):
+        def count_reasoning_tokens(self, ids: list[int]) -> int:
+            return len(ids)
+
+    _, p = _builder(reasoning=ReasoningSplit("x", Other())).request_finished(
+        _req("r4", [1], output_token_ids=[8, 1, 9, 2])
+    )
+    assert p["reasoning_spans"] is None
+    assert ReasoningSplit("y", object()).name is None  # no think tokens: not observed
+    assert ReasoningSplit.of_scheduler(SimpleNamespace()).name is None  # no parser configured
+    assert think_spans([8, 1, 8, 2, 9, 3, 9, 4, 8, 5], 8, 9) == [1, 2, 3, 4, 5, 6, 9, 10]

@@ -1,0 +1,1 @@
+"""The SGLang producer: scheduler hooks in SGLang's scheduler process (docs/sglang.md)."""

@@ -1,0 +1,216 @@
+"""Patches SGLang's scheduler process (loaded by ``autoload.py`` only when configured).
+
+Seams (SGLang 0.5.23, checked against a running CPU engine):
+
+* ``Scheduler.__init__``: after it, on tensor/pipeline-parallel rank 0 only (every rank runs the
+  same schedule), start the session: emitter, EngineStarted;
+* ``Scheduler.run_batch`` / ``Scheduler.process_batch_result``: one step per forward batch;
+* ``ScheduleBatch.retract_decode``: retractions (SGLang's preemption);
+* ``KVCacheEventRecorder.record_store`` / ``record_remove`` / ``record_all_cleared``: the radix
+  cache's inserts, evictions and resets (SGLang calls them whether or not its KV events are on);
+* ``Scheduler.abort_request``: a retracted request aborted while it waits ends outside a step.
+
+A missing seam disables the producer (one log line) and SGLang runs untouched; an object of an
+unexpected shape at run time stops publishing for that engine, never the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sparseety.config import load_config
+from sparseety.producers.vllm.plugin import _ensure_log_handler, after_import
+
+log = logging.getLogger("sparseety.producer.sglang")
+
+TESTED_VERSIONS = ("0.5.23",)
+SCHEDULER_SEAMS = ("__init__", "run_batch", "process_batch_result", "abort_request")
+RECORDER_SEAMS = ("record_store", "record_remove", "record_all_cleared")
+
+_installed = False
+_lock = threading.Lock()
+#: The session of this process's scheduler (one scheduler per SGLang scheduler process).
+_session: Any = None
+
+
+def install() -> None:
+    """Arrange for SGLang's classes to be patched when SGLang imports them (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    _ensure_log_handler()
+    after_import("sglang.srt.managers.scheduler", _on_scheduler_module)
+    after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module)
+    after_import("sglang.srt.mem_cache.events", _on_events_module)
+
+
+def _missing(cls: Any, seams: tuple[str, ...]) -> list[str]:
+    return [m for m in seams if not callable(getattr(cls, m, None))]
+
+
+def _disable(exc: BaseException) -> None:
+    """Stop publishing after an unexpected object shape; SGLang goes on."""
+    global _session
+    session, _session = _session, None
+    if session is None:
+        return
+    log.error(
+        "sparseety: stopped publishing SGLang engine %s: an object the hooks read changed (%r); "
+        "the engine keeps running",
+        session.emitter.engine_id,
+        exc,
+    )
+    threading.Thread(target=session.stop, args=("producer_error",), daemon=True).start()
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Call a session method; any exception disables the producer, never the engine."""
+
+    def call(*args: Any) -> None:
+        try:
+            method(*args)
+        except Exception as exc:
+            _disable(exc)
+
+    return call
+
+
+def _on_scheduler_module(module: Any) -> list[str]:
+    cls = module.Scheduler
+    missing = _missing(cls, SCHEDULER_SEAMS)
+    if missing:
+        log.warning("sparseety: SGLang producer disabled: SGLang has no Scheduler.%s", ", ".join(missing))
+        return []
+    from sparseety.producers.sglang.session import sglang_version
+
+    if not sglang_version().startswith(TESTED_VERSIONS):
+        log.warning(
+            "sparseety: SGLang %s is not a tested version (%s); the hooks stop themselves if its "
+            "objects differ",
+            sglang_version(),
+            ", ".join(TESTED_VERSIONS),
+        )
+    orig_init, orig_run, orig_result, orig_abort = (
+        cls.__init__,
+        cls.run_batch,
+        cls.process_batch_result,
+        cls.abort_request,
+    )
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        global _session
+        orig_init(self, *args, **kwargs)
+        try:
+            if int(getattr(self, "tp_rank", 0) or 0) != 0 or int(getattr(self, "pp_rank", 0) or 0) != 0:
+                return  # every rank runs the same schedule: rank 0 publishes it
+            from sparseety.producers.sglang.session import SglangSession
+
+            _session = SglangSession.start(load_config(env=os.environ), self)
+            log.info(
+                "sparseety: SGLang engine %s hooked (tree cache %s)",
+                _session.emitter.engine_id,
+                type(getattr(self, "tree_cache", None)).__name__,
+            )
+        except Exception as exc:
+            log.warning("sparseety: not publishing this SGLang engine: %r", exc)
+
+    @functools.wraps(orig_run)
+    def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None:
+            _guarded(session.before_run)(batch)
+        return orig_run(self, batch, *args, **kwargs)
+
+    @functools.wraps(orig_result)
+    def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig_result(self, *args, **kwargs)
+        session = _session
+        if session is not None:
+            _guarded(session.after_result)()
+        return out
+
+    @functools.wraps(orig_abort)
+    def abort_request(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        waiting = list(getattr(self, "waiting_queue", ()) or ()) if session is not None else []
+        out = orig_abort(self, recv_req, *args, **kwargs)
+        if session is not None and waiting:
+            still = {id(r) for r in getattr(self, "waiting_queue", ()) or ()}
+            for req in waiting:
+                if id(req) not in still:
+                    _guarded(session.on_finished_outside_step)(req)
+        return out
+
+    cls.__init__ = __init__
+    cls.run_batch = run_batch
+    cls.process_batch_result = process_batch_result
+    cls.abort_request = abort_request
+    return [f"Scheduler.{s}" for s in SCHEDULER_SEAMS]
+
+
+def _on_schedule_batch_module(module: Any) -> list[str]:
+    cls = module.ScheduleBatch
+    orig = getattr(cls, "retract_decode", None)
+    if not callable(orig):
+        log.warning("sparseety: SGLang has no ScheduleBatch.retract_decode; retractions not reported")
+        return []
+
+    @functools.wraps(orig)
+    def retract_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        session = _session
+        if session is not None:
+            _guarded(session.on_retract)(out[0])
+        return out
+
+    cls.retract_decode = retract_decode
+    return ["ScheduleBatch.retract_decode"]
+
+
+def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a recorder call is about the device tier (``medium`` None or StorageMedium.GPU)."""
+    medium = args[0] if args else kwargs.get("medium")
+    return medium is None or getattr(medium, "name", str(medium)) == "GPU"
+
+
+def _on_events_module(module: Any) -> list[str]:
+    cls = module.KVCacheEventRecorder
+    missing = _missing(cls, RECORDER_SEAMS)
+    if missing:
+        log.warning("sparseety: SGLang has no KVCacheEventRecorder.%s; no KV events", ", ".join(missing))
+        return []
+    orig_store, orig_remove, orig_cleared = cls.record_store, cls.record_remove, cls.record_all_cleared
+
+    @functools.wraps(orig_store)
+    def record_store(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None and _device(args, kwargs):  # device tier only (host tiers: not yet)
+            _guarded(session.on_store)(node)
+        return orig_store(self, node, *args, **kwargs)
+
+    @functools.wraps(orig_remove)
+    def record_remove(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None and _device(args, kwargs):
+            _guarded(session.on_remove)(node)
+        return orig_remove(self, node, *args, **kwargs)
+
+    @functools.wraps(orig_cleared)
+    def record_all_cleared(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None:
+            _guarded(session.on_cleared)()
+        return orig_cleared(self, *args, **kwargs)
+
+    cls.record_store = record_store
+    cls.record_remove = record_remove
+    cls.record_all_cleared = record_all_cleared
+    return [f"KVCacheEventRecorder.{s}" for s in RECORDER_SEAMS]

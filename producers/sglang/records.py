@@ -1,0 +1,191 @@
+"""Background-thread builders: SGLang scheduler facts -> the same payloads the vLLM producer sends.
+
+Block identity. SGLang's radix cache holds token runs, not hashed blocks; the contract (and the
+fold's prefix index) speaks of blocks of ``block_size`` tokens named by a hash that chains every
+token before them. This module names them so: block ``k`` of a token sequence is
+``blake2b-64(name of block k-1 || its tokens)``, seeded with the radix key's namespace
+(``extra_key``, ``cache_salt``), written as 8 bytes. A block is cached exactly while the radix
+tree holds the node that contains its last token (a radix node's ancestors are always held), so
+a node the tree inserts stores the blocks whose last token lies in it, and a node it evicts
+removes the same blocks. A request's ``block_hashes`` are the same names over its prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.producers.privacy import PromptPolicy
+from sparseety.producers.vllm.request_ids import request_identity
+
+HASH_ALGO = "sparseety-chain-blake2b64"
+
+
+def _seed(extra_key: Any, cache_salt: Any) -> bytes:
+    if extra_key is None and cache_salt is None:
+        return b""
+    return hashlib.blake2b(repr((extra_key, cache_salt)).encode(), digest_size=8).digest()
+
+
+def chain_hashes(tokens: Any, block_size: int, seed: bytes, first: int = 0) -> list[bytes]:
+    """Names of the full blocks ``first ..`` of ``tokens`` (each chains all tokens before it)."""
+    n = len(tokens) // block_size
+    out: list[bytes] = []
+    prev = seed
+    for k in range(n):
+        chunk = array("q", tokens[k * block_size : (k + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=8).digest()
+        if k >= first:
+            out.append(prev)
+    return out
+
+
+def _finish_reason(reason: Any) -> str:
+    """SGLang's finish classes (FINISH_LENGTH, FINISH_MATCHED_TOKEN, FINISH_ABORT, ...)."""
+    name = type(reason).__name__ if reason is not None else "FINISH_ABORT"
+    if name in ("FINISH_MATCHED_TOKEN", "FINISH_MATCHED_STR", "FINISHED_MATCHED_REGEX"):
+        return "stop"
+    return name.removeprefix("FINISH_").lower()
+
+
+class RecordBuilder:
+    """Builds the payloads of one SGLang engine epoch (emitter thread only).
+
+    Args:
+        policy: Prompt privacy policy.
+        served_model_name: Model name on every request.
+        block_size: Tokens per accounting block (SGLang's page size, 16 when it is 1).
+    """
+
+    def __init__(self, *, policy: PromptPolicy, served_model_name: str, block_size: int) -> None:
+        self.policy = policy
+        self.served = served_model_name
+        self.block_size = block_size
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def requests_started(self, items: list[tuple[Any, ...]]) -> list[tuple[str, dict[str, Any]]]:
+        return [self.request_started(*item) for item in items]
+
+    def request_started(
+        self,
+        rid: str,
+        prompt: Any,
+        cached: int,
+        arrival_s: float,
+        max_tokens: int | None,
+        custom: Any,
+        namespace: tuple[Any, Any],
+    ) -> tuple[str, dict[str, Any]]:
+        ids, hashes = self.policy.fields(list(prompt))
+        custom = custom if isinstance(custom, dict) else {}
+        tenant = custom.get("tenant") or ""
+        session = custom.get("session") or ""
+        return ev.REQUEST_STARTED, {
+            "request_id": rid,
+            "arrival_ts_ns": int((arrival_s or 0) * 1e9),
+            "prompt_len": len(prompt),
+            "prompt_token_ids": ids,
+            "prompt_token_hashes": hashes,
+            "num_cached_tokens": int(cached),
+            "num_external_cached_tokens": 0,
+            "block_hashes": chain_hashes(prompt, self.block_size, _seed(*namespace)),
+            "max_tokens": max_tokens,
+            "tenant": str(tenant),
+            "model": self.served,
+            "lora_name": None,
+            "priority": 0,
+            "session_id": str(session),
+            **request_identity(rid),
+        }
+
+    def requests_finished(self, items: list[tuple[Any, ...]]) -> list[tuple[str, dict[str, Any]]]:
+        return [self.request_finished(*item) for item in items]
+
+    def request_finished(
+        self,
+        rid: str,
+        reason: Any,
+        num_prompt: int,
+        num_output: int,
+        cached: int,
+        retractions: int,
+    ) -> tuple[str, dict[str, Any]]:
+        """SGLang's own totals for a finished request (what its ``meta_info`` reports)."""
+        return ev.REQUEST_FINISHED, {
+            "request_id": rid,
+            "finish_reason": _finish_reason(reason),
+            "stop_reason": None,
+            "num_prompt_tokens": int(num_prompt),
+            "num_output_tokens": int(num_output),
+            "num_cached_tokens": int(cached),
+            "num_preemptions": int(retractions),
+            "output_block_hashes": [],
+            "first_token_ts_ns": 0,
+            "chunk_arrival_ns": [],
+        }
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def step(
+        self,
+        step: int,
+        start_mono_ns: int,
+        end_mono_ns: int,
+        rids: list[str],
+        scheduled: list[int],
+        before: list[int],
+        new_tokens: list[int],
+        token_ids: list[int],
+        retracted: list[str],
+        resumed: list[str],
+    ) -> tuple[str, dict[str, Any]]:
+        return ev.STEP_BATCH, {
+            "step": step,
+            "start_mono_ns": start_mono_ns,
+            "duration_ns": max(0, end_mono_ns - start_mono_ns),
+            "req_ids": rids,
+            "num_scheduled_tokens": scheduled,
+            "num_computed_before": before,
+            "num_new_tokens": new_tokens,
+            "new_token_ids": token_ids if self.policy.mode == "raw" else [],
+            "spec_proposed": [],
+            "spec_accepted": [],
+            "preempted_req_ids": sorted(retracted),
+            "resumed_req_ids": sorted(resumed),
+            "updates_before": -1,
+        }
+
+    # --- radix cache -----------------------------------------------------------------------------
+
+    def node_blocks(self, keys: list[Any]) -> list[bytes]:
+        """The blocks whose last token lies in the node ``keys[0]`` (path to the root after it)."""
+        node = keys[0]
+        tokens: list[int] = []
+        for key in reversed(keys):
+            tokens.extend(key.token_ids[: len(key)])
+        depth = len(tokens) - len(node)
+        first = depth // self.block_size
+        return chain_hashes(tokens, self.block_size, _seed(node.extra_key, node.cache_salt), first)
+
+    def kv_stored(self, keys: list[Any]) -> tuple[str, dict[str, Any]]:
+        blocks = self.node_blocks(keys)
+        return ev.KV_STORED, {
+            "block_hashes": blocks,
+            "parent_block_hash": None,
+            "block_size": self.block_size,
+            "num_tokens": len(blocks) * self.block_size,
+            "lora_id": None,
+            "medium": "GPU",
+            "group_kind": "full_attention",
+            "sliding_window": None,
+        }
+
+    def kv_removed(self, keys: list[Any]) -> tuple[str, dict[str, Any]]:
+        return ev.KV_REMOVED, {
+            "block_hashes": self.node_blocks(keys),
+            "medium": "GPU",
+            "group_kind": "full_attention",
+        }

@@ -1,0 +1,326 @@
+"""One SGLang engine epoch in the scheduler process: the hot-path side of the hooks.
+
+Where SGLang's model differs from vLLM's, it is mapped here (docs/streams.md, docs/sglang.md):
+
+* a *step* is one forward batch (``Scheduler.run_batch``): an extend (prefill, chunked prefill,
+  or mixed) or a decode batch; its StepBatch is sent after ``process_batch_result``;
+* *admission* is a request's first extend batch: ``RequestStarted.num_cached_tokens`` is its
+  ``prefix_len`` then (the radix-cache hit, what SGLang adds to ``cached_tokens``);
+* *retraction* (``ScheduleBatch.retract_decode``) is a preemption: the retracted requests ride
+  on the next StepBatch's ``preempted_req_ids``, and their next extend batch is a resume
+  (``resumed_req_ids``), as on vLLM;
+* finishes carry SGLang's own totals (``len(origin_input_ids)``, ``len(output_ids)``,
+  ``cached_tokens``, ``retraction_count``): the numbers its ``meta_info`` reports;
+* radix-cache inserts and evictions (``KVCacheEventRecorder.record_store/record_remove``, called by
+  SGLang whether or not its own KV events are on) become KvBlocksStored/KvBlocksRemoved over
+  fixed-size blocks (``records.py``).
+
+The hot path only reads lengths and takes references (token arrays SGLang never mutates once a
+node or request holds them); hashing and payloads are built on the emitter's thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from sparseety import __version__ as sparseety_version
+from sparseety import events as ev
+from sparseety.config import Config
+from sparseety.producers.emitter import Emitter, new_epoch
+from sparseety.producers.privacy import PromptPolicy
+from sparseety.producers.sglang.records import HASH_ALGO, RecordBuilder
+
+log = logging.getLogger("sparseety.producer.sglang")
+
+#: Accounting block size when SGLang's radix cache is token-granular (page size 1).
+DEFAULT_BLOCK_SIZE = 16
+#: SGLang's own health probes (``/health_generate``) are not anybody's requests.
+_HEALTH_PREFIX = "HEALTH_CHECK"
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return ""
+
+
+def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[str, Any]:
+    """The EngineStarted payload of one SGLang scheduler (tensor-parallel rank 0)."""
+    args = scheduler.server_args
+    mc = scheduler.model_config
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    served = getattr(args, "served_model_name", None) or args.model_path
+    tree = getattr(scheduler, "tree_cache", None)
+    num_layers = int(getattr(mc, "num_hidden_layers", 0) or 0)
+    return {
+        "model": str(args.model_path),
+        "served_model_name": str(served),
+        "engine_kind": "sglang",
+        "engine_version": sglang_version(),
+        "sparseety_version": sparseety_version,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "block_size": block_size,
+        "enable_prefix_caching": not bool(getattr(tree, "disable", True)),
+        "prefix_hash_algo": HASH_ALGO,
+        "kv_cache_groups": [
+            {
+                "kind": "full_attention",
+                "sliding_window": None,
+                "block_size": block_size,
+                "num_layers": num_layers,
+                "attention_chunk_size": None,
+            }
+        ],
+        "kv_cache_dtype": str(getattr(args, "kv_cache_dtype", "auto")),
+        "dtype": str(getattr(mc, "dtype", "")).removeprefix("torch."),
+        "spec_method": None,
+        "spec_num_tokens": 0,
+        "moe_num_experts": 0,
+        "moe_top_k": 0,
+        "num_layers": num_layers,
+        "hidden_size": int(getattr(mc, "hidden_size", 0) or 0),
+        "intermediate_size": int(getattr(hf, "intermediate_size", 0) or 0),
+        "num_attention_heads": int(getattr(mc, "num_attention_heads", 0) or 0),
+        "num_kv_heads": int(getattr(mc, "num_key_value_heads", 0) or 0),
+        "head_dim": int(getattr(mc, "head_dim", 0) or 0),
+        "vocab_size": int(getattr(mc, "vocab_size", 0) or 0),
+        "max_num_seqs": int(getattr(scheduler, "max_running_requests", 0) or 0),
+        "max_num_batched_tokens": int(getattr(args, "chunked_prefill_size", 0) or 0),
+        "max_model_len": int(getattr(mc, "context_len", 0) or 0),
+        "num_gpu_blocks": int(getattr(scheduler, "max_total_num_tokens", 0) or 0) // block_size,
+        "privacy_mode": privacy_mode,
+        "routing_capture": False,
+    }
+
+
+def engine_name(cfg: Config, scheduler: Any, served: str) -> str:
+    """Configured name, else ``<host>-<served model>-dp<rank>`` (the vLLM producer's rule)."""
+    rank = int(getattr(scheduler, "dp_rank", 0) or 0)
+    size = int(getattr(scheduler.server_args, "dp_size", 1) or 1)
+    if cfg.producer.engine_name:
+        return f"{cfg.producer.engine_name}-dp{rank}" if size > 1 else cfg.producer.engine_name
+    hint = re.sub(r"[^A-Za-z0-9._-]+", "_", served.rsplit("/", 1)[-1]) or "model"
+    return cfg.engine_name(f"{hint}-dp{rank}")
+
+
+def _arrival_s(req: Any) -> float:
+    """Wall time the scheduler received the request (SGLang keeps it on ``time_stats``)."""
+    stats = getattr(req, "time_stats", None)
+    for name in ("scheduler_recv_time", "created_time", "wait_queue_entry_time"):
+        value = getattr(stats, name, None)
+        if isinstance(value, float) and value > 1e9:  # a wall clock, not a monotonic one
+            return value
+    return time.time()
+
+
+class SglangSession:
+    """The producer of one SGLang engine epoch, bound to one ``Scheduler``."""
+
+    def __init__(self, cfg: Config, emitter: Emitter, builder: RecordBuilder) -> None:
+        self.cfg = cfg
+        self.emitter = emitter
+        self.builder = builder
+        self.block_size = builder.block_size
+        self._step = 0
+        self._live: set[str] = set()
+        self._retracted: set[str] = set()  # retracted, not yet resumed
+        self._retracted_now: list[str] = []  # for the next StepBatch
+        #: The batch in flight: step, start, rids, scheduled, computed before, outputs before, reqs.
+        self._pending: tuple[int, int, list[str], list[int], list[int], list[int], list[Any]] | None = None
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+
+    @classmethod
+    def start(cls, cfg: Config, scheduler: Any) -> SglangSession:
+        page = int(getattr(scheduler, "page_size", 1) or 1)
+        block_size = page if page > 1 else DEFAULT_BLOCK_SIZE
+        started = engine_started(scheduler, block_size, cfg.privacy.mode)
+        emitter = Emitter(
+            cfg, engine_name=engine_name(cfg, scheduler, started["served_model_name"]), epoch=new_epoch()
+        )
+        builder = RecordBuilder(
+            policy=PromptPolicy(cfg.privacy),
+            served_model_name=started["served_model_name"],
+            block_size=block_size,
+        )
+        session = cls(cfg, emitter, builder)
+        emitter.emit_record(ev.ENGINE_STARTED, started)
+        ref = weakref.ref(session)
+
+        def at_exit() -> None:
+            live = ref()
+            if live is not None:
+                live.stop("exit")
+
+        atexit.register(at_exit)
+        log.info(
+            "sparseety: publishing SGLang engine %s to %s (topic %s, block size %d)",
+            emitter.engine_id,
+            cfg.kafka.bootstrap,
+            cfg.topics.engine_events,
+            block_size,
+        )
+        return session
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def before_run(self, batch: Any) -> None:
+        """``Scheduler.run_batch(batch)`` is about to launch the forward."""
+        mode = batch.forward_mode
+        reqs = batch.reqs
+        if mode.is_extend():
+            prefix = list(batch.prefix_lens)
+            scheduled = list(batch.extend_lens)
+        elif mode.is_decode():
+            prefix = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
+            scheduled = [1] * len(reqs)
+        else:
+            return  # idle / prebuilt batches compute nothing for a request
+        rids: list[str] = []
+        keep_sched: list[int] = []
+        keep_before: list[int] = []
+        outs: list[int] = []
+        kept: list[Any] = []
+        started: list[tuple[Any, ...]] = []
+        resumed: list[str] = []
+        live = self._live
+        for i, req in enumerate(reqs):
+            rid = req.rid
+            if rid.startswith(_HEALTH_PREFIX):
+                continue
+            if rid not in live:
+                live.add(rid)
+                sp = req.sampling_params
+                started.append(
+                    (
+                        rid,
+                        req.origin_input_ids,
+                        prefix[i],
+                        _arrival_s(req),
+                        getattr(sp, "max_new_tokens", None),
+                        getattr(sp, "custom_params", None),
+                        (req.extra_key, getattr(req, "cache_salt", None)),
+                    )
+                )
+            elif rid in self._retracted:
+                self._retracted.discard(rid)
+                resumed.append(rid)
+            rids.append(rid)
+            keep_sched.append(scheduled[i])
+            keep_before.append(prefix[i])
+            outs.append(len(req.output_ids))
+            kept.append(req)
+        if not rids:
+            return
+        if started:
+            self.emitter.emit_many(len(started), self.builder.requests_started, started)
+        step = self._step
+        self._step = step + 1
+        self._pending = (step, time.monotonic_ns(), rids, keep_sched, keep_before, outs, kept)
+        self._resumed = resumed
+
+    def after_result(self) -> None:
+        """``process_batch_result`` returned: the StepBatch, then the requests that finished."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, start, rids, scheduled, before, outs, reqs = pending
+        new_tokens: list[int] = []
+        token_ids: list[int] = []
+        finished: list[tuple[Any, ...]] = []
+        for req, n_before in zip(reqs, outs, strict=True):
+            out = req.output_ids
+            n = len(out) - n_before
+            new_tokens.append(max(0, n))
+            if n > 0:
+                token_ids.extend(out[n_before:])
+            if req.finished() and req.rid in self._live:
+                self._live.discard(req.rid)
+                finished.append(self._finish_facts(req))
+        retracted, self._retracted_now = self._retracted_now, []
+        self.emitter.emit(
+            self.builder.step,
+            step,
+            start,
+            time.monotonic_ns(),
+            rids,
+            scheduled,
+            before,
+            new_tokens,
+            token_ids,
+            retracted,
+            self._resumed,
+        )
+        if finished:
+            self.emitter.emit_many(len(finished), self.builder.requests_finished, finished)
+
+    @staticmethod
+    def _finish_facts(req: Any) -> tuple[Any, ...]:
+        return (
+            req.rid,
+            req.finished_reason,
+            len(req.origin_input_ids),
+            len(req.output_ids),
+            int(req.cached_tokens),
+            int(getattr(req, "retraction_count", 0) or 0),
+        )
+
+    def on_retract(self, retracted: list[Any]) -> None:
+        for req in retracted:
+            if req.rid in self._live:
+                self._retracted.add(req.rid)
+                self._retracted_now.append(req.rid)
+
+    def on_finished_outside_step(self, req: Any) -> None:
+        """A live request that ended while waiting (e.g. aborted after a retraction)."""
+        if req.rid in self._live:
+            self._live.discard(req.rid)
+            self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
+
+    # --- radix cache --------------------------------------------------------------------------
+
+    def _node_event(self, node: Any, build: Any) -> None:
+        keys = []
+        depth = 0
+        n = node
+        while n is not None and n.parent is not None:  # the root has no parent and no tokens
+            keys.append(n.key)
+            if n is not node:
+                depth += len(n.key)
+            n = n.parent
+        if not keys:
+            return
+        bs = self.block_size
+        if (depth + len(node.key)) // bs > depth // bs:  # some block ends in this node
+            self.emitter.emit(build, keys)
+
+    def on_store(self, node: Any) -> None:
+        self._node_event(node, self.builder.kv_stored)
+
+    def on_remove(self, node: Any) -> None:
+        self._node_event(node, self.builder.kv_removed)
+
+    def on_cleared(self) -> None:
+        self.emitter.emit_record(ev.KV_CLEARED, {"medium": "GPU"})
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def stop(self, reason: str = "shutdown", timeout: float | None = None) -> None:
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})
+        self.emitter.close(timeout)

@@ -1,0 +1,114 @@
+"""SGLang's HTTP server with the e2e tier's ground-truth recorder in its scheduler process.
+
+Run as ``python -m tests.e2e.sglang_launch <sglang server args>`` from the repository root, in
+SGLang's environment (.venv-sglang). SGLang starts its scheduler with multiprocessing's spawn
+method, which imports the launching module again in the child (as ``__mp_main__``): the
+module-level ``install_truth`` below therefore runs in the scheduler process too, where it wraps
+SGLang's radix cache. The SparSEEty producer itself loads through its plugin entry point, exactly
+as in production; this file only adds the test's independent record.
+
+The truth is written as JSON lines to ``$E2E_SGLANG_TRUTH`` (appended and flushed per
+record, so it survives the server's shutdown). Per request, at its first extend batch:
+
+* ``hit``: the radix-cache prefix SGLang matched (``req.prefix_len``);
+* ``recomputed_blocks``: full prompt blocks of ``BLOCK`` tokens at or past the hit whose token
+  prefix the radix tree had held and evicted before this admission (the Python TreeCore's
+  ``_release_all_component_layers``/``_demote``: SGLang's own choice of leaves, read as token
+  paths, independent of the producer's recorder hooks and hashes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+BLOCK = 16  # the producer's block size on a page-size-1 radix cache
+
+
+def _path_tokens(node: Any) -> list[int]:
+    keys = []
+    while node is not None and node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    out: list[int] = []
+    for key in reversed(keys):
+        out.extend(key.token_ids[: len(key)])
+    return out
+
+
+def install_truth(path: str) -> None:
+    import wrapt
+
+    evicted: set[tuple[int, ...]] = set()
+    seen: set[str] = set()
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def note_evicted(node: Any) -> None:
+        tokens = _path_tokens(node)
+        depth = len(tokens) - len(node.key)
+        for end in range((depth // BLOCK + 1) * BLOCK, len(tokens) + 1, BLOCK):
+            evicted.add(tuple(tokens[:end]))
+
+    def on_tree_core(module: Any) -> None:
+        # The Python TreeCore of SGLang's UnifiedRadixCache: a device leaf leaves the tree here
+        # (released, or demoted to a host tier, which this CPU run does not have).
+        cls = module.UnifiedTreeCore
+        orig_release, orig_demote = cls._release_all_component_layers, cls._demote
+
+        def _release_all_component_layers(self: Any, node: Any, medium: Any, *args: Any, **kw: Any) -> Any:
+            if getattr(medium, "name", str(medium)) == "GPU":
+                note_evicted(node)
+            return orig_release(self, node, medium, *args, **kw)
+
+        def _demote(self: Any, node: Any, *args: Any, **kw: Any) -> Any:
+            note_evicted(node)
+            return orig_demote(self, node, *args, **kw)
+
+        cls._release_all_component_layers = _release_all_component_layers
+        cls._demote = _demote
+
+    def on_batch(module: Any) -> None:
+        cls = module.ScheduleBatch
+        orig = cls.prepare_for_extend
+
+        def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for req in self.reqs:
+                if req.rid in seen or req.rid.startswith("HEALTH_CHECK"):
+                    continue
+                seen.add(req.rid)
+                prompt = list(req.origin_input_ids)
+                hit = int(req.prefix_len)
+                first = -(-hit // BLOCK)  # the fold counts blocks that start at or past the hit
+                recomputed = sum(
+                    1
+                    for k in range(first, len(prompt) // BLOCK)
+                    if tuple(prompt[: (k + 1) * BLOCK]) in evicted
+                )
+                out.write(json.dumps({"rid": req.rid, "hit": hit, "recomputed_blocks": recomputed}) + "\n")
+            return orig(self, *args, **kwargs)
+
+        cls.prepare_for_extend = prepare_for_extend
+
+    wrapt.register_post_import_hook(on_tree_core, "sglang.srt.mem_cache.unified_cache.unified_tree_core")
+    wrapt.register_post_import_hook(on_batch, "sglang.srt.managers.schedule_batch")
+
+
+if os.environ.get("E2E_SGLANG_TRUTH"):
+    install_truth(os.environ["E2E_SGLANG_TRUTH"])
+
+if __name__ == "__main__":
+    # sglang.launch_server's own main, called from here so that this module stays ``__main__``
+    # (runpy would make sglang.launch_server the module the spawned children import).
+    import sys
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    try:
+        run_server(prepare_server_args(sys.argv[1:]))
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

@@ -1,0 +1,179 @@
+"""The SGLang producer against a real SGLang engine on this CPU (one server for the module).
+
+The server runs in SGLang's own environment (``.venv-sglang``, scripts/setup_sglang.sh) with the
+producer loaded through its ``sglang.srt.plugins`` entry point and the test's radix-cache truth
+(``tests/e2e/sglang_launch.py``) in the scheduler process. One workload: a shared system prompt
+across tenants, identical prompts, long prompts on a small ``--max-total-tokens`` (radix
+evictions, then a prompt sent again), several tenants, one abort. What is checked:
+
+* per request: prompt, output and cached tokens on RequestFinished and in the fold's accounting
+  equal SGLang's ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``);
+* engine totals equal SGLang's ``/metrics`` (``sglang:realtime_tokens_total`` by mode);
+* the identical prompt's cached positions point to the request that computed them;
+* recompute after eviction equals the radix-cache truth, and the workload does produce some;
+* the events are recorded under ``tests/data/sglang_radix/`` when ``RECORD_SGLANG_FIXTURE=1``
+  (the replay test, ``tests/unit/test_sglang_recorded.py``, folds them without an engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import Config
+from tests.e2e.conftest import ServerEngine, engine_config, tiny_model
+from tests.e2e.engine_events import engine_events
+from tests.helpers import read_topic
+from tests.sglang_checks import check_run
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+MAX_TOTAL_TOKENS = 640
+DATA = ROOT / "tests" / "data" / "sglang_radix"
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    """Deterministic token ids inside the tiny model's vocabulary (no special tokens)."""
+    return [4 + (seed * 131 + i * 37 + (i * i) % 11) % 500 for i in range(n)]
+
+
+SYSTEM = _ids(1, 48)
+WORKLOAD: list[tuple[str, str, list[int]]] = [
+    ("sys-a1", "acme", SYSTEM + _ids(2, 20)),
+    ("sys-a2", "acme", SYSTEM + _ids(3, 20)),
+    ("sys-b1", "globex", SYSTEM + _ids(4, 20)),
+    ("same-1", "initech", _ids(5, 40)),
+    ("same-2", "initech", _ids(5, 40)),
+    ("long-1", "acme", _ids(6, 260)),
+    ("long-2", "globex", _ids(7, 260)),
+    ("long-3", "initech", _ids(8, 260)),
+    ("long-1-again", "acme", _ids(6, 260)),
+]
+
+
+class SglangServer(ServerEngine):
+    """``python -m tests.e2e.sglang_launch`` (SGLang's HTTP server) in its own process group."""
+
+    command = (str(SGLANG_PYTHON), "-m", "tests.e2e.sglang_launch")
+    what = "SGLang server"
+
+    def __init__(self, cfg: Config, model: Path, workdir: Path, timeout_s: float = 600.0) -> None:
+        self.truth_path = workdir / "truth.jsonl"
+        env = {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            # The Python TreeCore: the producer sees its radix inserts and evictions (the Rust
+            # TreeCore, SGLang's Linux default, keeps them in Rust: docs/sglang.md).
+            "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+            "E2E_SGLANG_TRUTH": str(self.truth_path),
+        }
+        args = [
+            "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
+            "--disable-cuda-graph", "--disable-overlap-schedule", "--skip-server-warmup",
+            "--enable-metrics", "--mem-fraction-static", "0.1",
+            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--random-seed", "0",
+        ]  # fmt: skip
+        super().__init__(cfg, args, workdir / "sglang.log", timeout_s, env=env, cwd=ROOT)
+
+    def generate(self, rid: str, tenant: str, ids: list[int], max_new: int = 8) -> dict[str, Any]:
+        body = {
+            "rid": rid,
+            "input_ids": ids,
+            "sampling_params": {
+                "max_new_tokens": max_new,
+                "temperature": 0,
+                "ignore_eos": True,
+                "custom_params": {"tenant": tenant},
+            },
+        }
+        r = httpx.post(f"{self.url}/generate", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
+
+    def metrics(self) -> dict[str, float]:
+        """``sglang:realtime_tokens_total`` by mode, plus retracted requests."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            m = re.match(r'sglang:realtime_tokens_total\{.*mode="([a-z_]+)".*\} ([0-9.e+]+)$', line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+
+def _abort_one(server: SglangServer) -> dict[str, Any]:
+    """A long generation aborted while it decodes (SGLang's /abort_request)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            result.update(server.generate("abort-1", "globex", _ids(9, 30), max_new=400))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.5)
+    httpx.post(f"{server.url}/abort_request", json={"rid": "abort-1"}, timeout=30).raise_for_status()
+    t.join(120)
+    return result
+
+
+@pytest.fixture(scope="module")
+def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/setup_sglang.sh (scripts/setup.sh does)")
+    workdir = e2e_dir / "sglang"
+    workdir.mkdir(exist_ok=True)
+    cfg = engine_config(broker, workdir, "sglang")
+    server = SglangServer(cfg, tiny_model("llama"), workdir)
+    try:
+        answers = {rid: {"tenant": t, **server.generate(rid, t, ids)} for rid, t, ids in WORKLOAD}
+        answers["abort-1"] = {"tenant": "globex", **_abort_one(server)}
+        metrics = server.metrics()
+    finally:
+        server.close()
+    n = len(answers)
+    events = engine_events(
+        cfg, lambda es: sum(ev.payload_type(e) == ev.REQUEST_FINISHED for e in es) >= n, timeout=60
+    )
+    truth = {t["rid"]: t for t in map(json.loads, server.truth_path.read_text().splitlines())}
+    if os.environ.get("RECORD_SGLANG_FIXTURE") == "1":
+        from tests.recorded import pack
+
+        DATA.mkdir(parents=True, exist_ok=True)
+        raw = [r[3] for r in read_topic(cfg, cfg.topics.engine_events, decode=False, quiet_s=0.5)]
+        (DATA / "events.bin").write_bytes(pack(raw))
+        meta = {rid: a.get("meta_info", {}) for rid, a in answers.items()}
+        (DATA / "truth.json").write_text(
+            json.dumps({"requests": meta, "tenants": {r: a["tenant"] for r, a in answers.items()},
+                        "radix_truth": truth, "metrics": metrics}, indent=1, sort_keys=True)
+        )  # fmt: skip
+    yield {"answers": answers, "metrics": metrics, "events": events, "truth": truth}
+
+
+def test_sglang_accounting_equals_sglang(sglang_run: dict[str, Any]) -> None:
+    """Every check of ``tests/sglang_checks.check_run`` on the live run."""
+    meta = {rid: a.get("meta_info", {}) for rid, a in sglang_run["answers"].items()}
+    tenants = {rid: a["tenant"] for rid, a in sglang_run["answers"].items()}
+    check_run(sglang_run["events"], meta, tenants, sglang_run["truth"], sglang_run["metrics"])
+
+
+def test_sglang_engine_identity(sglang_run: dict[str, Any]) -> None:
+    """EngineStarted names the engine family and version; the stream has no seq gap."""
+    started = [ev.payload(e) for e in sglang_run["events"] if ev.payload_type(e) == ev.ENGINE_STARTED]
+    assert len(started) == 1
+    assert started[0]["engine_kind"] == "sglang"
+    assert started[0]["engine_version"] == "0.5.23"
+    assert started[0]["block_size"] == 16 and started[0]["enable_prefix_caching"]
+    seqs = sorted(e["seq"] for e in sglang_run["events"] if e["stream"] == ev.CORE_STREAM)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))

@@ -1,0 +1,104 @@
+"""Checks of an SGLang run's events against what SGLang itself reported (live and recorded runs).
+
+``check_run`` folds the events with the real assembler and holds the result against SGLang's
+``meta_info`` per request, its ``/metrics`` totals and the radix-cache truth recorded in the
+scheduler (``tests/e2e/sglang_launch.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety import events as ev
+from sparseety.config import WorkerConfig
+
+
+def fold(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """RequestAccounting by engine request id, from the real fold."""
+    from sparseety.streams.assembler import TIMELINES, Assembler
+    from sparseety.streams.state import MemoryStore
+
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    out = [o for e in sorted(events, key=lambda e: (e["stream"], e["seq"])) for o in asm.apply(e)]
+    return {o.record["request_id"]: o.record for o in out if o.topic == TIMELINES}
+
+
+def by_rid(events: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {ev.payload(e)["request_id"]: ev.payload(e) for e in events if ev.payload_type(e) == kind}
+
+
+def check_run(
+    events: list[dict[str, Any]],
+    meta: dict[str, dict[str, Any]],
+    tenants: dict[str, str],
+    truth: dict[str, dict[str, Any]],
+    metrics: dict[str, float],
+) -> None:
+    accounts = fold(events)
+    started = by_rid(events, ev.REQUEST_STARTED)
+    finished = by_rid(events, ev.REQUEST_FINISHED)
+    assert set(meta) <= set(finished), set(meta) - set(finished)
+
+    # Per request: SGLang's own meta_info, on RequestFinished and after the fold.
+    for rid, info in meta.items():
+        fin, acc = finished[rid], accounts[rid]
+        if rid == "abort-1":
+            assert fin["finish_reason"] == "abort", fin
+            assert acc["output_tokens"] < 400
+            continue
+        assert fin["num_prompt_tokens"] == info["prompt_tokens"], rid
+        assert fin["num_output_tokens"] == info["completion_tokens"], rid
+        assert fin["num_cached_tokens"] == info["cached_tokens"], rid
+        details = info.get("cached_tokens_details") or {}  # null when nothing was cached
+        assert details.get("device", 0) == info["cached_tokens"], rid  # one tier here: the device
+        assert acc["prompt_tokens"] == info["prompt_tokens"], rid
+        assert acc["output_tokens"] == info["completion_tokens"], rid
+        assert acc["engine_cached_tokens"] == info["cached_tokens"], rid
+        assert acc["cache_read_tokens"] == info["cached_tokens"], rid
+        assert acc["tenant"] == tenants[rid], rid
+        assert acc["consistent"], (rid, acc)
+        # The radix-cache truth: SGLang's hit and the blocks it had held and evicted before.
+        assert started[rid]["num_cached_tokens"] == truth[rid]["hit"], rid
+        assert acc["recomputed_eviction_tokens"] == 16 * truth[rid]["recomputed_blocks"], rid
+
+    # The workload's shape: shared system prompt hits, an identical prompt, an eviction recompute.
+    assert meta["sys-a2"]["cached_tokens"] >= 48 and meta["sys-b1"]["cached_tokens"] >= 48
+    assert meta["same-2"]["cached_tokens"] == 39  # all but the last token, which SGLang computes
+    assert accounts["long-1-again"]["recomputed_eviction_tokens"] > 0
+    assert truth["long-1-again"]["recomputed_blocks"] > 0
+
+    # Cached positions point to the request that computed them: every full block of the hit. The
+    # block the hit ends inside (SGLang matches single tokens) was never held whole: no source.
+    uid = accounts["same-1"]["request_uid"]
+    full = meta["same-2"]["cached_tokens"] // 16 * 16
+    cached = [s for s in accounts["same-2"]["timeline"]["segments"] if s["status"] == "cached"]
+    assert sum(s["end"] - s["start"] for s in cached) == meta["same-2"]["cached_tokens"]
+    assert {s["source_request_uid"] for s in cached if s["end"] <= full} == {uid}
+    assert {s["source_request_uid"] for s in cached if s["start"] >= full} == {None}
+    for rid in ("sys-a2", "sys-b1"):  # the shared system prompt: computed by sys-a1
+        head = [
+            s for s in accounts[rid]["timeline"]["segments"] if s["status"] == "cached" and s["end"] <= 48
+        ]
+        assert {s["source_request_uid"] for s in head} == {accounts["sys-a1"]["request_uid"]}, rid
+
+    # Engine totals: SGLang's /metrics (sglang:realtime_tokens_total by mode, scheduler counters).
+    # prefill_cache: the radix hits of all admissions; decode: every output token after the first
+    # (which a prefill produces). prefill_compute is not compared: on the recorded run it is one
+    # token above the prompt tokens SGLang computed per its own meta_info (docs/sglang.md).
+    admitted_cached = sum(p["num_cached_tokens"] for p in started.values())
+    assert admitted_cached == metrics["prefill_cache"]
+    outputs = sum(f["num_output_tokens"] for f in finished.values())
+    assert outputs - sum(1 for f in finished.values() if f["num_output_tokens"]) == metrics["decode"]
+    decode_entries = sum(
+        1
+        for e in events
+        if ev.payload_type(e) == ev.STEP_BATCH
+        for rid, n, b in zip(
+            ev.payload(e)["req_ids"],
+            ev.payload(e)["num_scheduled_tokens"],
+            ev.payload(e)["num_computed_before"],
+            strict=True,
+        )
+        if n == 1 and b >= started[rid]["prompt_len"]
+    )
+    assert decode_entries == metrics["decode"]
