@@ -32,7 +32,7 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from sparseety.streams import attention, windows
+from sparseety.streams import attention, kv_memory, windows
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
 from sparseety.streams.flops import ModelShape
@@ -95,6 +95,7 @@ class Assembler:
         self.routing_wait_ns = int(cfg.routing_wait_s * 1e9)
         self.retention_ns = int(cfg.closed_retention_s * 1e9)
         self._shapes: dict[str, ModelShape] = {}
+        self._kv_shapes: dict[str, kv_memory.KvShape] = {}
         self._last_seen: dict[str, int] = {}  # engine_id -> wall clock of its last event here
         # Request states by key, the same objects the store holds: the per-step loop reads them
         # with a plain dict lookup instead of a store call (dropped with them in _drop_request).
@@ -241,6 +242,7 @@ class Assembler:
     def _on_engine_started(self, epoch: EpochState, body: dict[str, Any], out: list[Output]) -> None:
         epoch.config = body
         self._shapes.pop(epoch.engine_id, None)
+        self._kv_shapes.pop(epoch.engine_id, None)
         head = self.store.get(head_key(epoch.engine_name)) or HeadState(epoch.engine_name)
         if head.current and head.current != epoch.engine_id:
             previous = self.store.get(epoch_key(head.current))
@@ -419,6 +421,7 @@ class Assembler:
                     req.seq = seq
                     req.preemptions += 1
                     req.preempted = True
+                    self._kv_drop(epoch, req, body["step"], ts - body["duration_ns"])
                     self._put_request(req)
         step_ns = body["duration_ns"]
         start_ts = ts - step_ns
@@ -430,6 +433,10 @@ class Assembler:
         touched: list[str] = []
         prefix = f"r|{epoch.engine_id}|"
         shares: list[tuple[RequestState, float]] = []
+        kv_shape = self._kv_shape(epoch)
+        kv_on = kv_shape.observed
+        epoch.kv_last_step = step
+        hits: list[tuple[RequestState, int, bool]] = []
         total = 0.0
         for i, rid in enumerate(rids):
             ids_from = ids_at
@@ -467,6 +474,8 @@ class Assembler:
                 req.release_basis = req.last_computed_before
             else:
                 req.release_basis = -1
+            if kv_on and (not req.steps or req.preempted):
+                hits.append((req, computed_before, not req.steps))
             req.steps += 1
             req.last_step = step
             req.last_ts = ts
@@ -477,6 +486,14 @@ class Assembler:
             if preempted and rid in preempted:
                 req.preemptions += 1
                 req.preempted = True
+                if kv_on:
+                    self._kv_drop(epoch, req, step, start_ts)
+                    hits.append((req, computed_before, False))
+            if kv_on:
+                basis = req.release_basis if req.release_basis >= 0 else computed_before
+                kv_memory.on_step(kv_shape, req, step, start_ts, computed_before, n, basis)
+                if req.kv_shared:
+                    kv_memory.release_window(req, kv_shape, store, step, start_ts, self._kv_holder(epoch))
             if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
@@ -535,10 +552,59 @@ class Assembler:
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
             touched.append(key)
         store.touch_many(touched)
+        if hits:
+            self._kv_join(epoch, kv_shape, seq, step, start_ts, hits)
         if total > 0:
             scale = step_ns / total
             for req, f in shares:
                 req.gpu_ns += f * scale
+
+    # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
+
+    def _kv_shape(self, epoch: EpochState) -> kv_memory.KvShape:
+        shape = self._kv_shapes.get(epoch.engine_id)
+        if shape is None:
+            shape = self._kv_shapes[epoch.engine_id] = kv_memory.KvShape(epoch.config)
+        return shape
+
+    def _kv_holder(self, epoch: EpochState) -> Callable[[str], RequestState | None]:
+        def holder(rid: str) -> RequestState | None:
+            r = self._request(epoch, rid, create=False)
+            if r is not None:
+                self._put_request(r)
+            return r
+
+        return holder
+
+    def _kv_drop(self, epoch: EpochState, req: RequestState, step: int, ts: int) -> None:
+        """The request's blocks are freed at (step, ts): it was preempted or it ended."""
+        if not req.kv_since or req.kv_since[0] < 0:
+            return
+        if req.kv_shared:
+            kv_memory.leave(req, self.store, step, ts, self._kv_holder(epoch))
+        kv_memory.drop(req, step, ts)
+
+    def _kv_join(
+        self,
+        epoch: EpochState,
+        shape: kv_memory.KvShape,
+        seq: int,
+        step: int,
+        ts: int,
+        hits: list[tuple[RequestState, int, bool]],
+    ) -> None:
+        """Requests admitted or resumed in this step hold their prefix-cache hit's blocks, shared
+        with whoever else holds them (after the step's loop: every holder's table is current)."""
+        seen: set[str] = set()
+        holder = self._kv_holder(epoch)
+        for req, hit, first in hits:
+            if req.request_id in seen or hit <= 0:
+                continue
+            seen.add(req.request_id)
+            blocks = kv_memory.hit_blocks(req, shape, self.store, epoch.engine_id, seq, hit, first, epoch.cleared)
+            if blocks:
+                kv_memory.join(req, shape, self.store, epoch.engine_id, blocks, step, ts, holder)
+                self._put_request(req)
 
     def _recompute_after_preemption(self, req: RequestState, start: int, end: int) -> None:
         """Re-prefill of [start, end), positions this request had computed or read before."""
@@ -713,6 +779,9 @@ class Assembler:
     ) -> dict[str, Any]:
         cfg = epoch.config or {}
         fin = finish or {}
+        # The request's KV blocks are freed with its end: the hold covers its last step.
+        self._kv_drop(epoch, r, max(epoch.kv_last_step + 1, r.last_step + 1), ts)
+        kv_shape = self._kv_shape(epoch)
         if r.steps == 0 and finish is not None and fin.get("finish_reason") != "abort":
             self._synthesise_request_level(r, finish)
         segs = sg.upgrade(r.segments)
@@ -811,6 +880,8 @@ class Assembler:
             "choice_index": r.choice_index,
             "external_kv_tokens": r.external_kv,
             **_token_fields(cfg.get("privacy_mode", ""), r),
+            "kv_groups": kv_memory.record(kv_shape, r) if r.steps else [],
+            "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,
         }
 
     def _synthesise_request_level(self, r: RequestState, finish: dict[str, Any]) -> None:

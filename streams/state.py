@@ -162,6 +162,14 @@ class RequestState(_Record):
     release_basis: int = -1
     # Added with KV connectors (appended): prompt positions loaded from outside this engine.
     external_kv: int = 0
+    # Added with KV memory-time (appended; streams/kv_memory.py has the per-group layout):
+    # per KV-cache group the block table, null blocks, peak and the integrals; the (step, ts) of
+    # the last change of the holding ([-1, 0]: holds nothing); the shared-block entries it is in
+    # ([group, key, block index]); the peak bytes held over all groups (-1: not observed).
+    kv: list[list[int]] = field(default_factory=list)
+    kv_since: list[int] = field(default_factory=list)
+    kv_shared: list[list[Any]] = field(default_factory=list)
+    kv_peak_bytes: int = -1
 
     @property
     def uid(self) -> str:
@@ -206,6 +214,7 @@ class EpochState(_Record):
     producer_stats: dict[str, int] = field(default_factory=dict)
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
     step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
+    kv_last_step: int = -1  # step number of the last StepBatch (a request's KV hold ends after it)
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
                 "block_size": 4,
                 "num_layers": 2,
                 "attention_chunk_size": None,
+                "page_size_bytes": 0,
             }
         ],
         "kv_cache_dtype": "auto",
@@ -74,6 +75,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "num_gpu_blocks": 100,
         "privacy_mode": "raw",
         "routing_capture": False,
+        "num_lookahead_tokens": 0,
         **over,
     }
 
@@ -206,6 +208,7 @@ def long_request(
             "block_size": block_size,
             "num_layers": 2,
             "attention_chunk_size": None,
+            "page_size_bytes": 0,
         }
     ]
     stored = {
@@ -320,6 +323,8 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "parent_request_id": "",
         "choice_index": 0,
         "external_kv_tokens": 0,
+        "kv_groups": [],
+        "kv_peak_bytes": -1,
     }
     rec.update(over)
     return rec

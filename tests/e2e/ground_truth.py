@@ -24,7 +24,12 @@ Per request it records:
   block's hash in ``cache_full_blocks`` when it allocates it for a request);
 * attention pairs: per step, the query-key pairs each layer attends, from the model's KV-cache
   groups (full: ``q + 1`` keys for query ``q``; sliding window ``W``: ``min(q + 1, W)``; chunked
-  local attention ``C``: ``q % C + 1``), summed over the layers of each group.
+  local attention ``C``: ``q % C + 1``), summed over the layers of each group;
+* KV memory: after every ``schedule()`` (vLLM has allocated for the step), the blocks each
+  request holds in each group (``req_to_blocks``, null blocks excluded) with the block pool's
+  reference counts: per request and group its block-steps, peak, token slots used, and the
+  block-steps it is charged when each physical block is split among its holders (amortized) or
+  charged to the holder that has held it longest (actual), step by step for the time integrals.
 
 Hashes evicted from the prefix cache (all copies of a hash gone) are kept per KV-cache group.
 """
@@ -67,6 +72,9 @@ class RequestTruth:
     sources: list[str | None] = field(default_factory=list)  # per hit block at first admission
     layer_pairs: int = 0  # query-key pairs attended, summed over every layer
     full_pairs: int = 0  # pairs full causal attention would attend (per layer)
+    #: KV memory per group: step -> [blocks held, amortized share (Fraction), actual blocks,
+    #: token slots used] after the step's schedule().
+    kv_steps: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
 
     @property
     def drafts_cut(self) -> int:
@@ -110,6 +118,9 @@ class EngineTruth:
         self.owner: dict[bytes, str | None] = {}
         self._caching: str | None = None  # request of the cache_full_blocks call in progress
         self.steps = 0
+        #: Per (group, block id): holder -> (step first held, position in that step's order).
+        self._holders: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+        self.ref_mismatches = 0  # blocks whose pool ref_cnt differed from their holders
         self._wrap()
 
     # --- wrapping ------------------------------------------------------------------------------
@@ -154,6 +165,8 @@ class EngineTruth:
         def schedule_(*a: Any, **k: Any) -> Any:
             so = schedule(*a, **k)
             self._on_schedule(so)
+            if so.total_num_scheduled_tokens:
+                self._record_kv(so)
             return so
 
         def update_(so: Any, mro: Any, *a: Any, **k: Any) -> Any:
@@ -253,6 +266,70 @@ class EngineTruth:
             rt.prompt_len = int(getattr(request, "num_prompt_tokens", 0) or 0)
         else:
             rt.resumes += 1
+
+    def _record_kv(self, so: Any) -> None:
+        """The blocks every request holds after this step's allocation, per group."""
+        from fractions import Fraction
+
+        step = self.steps - 1
+        order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
+        reqs = self.scheduler.requests
+        null = self.pool.null_block
+        for gi, m in enumerate(self.kv.coordinator.single_type_managers):
+            held: dict[str, list[Any]] = {}
+            by_block: dict[int, list[str]] = {}
+            for rid, blocks in m.req_to_blocks.items():
+                real = [b for b in blocks if b is not null]
+                if not real:
+                    continue
+                held[rid] = real
+                for b in real:
+                    by_block.setdefault(b.block_id, []).append(rid)
+            for bid, rids in by_block.items():
+                key = (gi, bid)
+                known = self._holders.setdefault(key, {})
+                for gone in set(known) - set(rids):
+                    del known[gone]
+                for rid in rids:
+                    known.setdefault(rid, (step, order.get(rid, len(order))))
+            for key in [k for k in self._holders if k[0] == gi and k[1] not in by_block]:
+                del self._holders[key]
+            bs = m.block_size
+            for rid, real in held.items():
+                share = Fraction(0)
+                actual = 0
+                for b in real:
+                    holders = self._holders[(gi, b.block_id)]
+                    if b.ref_cnt != len(holders):
+                        self.ref_mismatches += 1
+                    share += Fraction(1, len(holders))
+                    actual += min(holders, key=holders.__getitem__) == rid
+                req = reqs.get(rid)
+                computed = int(getattr(req, "num_computed_tokens", 0) or 0) if req is not None else 0
+                nulls = len(m.req_to_blocks[rid]) - len(real)
+                used = max(0, min(computed, len(m.req_to_blocks[rid]) * bs) - nulls * bs)
+                self.requests[rid].kv_steps.setdefault(step, {})[gi] = [len(real), share, actual, used]
+
+    def kv_summary(self, rid: str) -> list[dict[str, Any]]:
+        """Per group: block-steps, peak, amortized and actual block-steps, slot-steps used."""
+        rt = self.requests[rid]
+        out = []
+        for gi in range(len(self.groups)):
+            rows = [v[gi] for v in rt.kv_steps.values() if gi in v]
+            amortized = sum((r[1] for r in rows), start=0)
+            out.append(
+                {
+                    "block_steps": sum(r[0] for r in rows),
+                    "peak_blocks": max((r[0] for r in rows), default=0),
+                    "block_steps_amortized": [amortized.numerator, amortized.denominator]
+                    if rows
+                    else [0, 1],
+                    "block_steps_actual": sum(r[2] for r in rows),
+                    "slot_steps_used": sum(r[3] for r in rows),
+                    "steps": {str(k): [v[gi][0], float(v[gi][1]), v[gi][2]] for k, v in rt.kv_steps.items() if gi in v},
+                }
+            )
+        return out
 
     def _before_update(self, so: Any, mro: Any) -> dict[str, Any]:
         spec = so.scheduled_spec_decode_tokens or {}
@@ -445,6 +522,7 @@ def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]
             "sources": rt.sources,
             "layer_pairs": rt.layer_pairs,
             "full_pairs": rt.full_pairs,
+            "kv": truth.kv_summary(rid),
         }
     metrics: dict[str, float] = {}
     for m in llm.get_metrics():
@@ -460,6 +538,7 @@ def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]
         "block_size": truth.block_size,
         "async_scheduling": truth.async_scheduling,
         "evicted_hashes": sum(len(v) for v in truth.evicted.values()),
+        "kv_ref_mismatches": truth.ref_mismatches,
     }
 
 

@@ -235,3 +235,78 @@ def test_attention_pairs_follow_each_layers_window_and_chunk(
         assert acc["attention_pairs_skipped"] == (t["full_pairs"] - pairs if limited else 0)
     if limited:
         assert sum(run.accounts[r["engine_request_id"]]["attention_pairs_skipped"] for r in run.requests) > 0
+
+
+def _step_starts(events: list[dict[str, Any]]) -> dict[int, int]:
+    """StepBatch step number -> wall-clock start (ts - duration), as the fold reads it."""
+    out = {}
+    for e in events:
+        if ev.payload_type(e) == ev.STEP_BATCH:
+            body = ev.payload(e)
+            out[body["step"]] = e["ts_ns"] - body["duration_ns"]
+    return out
+
+
+def _finish_ts(events: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        ev.payload(e)["request_id"]: e["ts_ns"] for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_memory_time_equals_the_kv_managers_blocks(kind: str, broker: Config, workdir: Path) -> None:
+    """Per request and KV-cache group, the fold's memory-time equals the blocks vLLM's KV-cache
+    manager held for it after every schedule() (``req_to_blocks``, null blocks excluded): block-steps,
+    peak, token slots used, the actual mode (a shared block charged to its longest holder) exactly,
+    the amortized mode within rounding (Σ exact), and block-nanoseconds on the steps' own clock."""
+    run = engine_run(kind, broker, workdir)
+    assert run.result["kv_ref_mismatches"] == 0  # the truth's holders are the pool's ref counts
+    starts = _step_starts(run.events)
+    finished = _finish_ts(run.events)
+    mismatches = []
+    physical = folded_amortized = folded_actual = shared = 0
+    for r in run.requests:
+        rid = r["engine_request_id"]
+        acc = run.accounts[rid]
+        groups = acc["kv_groups"]
+        assert len(groups) == len(run.result["kv_cache_groups"]), rid
+        for gi, (g, t) in enumerate(zip(groups, r["truth"]["kv"], strict=True)):
+            for k in ("block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used"):
+                if g[k] != t[k]:
+                    mismatches.append(f"{rid} group {gi} {k}: fold {g[k]} != engine {t[k]}")
+            amortized = Fraction(*t["block_steps_amortized"])
+            if abs(g["block_steps_amortized"] - amortized) > max(1, g["peak_blocks"]):
+                mismatches.append(f"{rid} group {gi} amortized: fold {g['block_steps_amortized']} != {amortized}")
+            assert g["slot_steps_allocated"] == g["block_steps"] * g["block_size"]
+            assert g["slot_steps_used"] <= g["slot_steps_allocated"]
+            ns = 0
+            for k, (held, _share, _actual) in t["steps"].items():
+                step = int(k)
+                end = min(starts.get(step + 1, finished[rid]), finished[rid])
+                ns += held * (end - starts[step])
+            if g["block_ns"] != ns:
+                mismatches.append(f"{rid} group {gi} block_ns: fold {g['block_ns']} != engine {ns}")
+            physical += t["block_steps_actual"]
+            folded_amortized += g["block_steps_amortized"]
+            folded_actual += g["block_steps_actual"]
+            shared += g["block_steps"] - g["block_steps_actual"]
+            assert g["bytes_per_block"] > 0
+        assert acc["kv_peak_bytes"] >= max(g["peak_blocks"] * g["bytes_per_block"] for g in groups)
+    assert not mismatches, "\n".join(mismatches[:40])
+    # A physical block is held once: both modes add up to the pool's block-steps exactly.
+    assert folded_amortized == folded_actual == physical
+    assert shared > 0  # the workload shares prefix blocks between running requests
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_bytes_per_block_are_vllms_page_size(kind: str, broker: Config, workdir: Path) -> None:
+    """Bytes per block = the group's page size x its layers; the page size vLLM reports equals
+    2 x KV heads x head size x block size x dtype bytes of EngineStarted's KV spec."""
+    from sparseety.streams.kv_memory import bytes_per_block
+
+    run = engine_run(kind, broker, workdir)
+    started = run.started
+    for g in started["kv_cache_groups"]:
+        assert g["page_size_bytes"] > 0
+        fallback = bytes_per_block(started, {**g, "page_size_bytes": 0})
+        assert fallback == g["page_size_bytes"] * g["num_layers"], g
