@@ -421,7 +421,7 @@ class Assembler:
                     req.seq = seq
                     req.preemptions += 1
                     req.preempted = True
-                    self._kv_drop(epoch, req, body["step"], ts - body["duration_ns"])
+                    self._kv_drop(epoch, req, body["step"], max(epoch.kv_clock, ts - body["duration_ns"]))
                     self._put_request(req)
         step_ns = body["duration_ns"]
         start_ts = ts - step_ns
@@ -436,6 +436,7 @@ class Assembler:
         kv_shape = self._kv_shape(epoch)
         kv_on = kv_shape.observed
         epoch.kv_last_step = step
+        kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
         hits: list[tuple[RequestState, int, bool]] = []
         total = 0.0
         for i, rid in enumerate(rids):
@@ -474,6 +475,13 @@ class Assembler:
                 req.release_basis = req.last_computed_before
             else:
                 req.release_basis = -1
+            # Under async scheduling vLLM allocated this step on num_computed_tokens that counted
+            # the in-flight step's drafts as accepted (the producer's num_computed_before does not).
+            optimistic = (
+                computed_before + req.kv_last_dropped
+                if 0 <= in_flight_from <= req.last_step and req.steps
+                else computed_before
+            )
             if kv_on and (not req.steps or req.preempted):
                 hits.append((req, computed_before, not req.steps))
             req.steps += 1
@@ -487,13 +495,13 @@ class Assembler:
                 req.preemptions += 1
                 req.preempted = True
                 if kv_on:
-                    self._kv_drop(epoch, req, step, start_ts)
+                    self._kv_drop(epoch, req, step, kv_ts)
                     hits.append((req, computed_before, False))
             if kv_on:
                 basis = req.release_basis if req.release_basis >= 0 else computed_before
-                kv_memory.on_step(kv_shape, req, step, start_ts, computed_before, n, basis)
+                kv_memory.on_step(kv_shape, req, step, kv_ts, optimistic, n, basis)
                 if req.kv_shared:
-                    kv_memory.release_window(req, kv_shape, store, step, start_ts, self._kv_holder(epoch))
+                    kv_memory.release_window(req, kv_shape, store, step, kv_ts, self._kv_holder(epoch))
             if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
@@ -509,6 +517,7 @@ class Assembler:
             if n_proposed:
                 n_accepted, n_cut = _split_drafts(n_proposed, n_accepted, new)
             rejected = n_proposed - n_accepted - n_cut
+            req.kv_last_dropped = rejected + n_cut
             valid_end = computed_before + n - rejected - n_cut
             if n_proposed:
                 req.draft_accepted += n_accepted
@@ -553,7 +562,7 @@ class Assembler:
             touched.append(key)
         store.touch_many(touched)
         if hits:
-            self._kv_join(epoch, kv_shape, seq, step, start_ts, hits)
+            self._kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
         if total > 0:
             scale = step_ns / total
             for req, f in shares:
@@ -780,7 +789,14 @@ class Assembler:
         cfg = epoch.config or {}
         fin = finish or {}
         # The request's KV blocks are freed with its end: the hold covers its last step.
-        self._kv_drop(epoch, r, max(epoch.kv_last_step + 1, r.last_step + 1), ts)
+        freed = fin.get("kv_freed_before_step", -1)
+        freed_ts = fin.get("kv_freed_ts_ns", 0)
+        self._kv_drop(
+            epoch,
+            r,
+            freed if freed > r.last_step else max(epoch.kv_last_step, r.last_step) + 1,
+            min(ts, freed_ts) if freed_ts > 0 else ts,
+        )
         kv_shape = self._kv_shape(epoch)
         if r.steps == 0 and finish is not None and fin.get("finish_reason") != "abort":
             self._synthesise_request_level(r, finish)

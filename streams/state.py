@@ -170,6 +170,9 @@ class RequestState(_Record):
     kv_since: list[int] = field(default_factory=list)
     kv_shared: list[list[Any]] = field(default_factory=list)
     kv_peak_bytes: int = -1
+    # Drafts of the request's last step that were not kept (rejected or cut): under async
+    # scheduling vLLM allocated the next step as if they had been accepted.
+    kv_last_dropped: int = 0
 
     @property
     def uid(self) -> str:
@@ -215,6 +218,10 @@ class EpochState(_Record):
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
     step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
     kv_last_step: int = -1  # step number of the last StepBatch (a request's KV hold ends after it)
+    #: The KV clock: the latest step start seen (StepBatch ts - duration). Under async scheduling
+    #: a step's duration includes waiting for the one before, so starts are not monotone; KV
+    #: memory-time integrates over this running maximum.
+    kv_clock: int = 0
 
 
 @dataclass(slots=True)

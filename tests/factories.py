@@ -152,6 +152,8 @@ def request_finished(
         "output_block_hashes": [],
         "first_token_ts_ns": 0,
         "chunk_arrival_ns": [],
+        "kv_freed_before_step": -1,
+        "kv_freed_ts_ns": 0,
         **over,
     }
 

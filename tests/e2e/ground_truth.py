@@ -438,6 +438,69 @@ def majority_end(groups: list[dict[str, Any]], ends: list[int]) -> int:
     return 0
 
 
+def kv_mismatches(
+    accounts: dict[str, dict[str, Any]], truths: dict[str, list[dict[str, Any]]], events: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, int]]:
+    """The fold's KV memory-time (``kv_groups``) against :meth:`EngineTruth.kv_summary`, per
+    request (engine id) and group: block-steps, peak, token slots used and the actual mode
+    exactly, the amortized mode within rounding (a holder's share of one interval is floored or
+    ceiled), block-ns on the steps' own clock (StepBatch start, RequestFinished time). Returns
+    the mismatches and the totals (``physical`` block-steps of the pool, both modes folded)."""
+    from fractions import Fraction
+
+    from sparseety import events as ev
+
+    starts: dict[int, int] = {}
+    finished: dict[str, int] = {}
+    for e in events:
+        kind = ev.payload_type(e)
+        if kind == ev.STEP_BATCH:
+            body = ev.payload(e)
+            starts[body["step"]] = e["ts_ns"] - body["duration_ns"]
+        elif kind == ev.REQUEST_FINISHED:
+            body = ev.payload(e)
+            freed = body.get("kv_freed_ts_ns", 0)
+            finished[body["request_id"]] = min(e["ts_ns"], freed) if freed > 0 else e["ts_ns"]
+    clock = 0
+    for step in sorted(starts):  # the fold's KV clock: the running maximum of step starts
+        clock = starts[step] = max(clock, starts[step])
+    out: list[str] = []
+    totals = {"physical": 0, "amortized": 0, "actual": 0, "shared": 0, "requests": 0}
+    for rid, truth in truths.items():
+        acc = accounts.get(rid)
+        if acc is None:
+            out.append(f"{rid}: no accounting")
+            continue
+        groups = acc["kv_groups"]
+        if len(groups) != len(truth):
+            out.append(f"{rid}: {len(groups)} kv groups != {len(truth)}")
+            continue
+        totals["requests"] += 1
+        for gi, (g, t) in enumerate(zip(groups, truth, strict=True)):
+            for k in ("block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used"):
+                if g[k] != t[k]:
+                    out.append(f"{rid} group {gi} {k}: fold {g[k]} != engine {t[k]}")
+            amortized = Fraction(*t["block_steps_amortized"])
+            if abs(g["block_steps_amortized"] - amortized) > max(1, g["peak_blocks"]):
+                out.append(f"{rid} group {gi} amortized: fold {g['block_steps_amortized']} != {amortized}")
+            if g["slot_steps_allocated"] != g["block_steps"] * g["block_size"]:
+                out.append(f"{rid} group {gi}: allocated slots != block-steps x block size")
+            if g["slot_steps_used"] > g["slot_steps_allocated"]:
+                out.append(f"{rid} group {gi}: more slots used than allocated")
+            ns = 0
+            for k, (held, _share, _actual) in t["steps"].items():
+                step = int(k)
+                end = min(starts.get(step + 1, finished[rid]), finished[rid])
+                ns += held * max(0, end - starts[step])
+            if g["block_ns"] != ns:
+                out.append(f"{rid} group {gi} block_ns: fold {g['block_ns']} != engine {ns}")
+            totals["physical"] += t["block_steps_actual"]
+            totals["amortized"] += g["block_steps_amortized"]
+            totals["actual"] += g["block_steps_actual"]
+            totals["shared"] += g["block_steps"] - g["block_steps_actual"]
+    return out, totals
+
+
 #: RequestAccounting fields held against the truth of the same name.
 CLASSES = (
     "cache_read_tokens",

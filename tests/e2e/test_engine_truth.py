@@ -24,7 +24,7 @@ from sparseety import events as ev
 from sparseety.config import Config, WorkerConfig
 from tests.e2e.conftest import MODEL_CACHE, engine_config, run_driver, tiny_model
 from tests.e2e.engine_events import engine_events
-from tests.e2e.ground_truth import CLASSES, majority_end, unattended_end
+from tests.e2e.ground_truth import CLASSES, kv_mismatches, majority_end, unattended_end
 from tests.e2e.truth_workloads import ENGINES, phases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,21 +237,6 @@ def test_attention_pairs_follow_each_layers_window_and_chunk(
         assert sum(run.accounts[r["engine_request_id"]]["attention_pairs_skipped"] for r in run.requests) > 0
 
 
-def _step_starts(events: list[dict[str, Any]]) -> dict[int, int]:
-    """StepBatch step number -> wall-clock start (ts - duration), as the fold reads it."""
-    out = {}
-    for e in events:
-        if ev.payload_type(e) == ev.STEP_BATCH:
-            body = ev.payload(e)
-            out[body["step"]] = e["ts_ns"] - body["duration_ns"]
-    return out
-
-
-def _finish_ts(events: list[dict[str, Any]]) -> dict[str, int]:
-    return {
-        ev.payload(e)["request_id"]: e["ts_ns"] for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED
-    }
-
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_memory_time_equals_the_kv_managers_blocks(kind: str, broker: Config, workdir: Path) -> None:
@@ -261,41 +246,17 @@ def test_kv_memory_time_equals_the_kv_managers_blocks(kind: str, broker: Config,
     the amortized mode within rounding (Σ exact), and block-nanoseconds on the steps' own clock."""
     run = engine_run(kind, broker, workdir)
     assert run.result["kv_ref_mismatches"] == 0  # the truth's holders are the pool's ref counts
-    starts = _step_starts(run.events)
-    finished = _finish_ts(run.events)
-    mismatches = []
-    physical = folded_amortized = folded_actual = shared = 0
-    for r in run.requests:
-        rid = r["engine_request_id"]
-        acc = run.accounts[rid]
-        groups = acc["kv_groups"]
-        assert len(groups) == len(run.result["kv_cache_groups"]), rid
-        for gi, (g, t) in enumerate(zip(groups, r["truth"]["kv"], strict=True)):
-            for k in ("block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used"):
-                if g[k] != t[k]:
-                    mismatches.append(f"{rid} group {gi} {k}: fold {g[k]} != engine {t[k]}")
-            amortized = Fraction(*t["block_steps_amortized"])
-            if abs(g["block_steps_amortized"] - amortized) > max(1, g["peak_blocks"]):
-                mismatches.append(f"{rid} group {gi} amortized: fold {g['block_steps_amortized']} != {amortized}")
-            assert g["slot_steps_allocated"] == g["block_steps"] * g["block_size"]
-            assert g["slot_steps_used"] <= g["slot_steps_allocated"]
-            ns = 0
-            for k, (held, _share, _actual) in t["steps"].items():
-                step = int(k)
-                end = min(starts.get(step + 1, finished[rid]), finished[rid])
-                ns += held * (end - starts[step])
-            if g["block_ns"] != ns:
-                mismatches.append(f"{rid} group {gi} block_ns: fold {g['block_ns']} != engine {ns}")
-            physical += t["block_steps_actual"]
-            folded_amortized += g["block_steps_amortized"]
-            folded_actual += g["block_steps_actual"]
-            shared += g["block_steps"] - g["block_steps_actual"]
-            assert g["bytes_per_block"] > 0
-        assert acc["kv_peak_bytes"] >= max(g["peak_blocks"] * g["bytes_per_block"] for g in groups)
-    assert not mismatches, "\n".join(mismatches[:40])
+    truths = {r["engine_request_id"]: r["truth"]["kv"] for r in run.requests}
+    bad, totals = kv_mismatches(run.accounts, truths, run.events)
+    assert not bad, "\n".join(bad[:40])
+    assert totals["requests"] == len(run.requests)
     # A physical block is held once: both modes add up to the pool's block-steps exactly.
-    assert folded_amortized == folded_actual == physical
-    assert shared > 0  # the workload shares prefix blocks between running requests
+    assert totals["amortized"] == totals["actual"] == totals["physical"]
+    assert totals["shared"] > 0  # the workload shares prefix blocks between running requests
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        assert all(g["bytes_per_block"] > 0 for g in acc["kv_groups"])
+        assert acc["kv_peak_bytes"] >= max(g["peak_blocks"] * g["bytes_per_block"] for g in acc["kv_groups"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
