@@ -11,6 +11,20 @@ from dataclasses import dataclass
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
 
+#: KV memory-time columns of ``requests`` (migration 012), derived from RequestAccounting.kv_groups.
+KV_COLUMNS = (
+    "kv_block_steps",
+    "kv_block_ns",
+    "kv_byte_ms",
+    "kv_byte_ms_amortized",
+    "kv_byte_ms_actual",
+    "kv_peak_bytes",
+    "kv_slot_steps_used",
+    "kv_slot_steps_allocated",
+    "kv_never_held_blocks",
+)
+
+
 @dataclass(frozen=True)
 class Table:
     """A table the sink writes.
@@ -69,6 +83,8 @@ REQUESTS = Table(
         "parent_request_id",
         "choice_index",
         "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
+        # Added by migration 012 (issue 23: KV memory-time; NULL = not observed).
+        *KV_COLUMNS,
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -78,7 +94,7 @@ REQUESTS = Table(
 )
 
 #: RequestAccounting fields copied verbatim into ``requests`` (the rest are derived).
-REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index("attention_window")]
+REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index(KV_COLUMNS[0])]
 
 TOKEN_SEGMENTS = Table(
     "token_segments",
