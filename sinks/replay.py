@@ -30,10 +30,10 @@ from typing import Any, Literal
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
-from sparseety.kafka import make_decoder
+from sparseety.kafka import aiokafka_settings, make_decoder
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.processors import Processor
-from sparseety.streams.compat import aiokafka_settings, offsets_for_time, outside_time_range
+from sparseety.streams.compat import offsets_for_time, outside_time_range
 from sparseety.times import QueryError, parse_time
 
 Progress = Callable[[int, int], None]

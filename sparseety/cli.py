@@ -165,7 +165,7 @@ def analyze_cmd(
     No Kafka and no running stack. Resumable: inputs finished in an earlier run into the same
     --out are skipped. Exit status 1 when an input failed (the others are still analysed).
     """
-    from sparseety.sinks.analyze import Options, analyze
+    from sparseety.offline.analyze import Options, analyze
 
     err = click.get_text_stream("stderr")
     with click.progressbar(length=len(inputs), label="analysing", file=err) as bar:

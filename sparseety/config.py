@@ -1,6 +1,7 @@
 """One validated, frozen configuration object per component, from a TOML file and the environment.
 
-Precedence: defaults < TOML file (``SPARSEETY_CONFIG`` or ``--config``) < ``SPARSEETY_*`` variables.
+Precedence: defaults < TOML file (``SPARSEETY_CONFIG`` or ``--config``) < ``SPARSEETY_*`` variables
+< explicit overrides; pydantic-settings reads the variables and merges the sources.
 A variable names its section and field: ``SPARSEETY_KAFKA_BOOTSTRAP``, ``SPARSEETY_TOPICS_PARTITIONS``,
 ``SPARSEETY_CLICKHOUSE_DSN``, ``SPARSEETY_PRIVACY_MODE``; top-level fields drop the section:
 ``SPARSEETY_DATA_DIR``. Dict fields take JSON: ``SPARSEETY_KAFKA_CLIENT='{"security.protocol": "SASL_SSL"}'``.
@@ -17,11 +18,20 @@ import os
 import socket
 import tomllib
 from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from sparseety.errors import ConfigError
 
@@ -311,68 +321,115 @@ class Config(_Section):
         return _validate(data, "replace()")
 
 
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+
+
 def _validate(data: Mapping[str, Any], origin: str) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        raise ConfigError(f"invalid configuration ({origin}): {_problems(exc)}", origin=origin) from None
+
+
+class _Variables(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping: library code never reads
+    ``os.environ`` (entry points pass it), so the variables come from the caller."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._given = {k.lower(): v for k, v in env.items() if k.upper() != ENV_PREFIX + "CONFIG"}
+        # SPARSEETY_<SECTION>_<FIELD>: the first underscore after the section ends it (a field
+        # keeps its own underscores); dict and list fields are JSON.
+        super().__init__(
+            settings_cls,
+            case_sensitive=False,
+            env_prefix=ENV_PREFIX,
+            env_nested_delimiter="_",
+            env_nested_max_split=1,
         )
-        raise ConfigError(f"invalid configuration ({origin}): {problems}", origin=origin) from None
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return self._given
+
+
+#: Config's fields as settings: pydantic-settings reads the sources into them and merges them.
+_Fields = create_model(  # type: ignore[call-overload]
+    "_Fields",
+    __base__=BaseSettings,
+    __config__=None,
+    **{name: (f.annotation, f) for name, f in Config.model_fields.items()},
+)
+_Fields.model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+
+#: The variables' and the file's settings of the :func:`load_config` call in progress.
+_SOURCES: ContextVar[tuple[dict[str, Any], dict[str, Any]]] = ContextVar("sparseety_config_sources")
+
+
+class _Loaded(_Fields):  # type: ignore[misc, valid-type]
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # first wins: the overrides (init), the variables, the file
+        variables, data = _SOURCES.get()
+        return (
+            init_settings,
+            InitSettingsSource(settings_cls, variables),
+            InitSettingsSource(settings_cls, data),
+        )
+
+
+def _variables() -> set[str]:
+    """Every ``SPARSEETY_*`` variable that names a setting."""
+    out = {ENV_PREFIX + "CONFIG"}
+    for name, f in Config.model_fields.items():
+        model = f.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            out.update(f"{ENV_PREFIX}{name}_{field}".upper() for field in model.model_fields)
+        else:
+            out.add(f"{ENV_PREFIX}{name}".upper())
+    return out
+
+
+_VARIABLES = frozenset(_variables())
+
+
+def _check_variables(env: Mapping[str, str]) -> None:
+    for var in sorted(env):
+        if var.upper().startswith(ENV_PREFIX) and var.upper() not in _VARIABLES:
+            raise ConfigError(f"unknown configuration variable {var}", variable=var)
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """The ``SPARSEETY_*`` variables as a nested dict of overrides.
+    """The ``SPARSEETY_*`` variables as a nested dict of overrides (pydantic-settings' reading).
 
     Raises:
         ConfigError: a variable names no known section or field, or holds bad JSON.
     """
-    sections = {
-        name: field.annotation
-        for name, field in Config.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-    }
-    out: dict[str, Any] = {}
-    for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX + "CONFIG":
-            continue
-        rest = var[len(ENV_PREFIX) :].lower()
-        if rest in Config.model_fields and rest not in sections:
-            out[rest] = raw
-            continue
-        section = next((s for s in sections if rest.startswith(s + "_")), None)
-        if section is None:
-            raise ConfigError(f"unknown configuration variable {var}", variable=var)
-        field_name = rest[len(section) + 1 :]
-        model = sections[section]
-        assert model is not None
-        if field_name not in model.model_fields:  # type: ignore[union-attr]
-            raise ConfigError(f"unknown configuration variable {var}", variable=var)
-        value: Any = raw
-        annotation = str(model.model_fields[field_name].annotation)  # type: ignore[union-attr]
-        if annotation.startswith(("dict", "list")):
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{var} must be JSON: {exc}", variable=var) from None
-        out.setdefault(section, {})[field_name] = value
-    return out
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
-            merged[k] = _merge(dict(merged[k]), v)
-        else:
-            merged[k] = v
-    return merged
+    _check_variables(env)
+    try:
+        return dict(_Variables(_Fields, env)())
+    except SettingsError as exc:
+        section = str(exc).split('"')[1] if '"' in str(exc) else ""
+        names = sorted(v for v in env if v.upper().startswith(f"{ENV_PREFIX}{section}_".upper()))
+        raise ConfigError(
+            f"{' or '.join(names) or 'a variable'} must be JSON: {exc}", variable=names
+        ) from None
 
 
 def load_config(
     path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any
 ) -> Config:
     """Build the configuration from a TOML file, the environment and explicit overrides.
+
+    pydantic-settings reads the sources and deep-merges them, later over earlier: the file, the
+    ``SPARSEETY_*`` variables, then ``overrides``.
 
     Args:
         path: TOML file; default ``env['SPARSEETY_CONFIG']`` when set, else none.
@@ -391,9 +448,17 @@ def load_config(
             data = tomllib.loads(Path(path).expanduser().read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}", path=str(path)) from None
-    data = _merge(data, env_overrides(env))
-    data = _merge(data, overrides)
-    return _validate(data, str(path) if path else "defaults+environment")
+    origin = str(path) if path else "defaults+environment"
+    variables = env_overrides(env)
+
+    token = _SOURCES.set((variables, data))
+    try:
+        loaded = _Loaded(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid configuration ({origin}): {_problems(exc)}", origin=origin) from None
+    finally:
+        _SOURCES.reset(token)
+    return _validate(dict(loaded), origin)
 
 
 MASK = "**********"

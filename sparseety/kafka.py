@@ -1,17 +1,93 @@
-"""Kafka plumbing shared by every component: clients from config, topics, codecs."""
+"""Kafka plumbing shared by every component: clients from config, topics, codecs.
+
+Users set client options once, in librdkafka's names (``kafka.client``: ``security.protocol``,
+``sasl.*``, ``ssl.*``). confluent-kafka takes them as they are (:meth:`KafkaConfig.librdkafka`);
+the asyncio clients (aiokafka, and Faust on top of it) do not speak those names, so
+:func:`client_security` reads them once and :func:`aiokafka_settings` turns them into aiokafka's
+keywords (the Faust runtime builds its credentials from the same :class:`ClientSecurity`,
+``streams/runtime.py``). Nothing here imports Faust: replay runs on aiokafka alone.
+"""
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sparseety.config import Config
-from sparseety.errors import KafkaUnavailableError, SparseetyError
+from sparseety.errors import ConfigError, KafkaUnavailableError, SparseetyError
 from sparseety.schema_store import SchemaStore
 from sparseety.serde import Decoder, Encoder
 
 log = logging.getLogger("sparseety.kafka")
+
+
+#: The security protocols the asyncio clients (aiokafka, Faust) support.
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How the asyncio clients reach the cluster, read from the librdkafka options.
+
+    Attributes:
+        protocol: One of :data:`PROTOCOLS`.
+        ssl_context: For SSL and SASL_SSL: trusting ``ssl.ca.location`` (else the system's CAs),
+            with the client certificate of ``ssl.certificate.location`` / ``ssl.key.location``.
+        sasl_mechanism, sasl_username, sasl_password: For SASL_*: ``sasl.*``.
+    """
+
+    protocol: str
+    ssl_context: ssl.SSLContext | None = None
+    sasl_mechanism: str = "PLAIN"
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+
+    @property
+    def sasl(self) -> bool:
+        return self.protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+
+
+def client_security(cfg: Config) -> ClientSecurity:
+    """The ``kafka.client`` security options for the asyncio clients.
+
+    Raises:
+        ConfigError: a security protocol they cannot use.
+    """
+    opts = cfg.kafka.client
+    protocol = opts.get("security.protocol", "PLAINTEXT").upper()
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"security.protocol {protocol} is not supported by the Faust workers")
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=opts.get("ssl.ca.location"))
+        if opts.get("ssl.certificate.location"):
+            context.load_cert_chain(opts["ssl.certificate.location"], opts.get("ssl.key.location"))
+    return ClientSecurity(
+        protocol,
+        context,
+        opts.get("sasl.mechanism", "PLAIN"),
+        opts.get("sasl.username"),
+        opts.get("sasl.password"),
+    )
+
+
+def aiokafka_settings(cfg: Config) -> dict[str, Any]:
+    """Keyword arguments for aiokafka clients equivalent to the librdkafka pass-through options."""
+    settings: dict[str, Any] = {"bootstrap_servers": cfg.kafka.bootstrap}
+    sec = client_security(cfg)
+    if sec.protocol == "PLAINTEXT":
+        return settings
+    settings["security_protocol"] = sec.protocol
+    if sec.sasl:
+        settings["sasl_mechanism"] = sec.sasl_mechanism
+        settings["sasl_plain_username"] = sec.sasl_username
+        settings["sasl_plain_password"] = sec.sasl_password
+    if sec.ssl_context is not None:
+        settings["ssl_context"] = sec.ssl_context
+    return settings
 
 
 def producer_conf(cfg: Config, **extra: Any) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Nothing else in SparSEEty reaches into Faust's private parts or compensates for 
 broker quirk; each piece below names the behaviour it works around. When an upstream fixes one,
 its piece is deleted here and its caller keeps working through the same function.
 
-1. **Client settings** (:func:`faust_broker_settings`, :func:`aiokafka_settings`): Faust and
-   aiokafka do not speak librdkafka's option names, which users set once in ``kafka.client``.
+(Client settings are no workaround: their one translation is ``sparseety/kafka.py``'s.)
+
 2. **Skipped records** (:class:`Refetcher`, :func:`fill_holes`): faust-streaming 0.15.3 can drop
    records that are being delivered while it suspends the flow for a rebalance or recovery: it
    advances its read offset anyway, then discards the re-fetched copies as already read (seen
@@ -66,62 +66,9 @@ from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import ConfigError
+from sparseety.kafka import aiokafka_settings
 
 log = logging.getLogger("sparseety.worker")
-
-
-# --- 1. client settings ---------------------------------------------------------------------
-
-
-def faust_broker_settings(cfg: Config) -> dict[str, Any]:
-    """Faust/aiokafka settings equivalent to the librdkafka pass-through options.
-
-    Faust does not speak librdkafka's option names, so the security options users set once in
-    ``kafka.client`` (``security.protocol``, ``sasl.*``, ``ssl.ca.location``) are translated here.
-
-    Raises:
-        ConfigError: a security protocol Faust cannot use.
-    """
-    import ssl
-
-    import faust
-
-    opts = cfg.kafka.client
-    protocol = opts.get("security.protocol", "PLAINTEXT").upper()
-    settings: dict[str, Any] = {"broker": ",".join(f"kafka://{h}" for h in cfg.kafka.bootstrap.split(","))}
-    context = None
-    if protocol in ("SSL", "SASL_SSL"):
-        context = ssl.create_default_context(cafile=opts.get("ssl.ca.location"))
-        if opts.get("ssl.certificate.location"):
-            context.load_cert_chain(opts["ssl.certificate.location"], opts.get("ssl.key.location"))
-    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
-        settings["broker_credentials"] = faust.SASLCredentials(
-            username=opts.get("sasl.username"),
-            password=opts.get("sasl.password"),
-            mechanism=opts.get("sasl.mechanism", "PLAIN"),
-            ssl_context=context,
-        )
-    elif protocol == "SSL":
-        settings["broker_credentials"] = faust.SSLCredentials(context)
-    elif protocol != "PLAINTEXT":
-        raise ConfigError(f"security.protocol {protocol} is not supported by the Faust workers")
-    return settings
-
-
-def aiokafka_settings(cfg: Config) -> dict[str, Any]:
-    """Keyword arguments for aiokafka clients equivalent to the librdkafka pass-through options."""
-    settings: dict[str, Any] = {"bootstrap_servers": cfg.kafka.bootstrap}
-    creds = faust_broker_settings(cfg).get("broker_credentials")
-    if creds is not None:
-        settings["security_protocol"] = creds.protocol.value
-        if hasattr(creds, "mechanism"):
-            settings["sasl_mechanism"] = creds.mechanism.value
-            settings["sasl_plain_username"] = creds.username
-            settings["sasl_plain_password"] = creds.password
-        context = getattr(creds, "ssl_context", None) or getattr(creds, "context", None)
-        if context is not None:
-            settings["ssl_context"] = context
-    return settings
 
 
 # --- 2. records the stream consumer skipped -------------------------------------------------

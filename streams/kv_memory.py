@@ -32,6 +32,7 @@ from typing import Any
 
 from sparseety.streams import attention
 from sparseety.streams import prefix_index as pidx
+from sparseety.streams.state import block_key, kv_share_key, request_key
 
 # Per-group list layout in RequestState.kv.
 (
@@ -66,10 +67,6 @@ _DTYPE_BYTES = {
     "int8": 1,
     "uint8": 1,
 }
-
-
-def share_key(engine_id: str, group: int, block_hash: str, lifetime: int) -> str:
-    return f"k|{engine_id}|{group}|{block_hash}|{lifetime}"
 
 
 def bytes_per_block(config: dict[str, Any], group: dict[str, Any]) -> int:
@@ -210,7 +207,7 @@ def hit_blocks(
     out = []
     for i in range(min(hit // bs, len(r.blocks))):
         hexh, role, lifetime = r.blocks[i]
-        block = store.get(f"b|{engine_id}|{hexh}")
+        block = store.get(block_key(engine_id, hexh))
         if block is None:
             continue
         if first and role == "cached" and lifetime >= 0:
@@ -259,7 +256,7 @@ def join(
         for g in range(len(shape.groups)):
             if shape.block_size[g] != shape.hash_block or not holds(r, g, i):
                 continue
-            key = share_key(engine_id, g, hexh, lifetime)
+            key = kv_share_key(engine_id, g, hexh, lifetime)
             entry = store.get(key)
             if entry is None:
                 entry = {"g": g, "h": [], "s": step, "t": ts}
@@ -267,7 +264,7 @@ def join(
                 if owner is not None and holds(owner, g, i):
                     entry["h"].append(owner.request_id)
                     owner.kv_shared.append([g, key, i])
-                    store.touch(f"r|{engine_id}|{owner.request_id}")
+                    store.touch(request_key(engine_id, owner.request_id))
             settle_entry(entry, step, ts, holder)
             if r.request_id not in entry["h"]:
                 entry["h"].append(r.request_id)
@@ -280,9 +277,9 @@ def release_window(r: Any, shape: KvShape, store: Any, step: int, ts: int, holde
     if not r.kv_shared:
         return
     for g, grp in enumerate(shape.groups):
-        if grp.frees and grp.limited and len(r.kv) > g and r.kv[g][KV_NULL]:
-            if any(item[0] == g and item[2] < r.kv[g][KV_NULL] for item in r.kv_shared):
-                leave(r, store, step, ts, holder, group=g, below=r.kv[g][KV_NULL])
+        null = r.kv[g][KV_NULL] if grp.frees and grp.limited and len(r.kv) > g else 0
+        if null and any(item[0] == g and item[2] < null for item in r.kv_shared):
+            leave(r, store, step, ts, holder, group=g, below=null)
 
 
 def record(shape: KvShape, r: Any) -> list[dict[str, Any]]:

@@ -16,10 +16,28 @@ from typing import Any, NoReturn
 import faust
 
 from sparseety.config import Config
+from sparseety.kafka import client_security
 from sparseety.lifecycle import mark_ready, run_then_exit
-from sparseety.streams.compat import faust_broker_settings, without_spinner
+from sparseety.streams.compat import without_spinner
 
 log = logging.getLogger("sparseety")
+
+
+def faust_broker_settings(cfg: Config) -> dict[str, Any]:
+    """Faust's broker and credentials settings, from the one translation of the librdkafka
+    options (:func:`sparseety.kafka.client_security`)."""
+    sec = client_security(cfg)
+    settings: dict[str, Any] = {"broker": ",".join(f"kafka://{h}" for h in cfg.kafka.bootstrap.split(","))}
+    if sec.sasl:
+        settings["broker_credentials"] = faust.SASLCredentials(
+            username=sec.sasl_username,
+            password=sec.sasl_password,
+            mechanism=sec.sasl_mechanism,
+            ssl_context=sec.ssl_context,
+        )
+    elif sec.protocol == "SSL":
+        settings["broker_credentials"] = faust.SSLCredentials(sec.ssl_context)
+    return settings
 
 
 def create_app(cfg: Config, app_id: str, *, session_timeout_s: float, **settings: Any) -> faust.App:

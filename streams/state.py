@@ -6,6 +6,7 @@ Keys (all carry the engine, so keys of different partitions never collide):
 * ``n|<engine_name>``              which epoch of that engine is current.
 * ``r|<engine_id>|<request_id>``   one request: counts and its RLE timeline (O(segments)).
 * ``b|<engine_id>|<block hash>``   one prefix-cache block: its cache lifetimes.
+* ``k|<engine_id>|<group>|<hash>|<lifetime>``  a KV block shared by running requests: its holders.
 
 Each key guards itself against re-application (a request remembers the last seq it absorbed;
 a block's lifetimes are keyed by the seq that began them), so a state that was persisted only
@@ -34,21 +35,39 @@ import msgspec
 
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
+#: Prefix of every epoch's key (``StateStore.keys(EPOCHS)`` lists the epochs).
+EPOCHS = "e|"
+
 
 def epoch_key(engine_id: str) -> str:
-    return f"e|{engine_id}"
+    return f"{EPOCHS}{engine_id}"
 
 
 def head_key(engine_name: str) -> str:
     return f"n|{engine_name}"
 
 
+def request_prefix(engine_id: str) -> str:
+    """Prefix of the keys of one epoch's requests: ``request_prefix(e) + request_id`` is a key."""
+    return f"r|{engine_id}|"
+
+
 def request_key(engine_id: str, request_id: str) -> str:
     return f"r|{engine_id}|{request_id}"
 
 
+def block_prefix(engine_id: str) -> str:
+    """Prefix of the keys of one epoch's prefix-index blocks."""
+    return f"b|{engine_id}|"
+
+
 def block_key(engine_id: str, block_hash: str) -> str:
     return f"b|{engine_id}|{block_hash}"
+
+
+def kv_share_key(engine_id: str, group: int, block_hash: str, lifetime: int) -> str:
+    """A physical KV block shared through the prefix cache: its holders (streams/kv_memory.py)."""
+    return f"k|{engine_id}|{group}|{block_hash}|{lifetime}"
 
 
 #: Window counter layout (UsageWindow fields, in this order).

@@ -6,7 +6,7 @@ What vLLM 0.32 writes, one record per line (``(<process> pid=<pid>) LEVEL MM-DD 
 * ``Received request <id>: params: SamplingParams(... max_tokens=N ...), lora_request: ...`` (INFO);
 * ``Request <id> details: prompt: '...', prompt_token_ids: [...], ...`` (DEBUG only);
 * ``Added request <engine id>.`` (INFO): the engine's id, ``<id>-<8 hex>``, the id the plugin's
-  events carry (used to deduplicate, :mod:`sparseety.streams.source_dedup`);
+  events carry (used to deduplicate, :mod:`sparseety.offline.source_dedup`);
 * ``Generated response <id> details: output_token_ids: [...]`` (DEBUG only) and
   ``Generated response <id>: output: '...', finish_reason: <reason>`` (INFO): the end of a
   non-streamed chat request; streamed ones log ``(streaming delta)`` per delta that produced text

@@ -29,7 +29,6 @@ from sparseety.config import Config
 from sparseety.errors import StoreError
 
 T = TypeVar("T")
-_CODE = re.compile(r"Code: (\d+)")
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,11 @@ def require_store(cfg: Config) -> None:
 
 
 def error_code(exc: BaseException) -> int | None:
-    """ClickHouse's numeric error code in an exception message, when there is one."""
-    m = _CODE.search(str(exc))
-    return int(m.group(1)) if m else None
+    """ClickHouse's numeric error code, as clickhouse-connect's exception carries it (the server's,
+    or chDB's); None for any other failure (a transport error, a value Python could not encode)."""
+    from clickhouse_connect.driver.exceptions import Error
+
+    return exc.code if isinstance(exc, Error) else None
 
 
 class Engine:

@@ -7,7 +7,10 @@ USD, exact (it is computed in integer picodollars, see ``docs/cost-model.md``).
 
 SQL is built by pure functions (``*_sql``) that return ``(sql, parameters)``; :class:`Queries`
 runs them on anything with the :class:`~sparseety.sinks.clickhouse.client.Store` ``query``
-method, so an HTTP front (the API, later) can serve the same answers.
+method. Each query is one :class:`QuerySpec` (the registry at the end); :class:`QueryMethods`
+has one explicit method per query, which the library and the remote client
+(:mod:`sparseety.api.client`) share. How a query is served (route, command, texts, tables) is
+the API's business: :mod:`sparseety.api.endpoints`.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from sparseety.errors import QueryError
 from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
-from sparseety.sinks.clickhouse.tokens import token_records_lookup, token_records_tables
+from sparseety.sinks.clickhouse.tokens import token_records_lookup
 from sparseety.times import parse_bucket, to_ns
 
 PICO = Decimal(10**12)
@@ -534,7 +537,116 @@ TOKEN_STATISTICS = (
 )
 
 
-class Queries:
+#: A grouped query's answer: one dict per row.
+Rows = list[dict[str, Any]]
+
+
+class QueryMethods:
+    """One method per registry query (:data:`QUERIES`), for every front that answers them.
+
+    A grouped query's method runs :meth:`ask`, a lookup's :meth:`fetch`; the library
+    (:class:`Queries`) implements them over a store, the remote client over the HTTP API. Each
+    method's arguments are its query's: ``by``, ``bucket``, ``scope`` and its params.
+    """
+
+    def ask(
+        self,
+        spec: QuerySpec,
+        *,
+        by: Sequence[str] | None = None,
+        bucket: str | None = None,
+        scope: Scope = Scope(),
+        **arguments: Any,
+    ) -> Rows:
+        """Run one grouped registry query (``by`` defaults to its default grouping)."""
+        raise NotImplementedError
+
+    def fetch(self, spec: QuerySpec, key: str, *, scope: Scope = Scope(), **arguments: Any) -> Any:
+        """Run one lookup (None: not stored, or outside ``scope``)."""
+        raise NotImplementedError
+
+    def cost(self, **arguments: Any) -> Rows:
+        """Cost per group in one attribution mode (:data:`COST`)."""
+        return self.ask(COST, **arguments)
+
+    def savings(self, **arguments: Any) -> Rows:
+        """Prefix-cache savings per group (:data:`SAVINGS`)."""
+        return self.ask(SAVINGS, **arguments)
+
+    def waste(self, **arguments: Any) -> Rows:
+        """Waste per group, its share of scheduled compute and its cost (:data:`WASTE`)."""
+        return self.ask(WASTE, **arguments)
+
+    def prefix_evictions(self, **arguments: Any) -> Rows:
+        """Observed prefix-cache eviction per group (:data:`PREFIX_EVICTIONS`)."""
+        return self.ask(PREFIX_EVICTIONS, **arguments)
+
+    def spec_efficiency(self, **arguments: Any) -> Rows:
+        """Speculative decoding: acceptance and rejected compute (:data:`SPEC_EFFICIENCY`)."""
+        return self.ask(SPEC_EFFICIENCY, **arguments)
+
+    def engines(self, **arguments: Any) -> Rows:
+        """Engines the store has requests of (:data:`ENGINES`)."""
+        return self.ask(ENGINES, **arguments)
+
+    def gpu_time(self, **arguments: Any) -> Rows:
+        """GPU time attributed per group, its share and cost (:data:`GPU_TIME`)."""
+        return self.ask(GPU_TIME, **arguments)
+
+    def usage(self, **arguments: Any) -> Rows:
+        """Windowed usage (usage topic), by window start (:data:`USAGE`)."""
+        return self.ask(USAGE, **arguments)
+
+    def expert_load(self, **arguments: Any) -> Rows:
+        """Tokens per (layer, expert) and each expert's share of its layer (:data:`EXPERT_LOAD`)."""
+        return self.ask(EXPERT_LOAD, **arguments)
+
+    def whatif(self, **arguments: Any) -> Rows:
+        """Counterfactual cost per group under one scenario (modelled) (:data:`WHATIF`)."""
+        return self.ask(WHATIF, **arguments)
+
+    def regressions(self, **arguments: Any) -> Rows:
+        """Sparsity regressions per engine and model, against its own baseline (:data:`REGRESSIONS`)."""
+        return self.ask(REGRESSIONS, **arguments)
+
+    def routing_advice(self, **arguments: Any) -> Rows:
+        """Prefix-routing advice: prefixes computed on several engines (:data:`ROUTING_ADVICE`)."""
+        return self.ask(ROUTING_ADVICE, **arguments)
+
+    def duplication(self, **arguments: Any) -> Rows:
+        """Fleet prefix duplication: blocks computed on more than one engine (:data:`DUPLICATION`)."""
+        return self.ask(DUPLICATION, **arguments)
+
+    def duplicated_blocks(self, **arguments: Any) -> Rows:
+        """The most duplicated blocks (:data:`DUPLICATED_BLOCKS`)."""
+        return self.ask(DUPLICATED_BLOCKS, **arguments)
+
+    def sessions(self, **arguments: Any) -> Rows:
+        """Sessions (multi-turn conversations), or the turns of one (:data:`SESSIONS`)."""
+        return self.ask(SESSIONS, **arguments)
+
+    def requests(self, **arguments: Any) -> Rows:
+        """Requests in scope with their token counts (:data:`REQUESTS`)."""
+        return self.ask(REQUESTS, **arguments)
+
+    def timelines(self, **arguments: Any) -> Rows:
+        """Timeline segments of every request in scope (:data:`TIMELINES`)."""
+        return self.ask(TIMELINES, **arguments)
+
+    def request(self, request_id: str, *, scope: Scope = Scope(), **arguments: Any) -> Any:
+        """One request: every count, its cost in each mode and its segments (:data:`REQUEST`)."""
+        return self.fetch(REQUEST, request_id, scope=scope, **arguments)
+
+    def tokens_statistics(self, request_id: str, *, scope: Scope = Scope(), **arguments: Any) -> Any:
+        """Token statistics of one request (:data:`TOKENS_STATISTICS`)."""
+        return self.fetch(TOKENS_STATISTICS, request_id, scope=scope, **arguments)
+
+    def token_records(self, request_id: str, *, scope: Scope = Scope(), **arguments: Any) -> Any:
+        """Token records of one request (:data:`TOKEN_RECORDS`)."""
+        return self.fetch(TOKEN_RECORDS, request_id, scope=scope, **arguments)
+
+
+class Queries(QueryMethods):
     """The query library over one store.
 
     Args:
@@ -548,10 +660,6 @@ class Queries:
         self.db = store.database
         #: Served model name -> local tokenizer path, for token records' text (``api.tokenizers``).
         self.tokenizers: Mapping[str, str] = dict(tokenizers or {})
-
-    if TYPE_CHECKING:
-        # the registry's queries are attached below (one method per :data:`QUERIES` entry)
-        def __getattr__(self, name: str) -> Callable[..., Any]: ...
 
     def _run(self, built: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
         sql, params = built
@@ -569,9 +677,16 @@ class Queries:
         bucket: str | None = None,
         scope: Scope = Scope(),
         **arguments: Any,
-    ) -> list[dict[str, Any]]:
-        """Run one registry query (``by`` defaults to its default grouping)."""
+    ) -> Rows:
+        """Run one grouped registry query (``by`` defaults to its default grouping)."""
         return self._run(spec.build(self.db, by=by, bucket=bucket, scope=scope, **arguments))
+
+    def fetch(
+        self, spec: QuerySpec, key: str, *, scope: Scope = Scope(), allowed: bool = True, **arguments: Any
+    ) -> Any:
+        """Run one lookup (None: not stored, or outside ``scope``); ``allowed``: whether the
+        caller may read what a gated lookup guards (the library's caller may)."""
+        return spec.fetch(self, key, scope=scope, allowed=allowed, **arguments)
 
     def requests_by_uid(
         self, request_uids: Sequence[str], *, scope: Scope = Scope()
@@ -608,24 +723,6 @@ def request_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, An
     """
     uid = ids.resolve(q, request_id, scope=scope)
     return None if uid is None else q.requests_by_uid([uid], scope=scope).get(uid)
-
-
-def _readable(name: str, value: Any) -> Any:
-    """A wall-clock ``*_ts_ns`` as ISO-8601 UTC with the ns beside it (0 stays 0: not known)."""
-    if name.endswith("_ts_ns") and isinstance(value, int) and value > 0:
-        at = datetime.fromtimestamp(value / 1e9, UTC).isoformat(timespec="milliseconds")
-        return f"{at.replace('+00:00', 'Z')} ({value})"
-    return value
-
-
-def request_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """A request as the CLI prints it in table/csv: its fields, its cost per mode, its segments."""
-    rest = {k: v for k, v in found.items() if k not in ("segments", "cost")}
-    return [
-        [{"field": k, "value": _readable(k, v)} for k, v in rest.items()],
-        [{"mode": k, "usd": v} for k, v in found["cost"].items()],
-        list(found["segments"]),
-    ]
 
 
 def token_statistics_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
@@ -671,9 +768,9 @@ def tokens_statistics_lookup(q: Queries, request_id: str, *, scope: Scope) -> di
 
 # --- the registry -------------------------------------------------------------------------------
 #
-# One declaration per query. The query library's methods (below), the API's routes
-# (sparseety/api/app.py), the remote client (sparseety/api/client.py) and `sparseety query ...`
-# (sparseety/api/cli.py) are all derived from it: adding a query is one entry plus its SQL builder.
+# One declaration per query: what it computes and takes. The query methods (QueryMethods, below)
+# dispatch to it by name; how it is served (its HTTP route, CLI command, 404 text, permission and
+# table shape) is declared beside the API and CLI, in sparseety/api/endpoints.py.
 
 
 @dataclass(frozen=True)
@@ -685,7 +782,8 @@ class Param:
         type: ``str`` or ``int``.
         default: The library's default (None = not given).
         doc: One line, for the CLI's help and the OpenAPI docs.
-        http: Its query-string name (default ``name``); the CLI option is ``--<http>``.
+        http: Its public name when not ``name``: the query-string key, the CLI option ``--<http>``
+            and the name its errors use.
         choices: The values allowed (checked before any query runs), and ``what`` names them.
         ge, le: Bounds of an int.
     """
@@ -729,96 +827,45 @@ class QuerySpec:
     Attributes:
         name: The library's method name.
         sql: The pure SQL builder ``(db, *, [by], [bucket], scope, **params) -> (sql, params)``.
-        doc: What it answers (CLI help, OpenAPI description, method docstring).
-        route: ``/api/v1/<route>`` and ``sparseety query <route>``.
+        doc: What it answers (CLI help, OpenAPI description).
         group_by: The default grouping; None when the query takes no ``by``.
         dims: The dimensions it may be grouped by.
         bucket: Whether it takes a time bucket (``1h``).
         params: Its other arguments.
-        selected_by: For a query served on another query's route (or command): the param that,
-            when non-zero there, runs this one instead (its default there is 0).
         key: A lookup of one object by its id (a request uid): the id's name. The library method
-            takes it first, the command as an argument, the route in its ``path`` when the path
-            names it (``{request_id:path}``), else as a required query-string parameter; a lookup
-            returns one object or None, answered 404 ``no <what> '<id>'``.
+            takes it first; a lookup returns one object or None.
         lookup: A lookup's fetch ``(queries, key, *, scope, **params) -> object | None`` (it may
             run several queries: ``sql`` is unused).
-        path: The HTTP path under ``/api/v1/`` when it is not ``route``.
-        command: The ``sparseety query`` command when it is not ``route``.
-        what: What a lookup finds (``request``), for the 404 message.
-        echo_key: A lookup's HTTP body starts with ``{<key>: <id>}`` (its object lacks the id).
-        money_objects: Keys of nested objects whose values are USD (Decimal) except booleans,
-            so a remote client restores them.
-        tables: How the CLI prints a found object in table/csv form (a list of tables); None
-            prints the object itself.
-        permission: A per-token permission (``token_ids``) that decides what a lookup returns:
-            the route passes ``allowed`` = whether the caller holds it (the library: True).
+        gated: A lookup whose answer depends on what the caller may read: its fetch takes
+            ``allowed`` (the library: True; the API: whether the caller's token holds the
+            endpoint's permission).
         rows: The key of a found object whose list is its rows for an export (``records``).
-        table_columns: The columns ``--format table`` shows without ``--wide`` (empty: all); JSON,
-            CSV and exports always carry every column.
     """
 
     name: str
     sql: Callable[..., tuple[str, dict[str, Any]]] | None
     doc: str
-    route: str
     group_by: str | None = None
     dims: tuple[str, ...] = tuple(DIMENSIONS)
     bucket: bool = False
     params: tuple[Param, ...] = ()
-    selected_by: str | None = None
     key: str | None = None
     lookup: Callable[..., Any] | None = None
-    path: str = ""
-    command: str = ""
-    what: str = ""
-    echo_key: bool = False
-    money_objects: tuple[str, ...] = ()
-    tables: Callable[[dict[str, Any]], list[list[dict[str, Any]]]] | None = None
-    permission: str = ""
+    gated: bool = False
     rows: str = ""
-    table_columns: tuple[str, ...] = ()
-
-    @property
-    def call_params(self) -> tuple[Param, ...]:
-        """The params the library method takes: a lookup's ``selected_by`` only picks the
-        command's variant."""
-        if self.key is None:
-            return self.params
-        return tuple(p for p in self.params if p.name != self.selected_by)
-
-    @property
-    def label(self) -> str:
-        """What answers name the query (``query`` in the API's body, the metrics' label)."""
-        return self.name if self.selected_by or self.key else self.route
-
-    @property
-    def api_path(self) -> str:
-        """``/api/v1/...`` that serves it."""
-        return f"/api/v1/{self.path or self.route}"
-
-    @property
-    def cli_name(self) -> str:
-        """``sparseety query <cli_name>``."""
-        return self.command or self.route
-
-    @property
-    def key_in_path(self) -> bool:
-        """Whether a lookup's id is part of its path (else a query-string parameter)."""
-        return self.key is not None and f"{{{self.key}" in self.api_path
 
     def fetch(self, queries: Any, key: str, *, scope: Scope, allowed: bool = True, **arguments: Any) -> Any:
         """Run a lookup (its params checked as :meth:`build` checks them)."""
         assert self.lookup is not None, self.name
         kwargs = self._arguments(arguments)
-        if self.permission:
+        if self.gated:
             kwargs["allowed"] = allowed
         return self.lookup(queries, key, scope=scope, **kwargs)
 
     def _arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             p.name: p.check(v) if (v := arguments.get(p.name, p.default)) is not None else v
-            for p in self.call_params
+            for p in self.params
         }
         unknown = set(arguments) - set(kwargs)
         if unknown:
@@ -837,342 +884,265 @@ class QuerySpec:
         return self.sql(db, scope=scope, **kwargs)
 
 
+COST = QuerySpec(
+    "cost",
+    cost_sql,
+    "Cost per group in one attribution mode; money is exact decimal USD text.\n\n"
+    "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
+    "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
+    "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
+    "onto (+) or off (-) the group.\n\n"
+    "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
+    "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
+    "amortized every computed position that is not an output (prefill, recompute, rejected "
+    "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
+    group_by="tenant",
+    bucket=True,
+    params=(
+        Param(
+            "mode",
+            str,
+            "actual",
+            "actual, amortized, list or gpu (docs/cost-model.md).",
+            choices=MODES,
+            what="attribution mode",
+        ),
+    ),
+)
+SAVINGS = QuerySpec(
+    "savings",
+    savings_sql,
+    "Prefix-cache savings per group: hit rate and saved_usd = admission hits x (input - cached "
+    "price); re-reads on resume beside it as reread_tokens.",
+    group_by="tenant",
+    bucket=True,
+)
+WASTE = QuerySpec(
+    "waste",
+    waste_sql,
+    "Waste (preemption recompute + rejected and cut drafts) per group, its share of scheduled "
+    "compute and its cost; eviction recompute beside it as evictable_* (avoidable with more KV "
+    "cache, not waste).",
+    group_by="tenant",
+    bucket=True,
+)
+PREFIX_EVICTIONS = QuerySpec(
+    "prefix_evictions",
+    prefix_evictions_sql,
+    "Observed prefix-cache eviction per group: blocks computed that the cache later removed, "
+    "and blocks recomputed because of an eviction.",
+    group_by="tenant",
+    bucket=True,
+)
+SPEC_EFFICIENCY = QuerySpec(
+    "spec_efficiency",
+    spec_sql,
+    "Speculative decoding: acceptance and rejected compute.",
+    group_by="model",
+    bucket=True,
+)
+ENGINES = QuerySpec(
+    "engines",
+    engines_sql,
+    "Engines the store has requests of: epochs, requests, the newest finish time "
+    "(last_finished_ts_ns, last_finished_at).",
+)
+GPU_TIME = QuerySpec(
+    "gpu_time",
+    gpu_time_sql,
+    "GPU time attributed per group, its share and cost.",
+    group_by="tenant",
+    bucket=True,
+)
+USAGE = QuerySpec(
+    "usage",
+    usage_sql,
+    "Windowed usage (usage topic), by window start.",
+    group_by="tenant",
+    bucket=True,
+)
+EXPERT_LOAD = QuerySpec(
+    "expert_load",
+    expert_load_sql,
+    "Tokens routed to each (layer, expert) and each expert's share of its layer.",
+    params=(Param("model", str, None, "Only this model."),),
+)
+WHATIF = QuerySpec(
+    "whatif",
+    whatif.whatif_sql,
+    "Counterfactual cost (modelled, docs/cost-model.md 'What if'): actual and cf_ computed "
+    "tokens, GPU time, token cost and GPU cost per group under one scenario, and delta_ = "
+    "counterfactual - actual.",
+    group_by="tenant",
+    bucket=True,
+    params=(Param("scenario", str, "no-cache", whatif.SCENARIO_HELP + "."),),
+)
+REGRESSIONS = QuerySpec(
+    "regressions",
+    regressions.regressions_sql,
+    "Sparsity regressions per engine and model: each signal (prefix hit rate, spec acceptance "
+    "and drafts per output, window skip share, expert-load entropy, eviction recompute share) over "
+    "the current window (since..until, or the last --window) against the engine's own baseline "
+    "(the --baseline before it), with the rule, and evidence (request uids, window bounds).",
+    params=(
+        Param("window", str, "15m", "Current window when no since is given (15m, 1h)."),
+        Param("baseline", str, "1d", "Baseline: this long before the current window."),
+        Param("min_requests", int, 5, "Requests each window needs before a signal is judged.", ge=1),
+        Param("all_signals", int, 0, "1: every evaluated signal, firing or not.", http="all", ge=0, le=1),
+    ),
+)
+ROUTING_ADVICE = QuerySpec(
+    "routing_advice",
+    routing.routing_advice_sql,
+    "Prefix-routing advice: prefixes (root block hash + tenant, with their duplicated block-hash "
+    "chain) computed on several engines, the duplicated compute and its cost per hour, a suggested "
+    "affinity engine and the saving if it were followed (docs/cost-model.md, Prefix routing advice).",
+    params=(
+        Param(
+            "limit",
+            int,
+            100,
+            "The N prefixes with the most duplicated compute.",
+            http="top",
+            ge=1,
+            le=10_000,
+        ),
+    ),
+)
+DUPLICATION = QuerySpec(
+    "duplication",
+    duplication_sql,
+    "Fleet prefix duplication: blocks computed on more than one engine.",
+    group_by="model",
+    dims=("model",),
+)
+DUPLICATED_BLOCKS = QuerySpec(
+    "duplicated_blocks",
+    duplicated_blocks_sql,
+    "The most duplicated blocks: hash, engines that computed it, computations.",
+    params=(
+        Param("limit", int, 20, "List the N most duplicated blocks instead.", http="top", ge=0, le=10_000),
+    ),
+)
+SESSIONS = QuerySpec(
+    "sessions",
+    sessions.sessions_sql,
+    "Sessions (multi-turn conversations): the client's session id, else inferred from prefix "
+    "chains within a tenant (docs/sessions.md).\n\n"
+    "Rows: tenant, session_id, explicit (the id came from the client), turns, the token counts "
+    "of every class summed over the turns, cache_from_previous_turn_tokens and "
+    "cache_from_earlier_turns_tokens (cache reads of positions turn N-1, or an earlier turn, "
+    "computed), cross_turn_reuse_share (both over the prompt tokens of turns 2..N) and the cost "
+    "in each mode (actual_usd, amortized_usd, list_usd, gpu_usd). With --session, one row per "
+    "turn of that session instead.",
+    params=(
+        Param(
+            "source",
+            str,
+            "auto",
+            "auto (the client's id, else inferred), explicit or inferred.",
+            choices=sessions.SOURCES,
+            what="session source",
+        ),
+        Param("session", str, None, "List the turns of this session instead."),
+        Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
+    ),
+)
+REQUESTS = QuerySpec(
+    "requests",
+    requests_sql,
+    "Requests in scope with their token counts, newest first or most varied timelines first; "
+    "external_request_id is the front end's id (what the client got, docs/api.md).",
+    params=(
+        Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
+        Param(
+            "order",
+            str,
+            "recent",
+            "recent, or varied (most kinds of token fate first).",
+            choices=ORDERS,
+            what="order",
+        ),
+        Param(
+            "request_id",
+            str,
+            None,
+            "Only the requests this id names: a request uid, the engine's id, or the id the "
+            "client got (chatcmpl-..., cmpl-...; docs/api.md).",
+        ),
+        Param(
+            "client_id",
+            str,
+            None,
+            "Only the requests the client sent with this X-Request-Id (vLLM names them "
+            "chatcmpl-<id> / cmpl-<id>).",
+        ),
+        Param(
+            "inconsistent",
+            int,
+            0,
+            "1: only requests whose counts disagree with the engine's own totals.",
+            ge=0,
+            le=1,
+        ),
+    ),
+)
+TIMELINES = QuerySpec(
+    "timelines",
+    timelines_sql,
+    "Timeline segments of every request in scope (request_uid, tenant, model, start, end, kind, "
+    "status, draft_accepted, source_request_uid, kv_fate), request by request.",
+    params=(Param("limit", int, 1_000_000, "At most N segments.", ge=1, le=100_000_000),),
+)
+REQUEST = QuerySpec(
+    "request",
+    None,
+    "One request: every count, its cost in each mode and its segment timeline.",
+    key="request_id",
+    lookup=request_lookup,
+    rows="segments",
+)
+TOKENS_STATISTICS = QuerySpec(
+    "tokens_statistics",
+    None,
+    "Token statistics of one request (input, output, computed, cached, skipped, evicted, drafts).",
+    key="request_id",
+    lookup=tokens_statistics_lookup,
+)
+TOKEN_RECORDS = QuerySpec(
+    "token_records",
+    None,
+    "Token records of one request: per run of positions (or per position), the token ids and "
+    "their text when the privacy mode stored them and the caller may read them, input / output "
+    "/ draft / cached flags, and the status on both axes (status, kv_fate).",
+    key="request_id",
+    lookup=token_records_lookup,
+    params=(Param("per_position", bool, False, "One record per position instead of one per run."),),
+    gated=True,
+    rows="records",
+)
+
 QUERIES: tuple[QuerySpec, ...] = (
-    QuerySpec(
-        "cost",
-        cost_sql,
-        "Cost per group in one attribution mode; money is exact decimal USD text.\n\n"
-        "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
-        "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
-        "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
-        "onto (+) or off (-) the group.\n\n"
-        "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
-        "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
-        "amortized every computed position that is not an output (prefill, recompute, rejected "
-        "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
-        route="cost",
-        group_by="tenant",
-        bucket=True,
-        params=(
-            Param(
-                "mode",
-                str,
-                "actual",
-                "actual, amortized, list or gpu (docs/cost-model.md).",
-                choices=MODES,
-                what="attribution mode",
-            ),
-        ),
-    ),
-    QuerySpec(
-        "savings",
-        savings_sql,
-        "Prefix-cache savings per group: hit rate and saved_usd = admission hits x (input - cached "
-        "price); re-reads on resume beside it as reread_tokens.",
-        route="savings",
-        group_by="tenant",
-        bucket=True,
-    ),
-    QuerySpec(
-        "waste",
-        waste_sql,
-        "Waste (preemption recompute + rejected and cut drafts) per group, its share of scheduled "
-        "compute and its cost; eviction recompute beside it as evictable_* (avoidable with more KV "
-        "cache, not waste).",
-        route="waste",
-        group_by="tenant",
-        bucket=True,
-    ),
-    QuerySpec(
-        "prefix_evictions",
-        prefix_evictions_sql,
-        "Observed prefix-cache eviction per group: blocks computed that the cache later removed, "
-        "and blocks recomputed because of an eviction.",
-        route="evictions",
-        group_by="tenant",
-        bucket=True,
-    ),
-    QuerySpec(
-        "spec_efficiency",
-        spec_sql,
-        "Speculative decoding: acceptance and rejected compute.",
-        route="spec",
-        group_by="model",
-        bucket=True,
-    ),
-    QuerySpec(
-        "engines",
-        engines_sql,
-        "Engines the store has requests of: epochs, requests, the newest finish time "
-        "(last_finished_ts_ns, last_finished_at).",
-        route="engines",
-    ),
-    QuerySpec(
-        "gpu_time",
-        gpu_time_sql,
-        "GPU time attributed per group, its share and cost.",
-        route="gpu",
-        group_by="tenant",
-        bucket=True,
-    ),
-    QuerySpec(
-        "usage",
-        usage_sql,
-        "Windowed usage (usage topic), by window start.",
-        route="usage",
-        group_by="tenant",
-        bucket=True,
-    ),
-    QuerySpec(
-        "expert_load",
-        expert_load_sql,
-        "Tokens routed to each (layer, expert) and each expert's share of its layer.",
-        route="experts",
-        params=(Param("model", str, None, "Only this model."),),
-    ),
-    QuerySpec(
-        "whatif",
-        whatif.whatif_sql,
-        "Counterfactual cost (modelled, docs/cost-model.md 'What if'): actual and cf_ computed "
-        "tokens, GPU time, token cost and GPU cost per group under one scenario, and delta_ = "
-        "counterfactual - actual.",
-        route="whatif",
-        group_by="tenant",
-        bucket=True,
-        params=(Param("scenario", str, "no-cache", whatif.SCENARIO_HELP + "."),),
-    ),
-    QuerySpec(
-        "regressions",
-        regressions.regressions_sql,
-        "Sparsity regressions per engine and model: each signal (prefix hit rate, spec acceptance "
-        "and drafts per output, window skip share, expert-load entropy, eviction recompute share) over "
-        "the current window (since..until, or the last --window) against the engine's own baseline "
-        "(the --baseline before it), with the rule, and evidence (request uids, window bounds).",
-        route="regressions",
-        params=(
-            Param("window", str, "15m", "Current window when no since is given (15m, 1h)."),
-            Param("baseline", str, "1d", "Baseline: this long before the current window."),
-            Param("min_requests", int, 5, "Requests each window needs before a signal is judged.", ge=1),
-            Param("all_signals", int, 0, "1: every evaluated signal, firing or not.", http="all", ge=0, le=1),
-        ),
-    ),
-    QuerySpec(
-        "routing_advice",
-        routing.routing_advice_sql,
-        "Prefix-routing advice: prefixes (root block hash + tenant, with their duplicated block-hash "
-        "chain) computed on several engines, the duplicated compute and its cost per hour, a suggested "
-        "affinity engine and the saving if it were followed (docs/cost-model.md, Prefix routing advice).",
-        route="routing",
-        params=(
-            Param(
-                "limit",
-                int,
-                100,
-                "The N prefixes with the most duplicated compute.",
-                http="top",
-                ge=1,
-                le=10_000,
-            ),
-        ),
-    ),
-    QuerySpec(
-        "duplication",
-        duplication_sql,
-        "Fleet prefix duplication: blocks computed on more than one engine.",
-        route="duplication",
-        group_by="model",
-        dims=("model",),
-    ),
-    QuerySpec(
-        "duplicated_blocks",
-        duplicated_blocks_sql,
-        "The most duplicated blocks: hash, engines that computed it, computations.",
-        route="duplication",
-        params=(
-            Param(
-                "limit", int, 20, "List the N most duplicated blocks instead.", http="top", ge=0, le=10_000
-            ),
-        ),
-        selected_by="limit",
-    ),
-    QuerySpec(
-        "sessions",
-        sessions.sessions_sql,
-        "Sessions (multi-turn conversations): the client's session id, else inferred from prefix "
-        "chains within a tenant (docs/sessions.md).\n\n"
-        "Rows: tenant, session_id, explicit (the id came from the client), turns, the token counts "
-        "of every class summed over the turns, cache_from_previous_turn_tokens and "
-        "cache_from_earlier_turns_tokens (cache reads of positions turn N-1, or an earlier turn, "
-        "computed), cross_turn_reuse_share (both over the prompt tokens of turns 2..N) and the cost "
-        "in each mode (actual_usd, amortized_usd, list_usd, gpu_usd). With --session, one row per "
-        "turn of that session instead.",
-        route="sessions",
-        params=(
-            Param(
-                "source",
-                str,
-                "auto",
-                "auto (the client's id, else inferred), explicit or inferred.",
-                choices=sessions.SOURCES,
-                what="session source",
-            ),
-            Param("session", str, None, "List the turns of this session instead."),
-            Param("limit", int, 1000, "At most this many rows.", ge=1, le=100_000),
-        ),
-    ),
-    QuerySpec(
-        "requests",
-        requests_sql,
-        "Requests in scope with their token counts, newest first or most varied timelines first; "
-        "external_request_id is the front end's id (what the client got, docs/api.md).",
-        route="requests",
-        params=(
-            Param("limit", int, 50, "At most N requests.", ge=1, le=10_000),
-            Param(
-                "order",
-                str,
-                "recent",
-                "recent, or varied (most kinds of token fate first).",
-                choices=ORDERS,
-                what="order",
-            ),
-            Param(
-                "request_id",
-                str,
-                None,
-                "Only the requests this id names: a request uid, the engine's id, or the id the "
-                "client got (chatcmpl-..., cmpl-...; docs/api.md).",
-            ),
-            Param(
-                "client_id",
-                str,
-                None,
-                "Only the requests the client sent with this X-Request-Id (vLLM names them "
-                "chatcmpl-<id> / cmpl-<id>).",
-            ),
-            Param(
-                "inconsistent",
-                int,
-                0,
-                "1: only requests whose counts disagree with the engine's own totals.",
-                ge=0,
-                le=1,
-            ),
-        ),
-        table_columns=(
-            "request_uid",
-            "external_request_id",
-            "choice_index",
-            "tenant",
-            "model",
-            "finished_at",
-            "consistent",
-            "prompt_tokens",
-            "output_tokens",
-            "cache_read_tokens",
-            "uncached_computed_tokens",
-        ),
-    ),
-    QuerySpec(
-        "timelines",
-        timelines_sql,
-        "Timeline segments of every request in scope (request_uid, tenant, model, start, end, kind, "
-        "status, draft_accepted, source_request_uid, kv_fate), request by request.",
-        route="timelines",
-        params=(Param("limit", int, 1_000_000, "At most N segments.", ge=1, le=100_000_000),),
-    ),
-    QuerySpec(
-        "request",
-        None,
-        "One request: every count, its cost in each mode and its segment timeline.",
-        route="request",
-        path="requests/{request_id:path}",
-        key="request_id",
-        lookup=request_lookup,
-        what="request",
-        money_objects=("cost",),
-        tables=request_tables,
-        rows="segments",
-    ),
-    QuerySpec(
-        "tokens_statistics",
-        None,
-        "Token statistics of one request (input, output, computed, cached, skipped, evicted, drafts).",
-        route="tokens",
-        path="tokens/statistics",
-        key="request_id",
-        lookup=tokens_statistics_lookup,
-        what="request",
-        echo_key=True,
-    ),
-    QuerySpec(
-        "token_records",
-        None,
-        "Token records of one request: per run of positions (or per position), the token ids and "
-        "their text when the privacy mode stored them and the caller may read them, input / output "
-        "/ draft / cached flags, and the status on both axes (status, kv_fate).",
-        route="tokens",
-        path="requests/{request_id:path}/tokens",
-        key="request_id",
-        lookup=token_records_lookup,
-        what="request",
-        params=(
-            Param("records", bool, False, "Token records (ids, text, statuses) instead of the statistics."),
-            Param("per_position", bool, False, "One record per position instead of one per run."),
-        ),
-        selected_by="records",
-        permission="token_ids",
-        tables=token_records_tables,
-        rows="records",
-    ),
+    COST,
+    SAVINGS,
+    WASTE,
+    PREFIX_EVICTIONS,
+    SPEC_EFFICIENCY,
+    ENGINES,
+    GPU_TIME,
+    USAGE,
+    EXPERT_LOAD,
+    WHATIF,
+    REGRESSIONS,
+    ROUTING_ADVICE,
+    DUPLICATION,
+    DUPLICATED_BLOCKS,
+    SESSIONS,
+    REQUESTS,
+    TIMELINES,
+    REQUEST,
+    TOKENS_STATISTICS,
+    TOKEN_RECORDS,
 )
 #: The registry by method name.
 BY_NAME: dict[str, QuerySpec] = {q.name: q for q in QUERIES}
-
-
-def routes() -> dict[str, list[QuerySpec]]:
-    """Route -> the grouped queries it serves (the plain one first, then those a param selects).
-
-    Lookups (one object by id) are listed by :func:`lookups`.
-    """
-    out: dict[str, list[QuerySpec]] = {}
-    for q in sorted(QUERIES, key=lambda q: q.selected_by is not None):
-        if q.key is None:
-            out.setdefault(q.route, []).append(q)
-    return out
-
-
-def lookups() -> list[QuerySpec]:
-    """The lookups, in the order their paths must be matched: a path that ends in a catch-all
-    ``{id:path}`` after the longer paths it would swallow (``requests/{id}/tokens``)."""
-    return sorted((q for q in QUERIES if q.key is not None), key=lambda q: q.api_path.endswith(":path}"))
-
-
-def commands() -> dict[str, list[QuerySpec]]:
-    """``sparseety query`` command -> the queries it runs (plain first, then param-selected)."""
-    out: dict[str, list[QuerySpec]] = {}
-    for q in sorted(QUERIES, key=lambda q: q.selected_by is not None):
-        out.setdefault(q.cli_name, []).append(q)
-    return out
-
-
-def _library_method(spec: QuerySpec) -> Callable[..., Any]:
-    if spec.key is not None:
-
-        def lookup(self: Queries, key: str, *, scope: Scope = Scope(), **kwargs: Any) -> Any:
-            return spec.fetch(self, key, scope=scope, **kwargs)
-
-        lookup.__name__ = lookup.__qualname__ = spec.name
-        lookup.__doc__ = spec.doc
-        return lookup
-
-    def method(self: Queries, **kwargs: Any) -> list[dict[str, Any]]:
-        return self.ask(spec, **kwargs)
-
-    method.__name__ = method.__qualname__ = spec.name
-    method.__doc__ = spec.doc
-    return method
-
-
-for _spec in QUERIES:
-    setattr(Queries, _spec.name, _library_method(_spec))

@@ -16,9 +16,9 @@ from typing import Any
 from sparseety import events as ev
 from sparseety.sinks.clickhouse.tables import (
     DEAD_LETTERS,
-    KV_COLUMNS,
     EXPERT_LOAD,
     KV_BLOCKS,
+    KV_COLUMNS,
     REQUEST_FIELDS,
     REQUEST_TOKENS,
     REQUESTS,
@@ -88,8 +88,11 @@ class RowBuffer:
         }
         req = self.columns[REQUESTS.name]
         self._request_fields: list[tuple[Callable[[Any], None], str]] = [
-            (req[f].append, f) for f in REQUEST_FIELDS
+            (req[f].append, f) for f in REQUEST_FIELDS if f != "evicted_tokens"
         ]
+        # Deprecated since the two-axis model: records written since omit it (0), older ones
+        # may carry window releases in it (the queries add it to window_released_tokens).
+        self._evicted = req["evicted_tokens"].append
         use = self.columns[USAGE.name]
         self._usage_fields = [(use[f].append, f) for f in _USAGE_FIELDS]
         dlq = self.columns[DEAD_LETTERS.name]
@@ -142,6 +145,7 @@ class RowBuffer:
         uses = rec["block_uses"]
         for append, f in self._request_fields:
             append(rec[f])
+        self._evicted(rec.get("evicted_tokens", 0))
         req = self.columns[REQUESTS.name]
         for col, value in zip(KV_COLUMNS, kv_totals(rec), strict=True):
             req[col].append(value)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
-
 #: KV memory-time columns of ``requests`` (migration 012), derived from RequestAccounting.kv_groups.
 KV_COLUMNS = (
     "kv_block_steps",

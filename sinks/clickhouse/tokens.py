@@ -208,11 +208,3 @@ def _records(
             }
         )
     return out
-
-
-def token_records_tables(found: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """Token records as the CLI prints them in table/csv: the header, then the records."""
-    head = {
-        k: found[k] for k in ("request_uid", "tenant", "model", "privacy", "content", "note", "tokenizer")
-    }
-    return [[{"field": k, "value": v} for k, v in head.items()], list(found["records"])]

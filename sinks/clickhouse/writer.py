@@ -69,10 +69,11 @@ MAX_DEAD_VALUE_CHARS = 64 * 1024
 #: while serializing a value (``struct.error`` for an int out of an Int32's range).
 _DATA_ERROR_CAUSES = frozenset({"DataError", "OverflowError", "ValueError", "TypeError", "error"})
 #: ClickHouse error codes that are about values, not about the server: CANNOT_PARSE_TEXT (6),
-#: CANNOT_PARSE_NUMBER (27), TYPE_MISMATCH (53), ILLEGAL_TYPE_OF_ARGUMENT (43), ARGUMENT_OUT_OF_BOUND
-#: (69), CANNOT_CONVERT_TYPE (70), CANNOT_PARSE_DATETIME (41), INCORRECT_DATA (117),
-#: VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE (321), DECIMAL_OVERFLOW (407), CANNOT_PARSE_INPUT_ASSERTION_FAILED (27).
-_DATA_ERROR_CODES = frozenset({6, 27, 41, 43, 53, 69, 70, 117, 321, 407})
+#: CANNOT_PARSE_INPUT_ASSERTION_FAILED (27), CANNOT_PARSE_DATETIME (41), ILLEGAL_TYPE_OF_ARGUMENT
+#: (43), TYPE_MISMATCH (53), ARGUMENT_OUT_OF_BOUND (69), CANNOT_CONVERT_TYPE (70),
+#: CANNOT_PARSE_NUMBER (72), INCORRECT_DATA (117), VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE (321),
+#: DECIMAL_OVERFLOW (407).
+_DATA_ERROR_CODES = frozenset({6, 27, 41, 43, 53, 69, 70, 72, 117, 321, 407})
 
 
 #: ClickHouse error codes that are about the server, however well it answers ``SELECT 1``:

@@ -123,7 +123,11 @@ def prices() -> None:
     required=True,
     type=click.Choice(["input", "cached_input", "output", "gpu_hour", "kv"]),
 )
-@click.option("--usd", required=True, help="USD per 1M tokens (per GPU-hour for gpu_hour, per GiB-hour for kv), e.g. 0.15.")
+@click.option(
+    "--usd",
+    required=True,
+    help="USD per 1M tokens (per GPU-hour for gpu_hour, per GiB-hour for kv), e.g. 0.15.",
+)
 @click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
 @click.option("--note", default="")
 @pass_ctx

@@ -49,6 +49,7 @@ from sparseety.api.collect import (
 from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
+from sparseety.api.endpoints import Endpoint, lookups, routes
 from sparseety.api.jobs import JobCancelled
 from sparseety.api.queries import timeline_counts
 from sparseety.errors import (
@@ -63,7 +64,7 @@ from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
 from sparseety.sinks.clickhouse.migrate import status_rows
 from sparseety.sinks.clickhouse.prices import checked_price, list_prices, set_prices
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, lookups, routes
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
@@ -242,12 +243,12 @@ Format = Annotated[
 CHUNK = 1 << 16
 
 
-async def _file(back: Backend, spec: QuerySpec, fmt: str, **kwargs: Any) -> Response:
+async def _file(back: Backend, spec: Endpoint, fmt: str, **kwargs: Any) -> Response:
     """A registry query's rows as a Parquet or CSV attachment, sent in chunks."""
     check_format(fmt)
-    data = await back.query(spec.label, back.queries.export, spec, fmt, **kwargs)
+    data = await back.query(spec.label, back.queries.export, spec.query, fmt, **kwargs)
     if data is None:
-        raise NotFound(f"no {spec.what or spec.key} {kwargs.get('key')!r}")
+        raise NotFound(f"{spec.not_found} {kwargs.get('key')!r}")
 
     async def chunks() -> AsyncIterator[bytes]:
         for i in range(0, len(data), CHUNK):
@@ -264,7 +265,7 @@ def _kw(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> i
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
 
 
-def _registry_route(specs: list[QuerySpec]) -> Any:
+def _registry_route(specs: list[Endpoint]) -> Any:
     """The handler of one registry route: scope, grouping and params from the query string.
 
     ``specs[0]`` is the route's plain query; a later one runs instead when its ``selected_by``
@@ -284,31 +285,32 @@ def _registry_route(specs: list[QuerySpec]) -> Any:
 
     # FastAPI reads a handler's parameters from its signature: declare the registry's there
     signature = [_kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
-    if plain.group_by is not None:
+    if plain.query.group_by is not None:
         signature.append(_kw("group_by", GroupBy, []))
     for p in params_of:
         default = 0 if p.name in switches else p.default
         kind = p.type if default is not None else p.type | None
         signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], default))
-    if plain.bucket:
+    if plain.query.bucket:
         signature.append(_kw("bucket", Bucket, None))
     signature.append(_kw("format", Format, None))
     handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
-    handler.__doc__ = plain.doc.split("\n\n")[0]
+    handler.__doc__ = plain.query.doc.split("\n\n")[0]
     handler.__name__ = plain.route
     return handler
 
 
-async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str, Any]) -> Response:
+async def _answer(back: Backend, spec: Endpoint, scope: Scope, given: dict[str, Any]) -> Response:
     """Run one registry query with the route's parameters; the body echoes what it used (or, with
     ``format``, the rows as a Parquet or CSV file)."""
-    arguments = {p.name: p.check(given[p.wire]) for p in spec.params}
-    extra: dict[str, Any] = {p.wire: arguments[p.name] for p in spec.params}
+    query = spec.query
+    arguments = {p.name: p.check(given[p.wire]) for p in query.params}
+    extra: dict[str, Any] = {p.wire: arguments[p.name] for p in query.params}
     by = bucket = None
-    if spec.group_by is not None:
-        by = params.group_by(given["group_by"], spec.group_by)
+    if query.group_by is not None:
+        by = params.group_by(given["group_by"], query.group_by)
         extra["group_by"] = list(by)
-    if spec.bucket:
+    if query.bucket:
         bucket = given["bucket"]
         extra["bucket"] = bucket
     if given.get("format"):
@@ -319,7 +321,7 @@ async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str,
     rows = await back.query(
         spec.label,
         back.queries.ask,
-        spec,
+        query,
         by=by,
         bucket=params.bucket(bucket),
         scope=scope,
@@ -328,22 +330,23 @@ async def _answer(back: Backend, spec: QuerySpec, scope: Scope, given: dict[str,
     return _rows(spec.label, scope, rows, **extra)
 
 
-def _lookup_route(spec: QuerySpec) -> Any:
+def _lookup_route(spec: Endpoint) -> Any:
     """The handler of one lookup: the id from the path (or the query string), 404 when absent."""
-    assert spec.key is not None
-    key_name = spec.key
+    query = spec.query
+    assert query.key is not None
+    key_name = query.key
 
     async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> Response:
         scope = s.scope(who, back.clock())
         key = given.pop(key_name)
-        arguments = {p.name: p.check(given[p.wire]) for p in spec.call_params}
+        arguments = {p.name: p.check(given[p.wire]) for p in query.params}
         if spec.permission:
             arguments["allowed"] = who.allows(spec.permission)
         if given.get("format"):
             return await _file(back, spec, given["format"], key=key, scope=scope, **arguments)
-        found = await back.query(spec.label, spec.fetch, back.queries, key, scope=scope, **arguments)
+        found = await back.query(spec.label, back.queries.fetch, query, key, scope=scope, **arguments)
         if found is None:
-            raise NotFound(f"no {spec.what or spec.key} {key!r}")
+            raise NotFound(f"{spec.not_found} {key!r}")
         body = {key_name: key, **found} if spec.echo_key else found
         return JSONResponse(jsonable(body))
 
@@ -355,12 +358,12 @@ def _lookup_route(spec: QuerySpec) -> Any:
         _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
     )
     signature = [key_param, _kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
-    for p in spec.call_params:
+    for p in query.params:
         kind = p.type if p.default is not None else p.type | None
         signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], p.default))
     signature.append(_kw("format", Format, None))
     handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
-    handler.__doc__ = spec.doc.split("\n\n")[0]
+    handler.__doc__ = query.doc.split("\n\n")[0]
     handler.__name__ = spec.name
     return handler
 
@@ -377,7 +380,9 @@ class PriceIn(BaseModel):
     """One price (docs/cost-model.md, Prices): USD per 1M tokens, or per GPU-hour."""
 
     model: str
-    token_class: str = Field(description="input, cached_input, output, gpu_hour or kv (USD per GiB-hour of KV cache held)")
+    token_class: str = Field(
+        description="input, cached_input, output, gpu_hour or kv (USD per GiB-hour of KV cache held)"
+    )
     usd: str = Field(description="Decimal text, at most six decimals (never a float).")
     effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
     effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")

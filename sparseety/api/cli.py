@@ -2,7 +2,7 @@
 ``ingest``.
 
 ``query`` has one command per entry of the query registry
-(:data:`~sparseety.sinks.clickhouse.queries.QUERIES`, options derived from its grouping and
+(:data:`~sparseety.api.endpoints.ENDPOINTS`, options derived from its query's grouping and
 params) plus the request lookups; it opens the store here, or goes through the HTTP API of the
 process that owns it.
 
@@ -19,11 +19,12 @@ from typing import Any
 import click
 
 from sparseety.api import params
+from sparseety.api.endpoints import Endpoint, commands
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.errors import AmbiguousIdError
 from sparseety.producers.logs.cli import ingest_cmd
 from sparseety.sinks.cli import echo_rows
-from sparseety.sinks.clickhouse.queries import QueryError, QuerySpec, Scope, commands
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from sparseety.times import parse_time
 
 LOGLEVEL = click.option(
@@ -182,7 +183,7 @@ def query() -> None:
     """
 
 
-def _registry_command(specs: list[QuerySpec]) -> click.Command:
+def _registry_command(specs: list[Endpoint]) -> click.Command:
     """``sparseety query <route>``: the route's plain query, or a variant its param selects."""
     plain, variants = specs[0], specs[1:]
     switches = {s.selected_by: s for s in variants if s.selected_by}
@@ -204,39 +205,39 @@ def _registry_command(specs: list[QuerySpec]) -> click.Command:
         scope = _scope(since, until, tenants)
         spec = next((s for name, s in switches.items() if given.get(name)), plain)
         try:  # the registry's checks, before any store is opened: a usage error, not a traceback
-            arguments = {p.name: p.check(given[p.name]) for p in spec.params}
-            if spec is plain and plain.bucket:
+            arguments = {p.name: p.check(given[p.name]) for p in spec.query.params}
+            if spec is plain and plain.query.bucket:
                 arguments["bucket"] = params.bucket(bucket)
         except QueryError as e:
             raise click.UsageError(str(e)) from None
-        if spec is plain and plain.group_by is not None:
-            arguments["by"] = by or (plain.group_by,)
+        if spec is plain and plain.query.group_by is not None:
+            arguments["by"] = by or (plain.query.group_by,)
         if output is not None:
-            _export(c, output, lambda q: q.export(spec, fmt, scope=scope, **arguments))
+            _export(c, output, lambda q: q.export(spec.query, fmt, scope=scope, **arguments))
             return
         _run_query(
             c,
             fmt,
-            lambda q: q.ask(spec, scope=scope, **arguments),
+            lambda q: q.ask(spec.query, scope=scope, **arguments),
             spec.table_columns,
             given.pop("wide", True),
         )
 
     if plain.table_columns:
         cmd = click.option("--wide", is_flag=True, help="Every column in --format table.")(cmd)
-    if plain.bucket:
+    if plain.query.bucket:
         cmd = click.option("--bucket", help="Time buckets, e.g. 1h, 15m, 1d.")(cmd)
-    if plain.group_by is not None:
+    if plain.query.group_by is not None:
         cmd = click.option(
             "--by",
             multiple=True,
-            type=click.Choice(plain.dims),
-            help=f"Group by (repeatable; default {plain.group_by}).",
+            type=click.Choice(plain.query.dims),
+            help=f"Group by (repeatable; default {plain.query.group_by}).",
         )(cmd)
     return _with_params(cmd, specs, switches)
 
 
-def _with_params(cmd: Any, specs: list[QuerySpec], switches: dict[str, Any]) -> click.Command:
+def _with_params(cmd: Any, specs: list[Endpoint], switches: dict[str, Any]) -> click.Command:
     """Add every registry param of ``specs`` as an option (a bool as a flag) and register ``cmd``
     as ``sparseety query <the first spec's command>``."""
     plain = specs[0]
@@ -256,16 +257,16 @@ def _with_params(cmd: Any, specs: list[QuerySpec], switches: dict[str, Any]) -> 
             show_default=default is not None,
             help=p.doc,
         )(cmd)
-    cmd.__doc__ = plain.doc.split("\n\n")[0]
+    cmd.__doc__ = plain.query.doc.split("\n\n")[0]
     return query.command(plain.cli_name)(cmd)  # type: ignore[no-any-return]
 
 
-def _lookup_command(specs: list[QuerySpec]) -> click.Command:
+def _lookup_command(specs: list[Endpoint]) -> click.Command:
     """``sparseety query <command> ID``: a lookup (one object), or a variant its param selects."""
     plain, variants = specs[0], specs[1:]
     switches = {s.selected_by: s for s in variants if s.selected_by}
 
-    @click.argument("key", metavar=(plain.key or "id").upper())
+    @click.argument("key", metavar=(plain.query.key or "id").upper())
     @click.option("--tenant", "tenants", multiple=True, help="Only if it belongs to these tenants.")
     @QUERY_FORMAT
     @OUTPUT
@@ -278,23 +279,25 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
         _check_output(fmt, output)
         spec = next((s for name, s in switches.items() if given.get(name)), plain)
         try:
-            arguments = {p.name: p.check(given[p.name]) for p in spec.call_params}
+            arguments = {p.name: p.check(given[p.name]) for p in spec.query.params}
         except QueryError as e:
             raise click.UsageError(str(e)) from None
         scope = Scope(tenants=tuple(tenants) or None)
         if output is not None:
-            missing = f"no {spec.what or spec.key} {key!r}"
-            _export(c, output, lambda q: q.export(spec, fmt, key=key, scope=scope, **arguments), missing)
+            missing = f"{spec.not_found} {key!r}"
+            _export(
+                c, output, lambda q: q.export(spec.query, fmt, key=key, scope=scope, **arguments), missing
+            )
             return
         try:
             with open_queries(c.cfg, "sparseety query") as q:
-                found = getattr(q, spec.name)(key, scope=scope, **arguments)
+                found = q.fetch(spec.query, key, scope=scope, **arguments)
         except AmbiguousIdError as e:
             # listed, never guessed: the caller picks one uid
             echo_rows(e.candidates, fmt)
             raise click.ClickException(str(e)) from None
         if found is None:
-            raise click.ClickException(f"no {spec.what or spec.key} {key!r}")
+            raise click.ClickException(f"{spec.not_found} {key!r}")
         if fmt == "json" or spec.tables is None:
             echo_rows(found, fmt)
             return
@@ -307,7 +310,7 @@ def _lookup_command(specs: list[QuerySpec]) -> click.Command:
 
 
 for _name, _specs in commands().items():
-    (_lookup_command if _specs[0].key is not None else _registry_command)(_specs)
+    (_lookup_command if _specs[0].query.key is not None else _registry_command)(_specs)
 
 
 @click.command("dashboard")

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 from sparseety.api.auth import api_dir, read_admin_token
 from sparseety.api.encode import decode_rows, decode_value
+from sparseety.api.endpoints import Endpoint, endpoint
 from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import EVERYTHING
 from sparseety.api.server import client_url, read_endpoint
@@ -28,7 +29,15 @@ from sparseety.config import Config
 from sparseety.errors import AmbiguousIdError, SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 from sparseety.sinks.clickhouse.export import check_format, rows_file
-from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, Param, QueryError, QuerySpec, Scope
+from sparseety.sinks.clickhouse.queries import (
+    REQUEST,
+    Param,
+    QueryError,
+    QueryMethods,
+    QuerySpec,
+    Rows,
+    Scope,
+)
 
 
 class RemoteApiError(SparseetyError):
@@ -51,7 +60,7 @@ def _sees_nothing(scope: Scope) -> bool:
     return scope.tenants is not None and not scope.tenants
 
 
-class RemoteQueries:
+class RemoteQueries(QueryMethods):
     """Query methods served by a SparSEEty API.
 
     Args:
@@ -189,11 +198,7 @@ class RemoteQueries:
         body = self._get(path, {**params, **_scope_params(scope)})
         return decode_rows(body["rows"])
 
-    # --- the query library's methods (derived from the registry) --------------------------------
-
-    if TYPE_CHECKING:
-
-        def __getattr__(self, name: str) -> Callable[..., Any]: ...
+    # --- the query library's methods (QueryMethods) run through these ---------------------------
 
     def ask(
         self,
@@ -203,14 +208,14 @@ class RemoteQueries:
         bucket: str | None = None,
         scope: Scope = EVERYTHING,
         **arguments: Any,
-    ) -> list[dict[str, Any]]:
+    ) -> Rows:
         """Like :meth:`Queries.ask`: one registry query, through its route."""
         params = _wire_params(spec, spec.params, arguments)
         if spec.group_by is not None:
             params["group_by"] = ",".join((spec.group_by,) if by is None else by)
         if spec.bucket and bucket is not None:
             params["bucket"] = bucket
-        return self._rows(f"/api/v1/{spec.route}", params, scope)
+        return self._rows(f"/api/v1/{endpoint(spec).route}", params, scope)
 
     def export(
         self,
@@ -228,12 +233,12 @@ class RemoteQueries:
         arguments.pop("allowed", None)  # the server decides from the caller's token
         if _sees_nothing(scope):
             return None if spec.key is not None else rows_file([], fmt)
-        params = {**_wire_params(spec, spec.call_params, arguments), "format": fmt}
-        path = spec.api_path
+        params = {**_wire_params(spec, spec.params, arguments), "format": fmt}
+        path = endpoint(spec).api_path
         if spec.key is not None:
             if key is None:
                 raise QueryError(f"{spec.name} needs its {spec.key}")
-            path = self._key_path(spec, key, params)
+            path = self._key_path(endpoint(spec), key, params)
         else:
             if spec.group_by is not None:
                 params["group_by"] = ",".join((spec.group_by,) if by is None else by)
@@ -242,27 +247,28 @@ class RemoteQueries:
         return self._get(path, {**params, **_scope_params(scope)}, missing_ok=True, raw=True)  # type: ignore[no-any-return]
 
     @staticmethod
-    def _key_path(spec: QuerySpec, key: str, params: dict[str, Any]) -> str:
+    def _key_path(spec: Endpoint, key: str, params: dict[str, Any]) -> str:
         """A lookup's path with its id in it (or the id added to ``params``)."""
-        assert spec.key is not None
+        name = spec.query.key
+        assert name is not None
         if spec.key_in_path:
-            return re.sub(r"\{" + spec.key + r"(:[a-z]+)?\}", quote(key, safe=""), spec.api_path)
-        params[spec.key] = key
+            return re.sub(r"\{" + name + r"(:[a-z]+)?\}", quote(key, safe=""), spec.api_path)
+        params[name] = key
         return spec.api_path
 
     def fetch(self, spec: QuerySpec, key: str, *, scope: Scope = EVERYTHING, **arguments: Any) -> Any:
-        """Like :meth:`QuerySpec.fetch`: one lookup through its route (None when unknown or not
+        """Like :meth:`Queries.fetch`: one lookup through its route (None when unknown or not
         visible)."""
         assert spec.key is not None
         if _sees_nothing(scope):
             return None
         arguments.pop("allowed", None)  # the server decides from the caller's token
-        params = _wire_params(spec, spec.call_params, arguments)
-        path = self._key_path(spec, key, params)
+        params = _wire_params(spec, spec.params, arguments)
+        path = self._key_path(endpoint(spec), key, params)
         body = self._get(path, {**params, **_scope_params(scope)}, missing_ok=True)
         if body is None:
             return None
-        return _decode_lookup(spec, body)
+        return _decode_lookup(endpoint(spec), body)
 
     def requests_by_uid(
         self, request_uids: Sequence[str], *, scope: Scope = EVERYTHING
@@ -272,7 +278,7 @@ class RemoteQueries:
         uids = list(dict.fromkeys(request_uids))
         if _sees_nothing(scope):
             return {}
-        spec = BY_NAME["request"]
+        spec = endpoint(REQUEST)
         out = {}
         for i in range(0, len(uids), MAX_DASHBOARD_REQUESTS):
             chunk = uids[i : i + MAX_DASHBOARD_REQUESTS]
@@ -323,39 +329,17 @@ def _wire_params(spec: QuerySpec, declared: Sequence[Param], arguments: dict[str
     return params
 
 
-def _decode_lookup(spec: QuerySpec, body: dict[str, Any]) -> dict[str, Any]:
+def _decode_lookup(spec: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
     """A lookup's answer as the API serves it, typed as the library returns it."""
     out: dict[str, Any] = {}
     for k, v in body.items():
-        if spec.echo_key and k == spec.key:
+        if spec.echo_key and k == spec.query.key:
             continue
         if k in spec.money_objects:
             out[k] = {m: (x if isinstance(x, bool) else decode_value(f"{m}_usd", x)) for m, x in v.items()}
         else:
             out[k] = decode_value(k, v)
     return out
-
-
-def _remote_method(spec: QuerySpec) -> Callable[..., Any]:
-    if spec.key is not None:
-
-        def lookup(self: RemoteQueries, key: str, *, scope: Scope = EVERYTHING, **kwargs: Any) -> Any:
-            return self.fetch(spec, key, scope=scope, **kwargs)
-
-        lookup.__name__ = lookup.__qualname__ = spec.name
-        lookup.__doc__ = f"Like :meth:`Queries.{spec.name}`."
-        return lookup
-
-    def method(self: RemoteQueries, **kwargs: Any) -> list[dict[str, Any]]:
-        return self.ask(spec, **kwargs)
-
-    method.__name__ = method.__qualname__ = spec.name
-    method.__doc__ = f"Like :meth:`Queries.{spec.name}`."
-    return method
-
-
-for _spec in QUERIES:
-    setattr(RemoteQueries, _spec.name, _remote_method(_spec))
 
 
 def _owner_text(exc: StoreLockedError) -> str:

@@ -7,7 +7,7 @@
   (:func:`~sparseety.producers.logs.ingest.ingest`); the assembler folds it like a live engine,
   or a replay job of the engine-events topic folds it into the store.
 * ``analyze``: fold trace files offline into per-input reports and a summary in a directory on
-  this machine (:func:`~sparseety.sinks.analyze.analyze`, as ``sparseety analyze``); nothing is
+  this machine (:func:`~sparseety.offline.analyze.analyze`, as ``sparseety analyze``); nothing is
   published and the store is not written (``sparseety analyze --clickhouse`` does that).
 
 Specs are checked when submitted (bounds, processor, file), so a bad one is a 400, not a failed job.
@@ -215,7 +215,7 @@ class VllmLogJob:
     them as request-level requests, ``engine_kind = vllm_log``).
 
     A request the store already holds from a step-level source (the plugin: same engine request
-    id, :mod:`sparseety.streams.source_dedup`) is not published: the store's views would hide it
+    id, :mod:`sparseety.offline.source_dedup`) is not published: the store's views would hide it
     (migration 008_log_dedup), so publishing it would only store a row no answer reads.
     """
 
@@ -237,9 +237,9 @@ class VllmLogJob:
         }
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
+        from sparseety.offline.source_dedup import REQUEST_LEVEL_KINDS
         from sparseety.producers.logs.ingest import ingest
         from sparseety.producers.logs.vllm_log import VllmLogParser, read_log, rotation_order
-        from sparseety.streams.source_dedup import REQUEST_LEVEL_KINDS
 
         f = self.spec.filters
         default_model = self.spec.model
@@ -300,7 +300,7 @@ class AnalyzeJob:
         return {"inputs": self.spec.inputs, "out": str(self.out), "format": self.spec.format}
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
-        from sparseety.sinks.analyze import Options, analyze
+        from sparseety.offline.analyze import Options, analyze
 
         summary = analyze(
             self.cfg,

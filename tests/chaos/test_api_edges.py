@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseety.sinks.clickhouse.queries import routes
+from sparseety.api.endpoints import routes
 from tests.unit import test_api_app as app_tests
 
 cfg, store, backend, client = app_tests.cfg, app_tests.store, app_tests.backend, app_tests.client
@@ -47,7 +47,7 @@ def _status(client: TestClient, path: str, params: dict[str, Any]) -> tuple[int,
 @pytest.mark.parametrize("route", sorted(routes()))
 def test_hostile_times_and_buckets_are_400s_on_every_route(client: TestClient, route: str) -> None:
     path = f"/api/v1/{route}"
-    bucketed = routes()[route][0].bucket
+    bucketed = routes()[route][0].query.bucket
     cases: list[dict[str, Any]] = [{"since": t} for t in HOSTILE_TIMES] + [
         {"until": t} for t in HOSTILE_TIMES
     ]

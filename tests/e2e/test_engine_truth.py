@@ -237,7 +237,6 @@ def test_attention_pairs_follow_each_layers_window_and_chunk(
         assert sum(run.accounts[r["engine_request_id"]]["attention_pairs_skipped"] for r in run.requests) > 0
 
 
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_kv_memory_time_equals_the_kv_managers_blocks(kind: str, broker: Config, workdir: Path) -> None:
     """Per request and KV-cache group, the fold's memory-time equals the blocks vLLM's KV-cache

@@ -10,7 +10,7 @@ from typing import Any
 
 from sparseety.config import Config
 from sparseety.kafka import ensure_topics
-from sparseety.sinks.analyze import analyze
+from sparseety.offline.analyze import analyze
 from sparseety.sinks.clickhouse.client import Store
 from tests.helpers import ComponentProcess, latest_by_key, produce_raw, read_topic, wait_for
 from tests.recorded import DATA, load_scenario, raw_events, scenarios

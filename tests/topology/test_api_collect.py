@@ -193,7 +193,7 @@ def test_ingest_command_publishes_and_reports_bad_lines(kafka_cfg: Config, tmp_p
 def test_analyze_job_writes_the_reports_sparseety_analyze_writes(
     kafka_cfg: Config, api: TestClient, tmp_path: Path
 ) -> None:
-    from sparseety.sinks.analyze import Options, analyze
+    from sparseety.offline.analyze import Options, analyze
     from tests.recorded import DATA
 
     inputs = [str(DATA / "vllm_log" / "server.log"), str(DATA / "vllm_log" / "plugin-events.bin")]

@@ -208,3 +208,43 @@ def test_replay_cli_without_kafka_says_so(kafka_cfg: Config, tmp_path: Any) -> N
     result = CliRunner().invoke(main, ["replay", "--topic", "timelines", "--idle", "0.5"], env=to_env(cfg))
     assert result.exit_code == 2, result.output
     assert "Kafka at 127.0.0.1:" in result.output and "does not answer" in result.output
+
+
+#: Run in a fresh interpreter: replay a topic range through the CLI (timelines through the sink,
+#: engine events through the worker's fold), then report which modules that loaded.
+_REPLAY_PROBE = """
+import json, sys
+from sparseety.cli import main
+for topic in ("timelines", "engine-events"):
+    try:
+        main(["replay", "--topic", topic, "--idle", "0.5"], standalone_mode=False)
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_a_replay_run_loads_no_faust(kafka_cfg: Config, store: Store) -> None:
+    """Replay runs the fold in memory on aiokafka alone: after a real replay of a topic range
+    (client settings translated, records read, rows written), no Faust module was ever loaded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = kafka_cfg
+    produce(cfg, [record(i) for i in range(10)])
+    store.close()  # the replay opens the store itself
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLAY_PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **to_env(cfg)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "10 records in range" in done.stderr, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "sparseety.sinks.replay" in loaded and "aiokafka" in loaded  # it did run a replay
+    assert [m for m in loaded if m == "faust" or m.startswith(("faust.", "mode."))] == []
+    assert "sparseety.streams.runtime" not in loaded and "sparseety.streams.compat" in loaded

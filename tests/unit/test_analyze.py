@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from sparseety.cli import main
 from sparseety.config import Config, load_config
-from sparseety.sinks.analyze import AnalyzeInput, InputResult, Options, analyze, fold_input, plan
+from sparseety.offline.analyze import AnalyzeInput, InputResult, Options, analyze, fold_input, plan
 from tests.recorded import DATA, load_scenario
 
 RECORDING = DATA / "vllm_log" / "plugin-events.bin"

@@ -1,5 +1,9 @@
 """The query registry is the one place a query is declared: every entry is a library method, an
-API route, a `sparseety query` command and a remote-client method, with the same parameters."""
+API route, a `sparseety query` command and a remote-client method, with the same parameters.
+
+The query (SQL, params) is declared in sinks/clickhouse/queries.py, how it is served in
+sparseety/api/endpoints.py; the methods are written out in ``QueryMethods``, none attached at
+import time."""
 
 from __future__ import annotations
 
@@ -8,22 +12,35 @@ import inspect
 from sparseety.api.app import _router
 from sparseety.api.cli import query
 from sparseety.api.client import RemoteQueries
-from sparseety.sinks.clickhouse.queries import QUERIES, Queries, lookups, routes
+from sparseety.api.endpoints import ENDPOINTS, endpoint, lookups, routes
+from sparseety.sinks.clickhouse.queries import QUERIES, Queries, QueryMethods
+
+
+def test_every_query_has_one_endpoint_and_a_written_out_method() -> None:
+    assert sorted(e.name for e in ENDPOINTS) == sorted(q.name for q in QUERIES)
+    for spec in QUERIES:
+        assert endpoint(spec).query is spec, spec.name
+        # defined in the class body (so a reader and mypy find it), not attached later
+        assert spec.name in vars(QueryMethods), spec.name
+        assert spec.name not in vars(Queries) and spec.name not in vars(RemoteQueries), spec.name
+        # a gated lookup is served with the permission that decides its ``allowed``
+        assert spec.gated == bool(endpoint(spec).permission), spec.name
 
 
 def test_every_registry_entry_is_a_method_a_route_a_command_and_a_remote_method() -> None:
     api_paths = {getattr(r, "path", "") for r in _router().routes}
-    for spec in QUERIES:
+    for ep in ENDPOINTS:
+        spec = ep.query
         assert callable(getattr(Queries, spec.name, None)), spec.name
         assert callable(getattr(RemoteQueries, spec.name, None)), spec.name
-        assert spec.api_path in api_paths, spec.route
-        command = query.commands.get(spec.cli_name)
-        assert command is not None, spec.cli_name
+        assert ep.api_path in api_paths, ep.route
+        command = query.commands.get(ep.cli_name)
+        assert command is not None, ep.cli_name
         options = {p.name for p in command.params}
-        assert {p.name for p in spec.params} <= options, spec.name
+        assert {p.name for p in ep.params} <= options, spec.name
         if spec.key is not None:
             assert spec.key in options or spec.key.upper() in {p.human_readable_name for p in command.params}
-        if spec.group_by is not None and spec.selected_by is None:
+        if spec.group_by is not None and ep.selected_by is None:
             assert {"by"} <= options
         if spec.bucket:
             assert {"bucket"} <= options
@@ -40,15 +57,15 @@ def test_api_route_parameters_come_from_the_declaration() -> None:
     for route, specs in routes().items():
         names = set(inspect.signature(handlers[f"/api/v1/{route}"]).parameters)
         assert {p.wire for s in specs for p in s.params} <= names, route
-        assert ("group_by" in names) == (specs[0].group_by is not None), route
-        assert ("bucket" in names) == specs[0].bucket, route
+        assert ("group_by" in names) == (specs[0].query.group_by is not None), route
+        assert ("bucket" in names) == specs[0].query.bucket, route
 
 
 def test_lookup_routes_take_their_id_and_come_before_the_catch_all_paths() -> None:
     handlers = {getattr(r, "path", ""): getattr(r, "endpoint", None) for r in _router().routes}
     order = [getattr(r, "path", "") for r in _router().routes]
     for spec in lookups():
-        assert spec.key in inspect.signature(handlers[spec.api_path]).parameters, spec.name
+        assert spec.query.key in inspect.signature(handlers[spec.api_path]).parameters, spec.name
         if spec.api_path.endswith(":path}"):
             prefix = spec.api_path.split("{")[0]
             longer = [p for p in order if p.startswith(prefix) and p != spec.api_path and "{" in p]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sparseety.config import load_config
-from sparseety.sinks.analyze import InputResult, Options, analyze, fold_input, plan
+from sparseety.offline.analyze import InputResult, Options, analyze, fold_input, plan
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.queries import Queries

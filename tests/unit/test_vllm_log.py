@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sparseety import events as ev
 from sparseety.config import Config, load_config
 from sparseety.kafka import make_decoder
+from sparseety.offline.source_dedup import Counted, dedup_key, dedup_step
 from sparseety.producers.logs.errors import BadTraceLineError
 from sparseety.producers.logs.format import detect_format
 from sparseety.producers.logs.ingest import ingest
@@ -28,7 +29,6 @@ from sparseety.producers.logs.vllm_log import (
     read_log,
     rotation_order,
 )
-from sparseety.streams.source_dedup import DedupState, dedup_step
 from tests.recorded import DATA, unpack
 from tests.unit.test_ingest_jsonl import FakeProducer
 
@@ -220,10 +220,10 @@ def acc(uid: str, rid: str, kind: str) -> dict[str, Any]:
 def test_a_request_in_both_sources_is_counted_once_and_the_plugin_wins(order: str) -> None:
     plugin, log = acc("eng@1/r-ab", "r-ab", "vllm"), acc("vllm-log-x@2/r-ab", "r-ab", "vllm_log")
     other = acc("vllm-log-x@2/r-cd", "r-cd", "vllm_log")
-    state = DedupState()
+    state: dict[str, Counted] = {}
     decisions: dict[str, tuple[bool, str | None]] = {}
     for a in [plugin, log, other] if order == "plugin_first" else [log, other, plugin]:
-        state, out = dedup_step(state, a)
+        state[dedup_key(a)], out = dedup_step(state.get(dedup_key(a)), a)
         for uid, counted, dup in out:
             decisions[uid] = (counted, dup)
     assert decisions == {
@@ -231,8 +231,10 @@ def test_a_request_in_both_sources_is_counted_once_and_the_plugin_wins(order: st
         log["request_uid"]: (False, plugin["request_uid"]),
         other["request_uid"]: (True, None),
     }
-    state, again = dedup_step(state, plugin)  # the same accounting again (a replay) stays counted
+    held = state["r-ab"]
+    after, again = dedup_step(held, plugin)  # the same accounting again (a replay) stays counted
     assert again == [(plugin["request_uid"], True, None)]
+    assert after == held == Counted(plugin["request_uid"], False)  # pure: a value, not a mutation
 
 
 @given(st.lists(st.binary(max_size=300) | st.text(max_size=300).map(str.encode), max_size=20))

@@ -14,7 +14,7 @@ Outputs in ``--out``:
   as DeadLetter rows to ClickHouse when a DSN is given), usage windows, and for vLLM logs the
   unfinished requests and, per request, the fields that are modelled rather than observed;
 * ``summary.<format>``: one row per input (status, requests, tokens) and the totals over all of
-  them, each request counted once (:mod:`sparseety.streams.source_dedup`: a request of a vLLM log
+  them, each request counted once (:mod:`sparseety.offline.source_dedup`: a request of a vLLM log
   that a plugin recording also accounts is listed as a duplicate and not counted);
 * ``analyze-state.json``: the finished inputs (path, size, SHA-256, report): a rerun skips an
   input whose files did not change. A failed input is retried ``retries`` times, then reported
@@ -43,13 +43,13 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import SparseetyError
 from sparseety.kafka import make_decoder
+from sparseety.offline.source_dedup import Counted, dedup_key, dedup_step
 from sparseety.producers.logs.errors import BadTraceLineError, TraceError
 from sparseety.producers.logs.format import detect_format, recording_events
 from sparseety.producers.logs.ingest import IngestReport, file_digest, jsonl_requests
 from sparseety.producers.logs.jsonl import TraceEpoch
 from sparseety.producers.logs.vllm_log import VllmLogParser, log_base, log_epoch, read_log, rotation_order
 from sparseety.streams.assembler import Assembler
-from sparseety.streams.source_dedup import DedupState, dedup_step
 from sparseety.streams.state import MemoryStore
 
 FORMATS = ("json", "csv", "parquet")
@@ -464,7 +464,7 @@ def analyze(
             ch["database"] = clickhouse_database
         sink = ClickHouseSink.from_config(cfg.replace(clickhouse=ch), owner="sparseety analyze")
     summary = AnalyzeSummary()
-    dedup = DedupState()
+    dedup: dict[str, Counted] = {}
     all_rows: dict[str, dict[str, Any]] = {}
     dups: dict[str, dict[str, Any]] = {}
     try:
@@ -549,7 +549,7 @@ def _failed(inp: AnalyzeInput, error: str, attempts: int) -> dict[str, Any]:
 
 def _count(
     rows: list[dict[str, Any]],
-    dedup: DedupState,
+    dedup: dict[str, Counted],
     all_rows: dict[str, dict[str, Any]],
     dups: dict[str, dict[str, Any]],
 ) -> set[str]:
@@ -558,7 +558,8 @@ def _count(
     mine = set()
     for row in rows:
         all_rows[row["request_uid"]] = row
-        dedup, decisions = dedup_step(dedup, row)
+        key = dedup_key(row)
+        dedup[key], decisions = dedup_step(dedup.get(key), row)
         for uid, counted, dup_of in decisions:
             if counted:
                 dups.pop(uid, None)

@@ -1,0 +1,509 @@
+"""The position fold: admissions, steps and routing, folded into each request's state.
+
+Per position, two independent axes (docs/streams.md has the table and the identity): how it was
+obtained (``status``) and what became of its KV (``kv_fate``). Prompt positions come from the
+admission plan (cached with their source, computed, or recomputed_after_eviction when the block
+had a cache lifetime on this engine that ended before admission); output positions are appended
+as tokens arrive (draft-accepted ones flagged); re-prefill after a preemption overwrites with
+recomputed_after_preemption. Fates and the not_computed tail are settled when the request closes
+(:mod:`streams.accounting`).
+
+Each ``on_*`` method is a step ``(state, event) -> state``: it reads and writes the request (and
+prefix-index block) states in the store and emits nothing; outputs come only from closing a
+request (:class:`streams.assembler.Assembler`). A request absorbs an event once: it keeps the
+last core seq (and worker seq) it absorbed, so a replayed event changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sparseety.streams import block_index, kv_memory
+from sparseety.streams import prefix_index as pidx
+from sparseety.streams import segments as sg
+from sparseety.streams.flops import ModelShape
+from sparseety.streams.outputs import Stats
+from sparseety.streams.state import (
+    EpochState,
+    RequestState,
+    StateStore,
+    block_key,
+    request_key,
+    request_prefix,
+)
+
+
+class PositionFold:
+    """Request state in the store, and the steps that fold engine events into it.
+
+    Args:
+        store: Where state lives (a dict in tests and replay, a Faust table in the worker).
+        stats: Counters to update (late events, reopened requests).
+        max_blocks: Bound of one epoch's prefix index (``prefix_index_max_blocks``).
+    """
+
+    def __init__(self, store: StateStore, stats: Stats, max_blocks: int) -> None:
+        self.store = store
+        self.stats = stats
+        self.max_blocks = max_blocks
+        # Request states by key, the same objects the store holds: the per-step loop reads them
+        # with a plain dict lookup instead of a store call (dropped with them in ``drop``).
+        self._requests: dict[str, RequestState] = {}
+        #: KV-cache shapes per engine epoch (KV memory-time; dropped when an epoch restarts).
+        self.kv_shapes: dict[str, kv_memory.KvShape] = {}
+
+    # --- request state ---------------------------------------------------------------------
+
+    def request(self, epoch: EpochState, rid: str, *, create: bool = True) -> RequestState | None:
+        """The request's state; created (and opened on the epoch) when missing and ``create``."""
+        key = request_key(epoch.engine_id, rid)
+        r = self.store.get(key)
+        if r is None and create:
+            r = RequestState(engine_name=epoch.engine_name, engine_id=epoch.engine_id, request_id=rid)
+            self.store.put(key, r)
+            epoch.open_requests.append(rid)
+        return r  # type: ignore[no-any-return]
+
+    def put(self, r: RequestState) -> None:
+        self.store.put(request_key(r.engine_id, r.request_id), r)
+
+    def drop(self, engine_id: str, rid: str) -> None:
+        """Forget a request's state."""
+        key = request_key(engine_id, rid)
+        self._requests.pop(key, None)
+        self.store.delete(key)
+
+    def reopen(self, epoch: EpochState, req: RequestState) -> bool:
+        """A closed request got an event: reopen it when the close was an idle timeout (its record
+        is superseded by a new version when it closes again), else count a late event."""
+        acc = req.output
+        if acc is None or acc.get("incomplete_reason") != "idle_timeout":
+            self.stats.late_events += 1
+            return False
+        req.reopened = req.reopened or acc
+        req.output = None
+        req.closed = False
+        if req.request_id not in epoch.open_requests:
+            epoch.open_requests.append(req.request_id)
+        epoch.retiring = [x for x in epoch.retiring if x[0] != req.request_id]
+        self.stats.reopened += 1
+        return True
+
+    # --- admission -------------------------------------------------------------------------
+
+    def on_started(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any]) -> None:
+        r = self.request(epoch, body["request_id"])
+        assert r is not None
+        if r.seq >= seq or r.closed:
+            return
+        r.seq = seq
+        r.started = True
+        r.admission_seq = seq
+        r.tenant = body["tenant"]
+        r.session_id = body.get("session_id", "")
+        r.external_request_id = body.get("external_request_id", "")
+        r.parent_request_id = body.get("parent_request_id", "")
+        r.choice_index = body.get("choice_index", 0)
+        r.model = body["model"] or (epoch.config or {}).get("served_model_name", "")
+        r.lora_name = body["lora_name"]
+        r.arrival_ts = body["arrival_ts_ns"]
+        r.last_ts = ts
+        prompt = r.prompt_len = body["prompt_len"]
+        # Token records: kept as the engine's privacy mode sent them (ids, hashes or neither).
+        r.prompt_ids = list(body.get("prompt_token_ids") or ())
+        r.prompt_hashes = list(body.get("prompt_token_hashes") or ())
+        cached = r.cached_at_admission = body["num_cached_tokens"]
+        # A KV connector's tokens (P/D decode side) follow the local hit: loaded, not read from
+        # this engine's prefix cache, not computed here.
+        external = min(cached, max(0, body.get("num_external_cached_tokens", 0)))
+        local = cached - external
+        r.external_kv = external
+        r.cache_read += local
+        r.kv_end = max(r.kv_end, cached)
+        self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, local, cached)
+        self.put(r)
+
+    def _plan_prompt(
+        self,
+        epoch: EpochState,
+        r: RequestState,
+        seq: int,
+        hashes: list[bytes],
+        prompt: int,
+        cached: int,
+        loaded: int | None = None,
+    ) -> None:
+        """Lay out the prompt's statuses at admission: cached blocks with their source, positions
+        a KV connector loaded (``[cached, loaded)``), computed blocks (recomputed when the engine
+        had cached and evicted them before), and claims."""
+        bs = (epoch.config or {}).get("block_size") or 0
+        segs = r.segments
+        loaded = cached if loaded is None else max(cached, loaded)
+        if not bs or not hashes:
+            sg.append(segs, cached, sg.PROMPT, sg.CACHED)
+            sg.append(segs, loaded - cached, sg.PROMPT, sg.EXTERNAL_KV)
+            sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)
+            return
+        store = self.store
+        cleared = epoch.cleared
+        pos = 0
+        for i, h in enumerate(hashes):
+            hexh = h.hex()
+            key = block_key(epoch.engine_id, hexh)
+            block = store.get(key)
+            start, end = i * bs, (i + 1) * bs
+            if start < cached:
+                # Served from the prefix cache (a fully cached prompt still recomputes its last
+                # token, so the last block may be cached only in part).
+                live = pidx.live_as_of(block, seq, cleared) if block is not None else None
+                owner = live[pidx.COMPUTED_BY] if live else None
+                source = f"{epoch.engine_id}/{owner}" if owner else None
+                head = min(bs, cached - start)
+                sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
+                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
+                r.blocks.append([hexh, "cached", int(live[pidx.STORED]) if live else -1])
+            elif start < loaded:
+                # Loaded by a KV connector: no BlockUse (not computed or read here); a block it
+                # fills only in part is finished here, so this request begins its lifetime.
+                head = min(bs, loaded - start)
+                sg.append(segs, head, sg.PROMPT, sg.EXTERNAL_KV)
+                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
+                if block is None:
+                    block = pidx.new_block()
+                    epoch.block_count += 1
+                pidx.claim(block, r.request_id, seq, cleared)
+                store.put(key, block)
+            else:
+                if block is None:
+                    block = pidx.new_block()
+                    epoch.block_count += 1
+                # Recomputed after eviction: a lifetime of the hash ended before admission and no
+                # copy was live when vLLM looked the request up. Copies stored in this step (after
+                # the previous StepBatch) by an earlier admission of the step were live then: a
+                # hybrid model's request misses them when its sliding-window groups lack them.
+                recompute = pidx.evicted_before(block, seq, cleared) and not pidx.live_at_lookup(
+                    block, r.request_id, seq, epoch.step_seq, cleared
+                )
+                sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED_EVICTION if recompute else sg.COMPUTED)
+                if recompute:
+                    _add_span(r.eviction_spans, start, end)
+                    r.evicted_blocks_recomputed += 1
+                r.blocks.append([hexh, "recomputed" if recompute else "computed", -1])
+                pidx.claim(block, r.request_id, seq, cleared)
+                store.put(key, block)
+            pos = end
+        tail = prompt - pos
+        head = max(0, min(cached - pos, tail))
+        sg.append(segs, head, sg.PROMPT, sg.CACHED)
+        ext = max(0, min(loaded - pos - head, tail - head))
+        sg.append(segs, ext, sg.PROMPT, sg.EXTERNAL_KV)
+        sg.append(segs, tail - head - ext, sg.PROMPT, sg.COMPUTED)
+        block_index.bound(store, epoch, self.max_blocks)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def on_step(self, epoch: EpochState, seq: int, ts: int, body: dict[str, Any], shape: ModelShape) -> None:
+        # The hottest code of the worker (once per request per engine step): locals and inlined
+        # arithmetic on purpose; the rare paths (recompute, drafts, reopening) call out.
+        rids = body["req_ids"]
+        n_sched = body["num_scheduled_tokens"]
+        before = body["num_computed_before"]
+        n_new = body["num_new_tokens"]
+        # Output ids are kept only when the engine's privacy mode is raw (StepBatch carries them in
+        # every mode: the fold is where hashed and none drop them).
+        new_ids = body["new_token_ids"] if (epoch.config or {}).get("privacy_mode") == "raw" else None
+        ids_at = 0
+        proposed = body["spec_proposed"]
+        accepted = body["spec_accepted"]
+        step = body["step"]
+        # Async scheduling: steps from updates_before up to this one were in flight when it was
+        # scheduled (-1 from producers that do not say).
+        in_flight_from = body.get("updates_before", -1)
+        preempted = set(body["preempted_req_ids"])
+        if preempted:
+            for rid in preempted.difference(rids):
+                req = self.request(epoch, rid, create=False)
+                if req is None:
+                    epoch.unknown_requests += 1
+                elif req.seq < seq and not req.closed:
+                    req.seq = seq
+                    req.preemptions += 1
+                    req.preempted = True
+                    self.kv_drop(epoch, req, step, max(epoch.kv_clock, ts - body["duration_ns"]))
+                    self.put(req)
+        step_ns = body["duration_ns"]
+        start_ts = ts - step_ns
+        limited = bool(shape.limited)
+        per_token = shape.linear_flops_per_token
+        per_pair = shape.flops_per_pair
+        known = self._requests
+        touched: list[str] = []
+        prefix = request_prefix(epoch.engine_id)
+        shares: list[tuple[RequestState, float]] = []
+        kv_shape = self.kv_shape(epoch)
+        kv_on = kv_shape.observed
+        epoch.kv_last_step = step
+        kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
+        hits: list[tuple[RequestState, int, bool]] = []
+        total = 0.0
+        for i, rid in enumerate(rids):
+            ids_from = ids_at
+            ids_at += n_new[i]
+            key = prefix + rid
+            req = known.get(key)
+            if req is None:
+                req = self.request(epoch, rid, create=False)
+                if req is None:
+                    # Never started here (its RequestStarted was lost, or it was forgotten after
+                    # closing): counted, no state invented for it.
+                    epoch.unknown_requests += 1
+                    continue
+                known[key] = req
+            if req.seq >= seq:
+                continue
+            if req.closed and not self.reopen(epoch, req):
+                continue
+            computed_before = before[i]
+            n = n_sched[i]
+            causal = n * computed_before + n * (n + 1) // 2
+            attended: float = causal  # limits (windows, chunks) are rare
+            if limited:
+                req.pairs_full += causal
+                attended = shape.pairs(computed_before, n)[0]
+            req.pairs += attended
+            f = n * per_token + attended * per_pair
+            req.flops += f
+            total += f
+            shares.append((req, f))
+            req.seq = seq
+            # vLLM frees sliding-window blocks on the tokens processed at schedule time: with
+            # the request's previous step still in flight, that is where the previous step began.
+            if 0 <= in_flight_from <= req.last_step and req.steps:
+                req.release_basis = req.last_computed_before
+            else:
+                req.release_basis = -1
+            # Under async scheduling vLLM allocated this step on num_computed_tokens that counted
+            # the in-flight step's drafts as accepted (the producer's num_computed_before does not).
+            optimistic = (
+                computed_before + req.kv_last_dropped
+                if 0 <= in_flight_from <= req.last_step and req.steps
+                else computed_before
+            )
+            if kv_on and (not req.steps or req.preempted):
+                hits.append((req, computed_before, not req.steps))
+            req.steps += 1
+            req.last_step = step
+            req.last_ts = ts
+            if not req.first_sched_ts:
+                req.first_sched_ts = start_ts
+            req.last_computed_before = computed_before
+            req.scheduled += n
+            if preempted and rid in preempted:
+                req.preemptions += 1
+                req.preempted = True
+                if kv_on:
+                    self.kv_drop(epoch, req, step, kv_ts)
+                    hits.append((req, computed_before, False))
+            if kv_on:
+                basis = req.release_basis if req.release_basis >= 0 else computed_before
+                kv_memory.on_step(kv_shape, req, step, kv_ts, optimistic, n, basis)
+                if req.kv_shared:
+                    kv_memory.release_window(req, kv_shape, self.store, step, kv_ts, self.kv_holder(epoch))
+            if req.preempted:
+                # Resumed: what it finds in the prefix cache again is read, not computed.
+                req.preempted = False
+                req.cache_read += computed_before
+                if computed_before > req.kv_end:
+                    # Read beyond what it had obtained (another request computed it meanwhile).
+                    sg.assign(req.segments, req.kv_end, computed_before, sg.CACHED)
+                    req.kv_end = computed_before
+            new = n_new[i]
+            n_accepted = accepted[i] if accepted else 0
+            n_proposed = proposed[i] if proposed else 0
+            n_cut = 0
+            if n_proposed:
+                n_accepted, n_cut = split_drafts(n_proposed, n_accepted, new)
+            rejected = n_proposed - n_accepted - n_cut
+            req.kv_last_dropped = rejected + n_cut
+            valid_end = computed_before + n - rejected - n_cut
+            if n_proposed:
+                req.draft_accepted += n_accepted
+                req.draft_rejected += rejected
+                req.draft_cut += n_cut
+            kv_end = req.kv_end
+            if computed_before < kv_end:
+                _recompute_after_preemption(req, computed_before, min(valid_end, kv_end))
+                computed_before = kv_end
+            if valid_end > computed_before:
+                # First computation of [computed_before, valid_end) for this request: accepted
+                # drafts are their own class; blocks the engine had evicted are recomputes.
+                first_end = valid_end - n_accepted
+                if req.eviction_spans and first_end > computed_before:
+                    again = _overlap(req.eviction_spans, computed_before, first_end)
+                    req.recomputed_eviction += again
+                    req.uncached += first_end - computed_before - again
+                else:
+                    req.uncached += max(0, first_end - computed_before)
+                req.kv_end = valid_end
+            if new:
+                if not req.first_token_ts:
+                    req.first_token_ts = ts
+                req.out += new
+                if new_ids is not None:
+                    req.output_ids.extend(new_ids[ids_from:ids_at])
+                segs = req.segments
+                last = segs[-1] if segs else None
+                if (
+                    not n_accepted
+                    and last is not None
+                    and last[sg.KIND] == sg.OUTPUT
+                    and last[sg.STATUS] == sg.COMPUTED
+                    and not last[sg.DRAFT]
+                    and last[sg.FATE] == sg.KEPT
+                ):
+                    last[sg.END] += new  # the common decode step: extend the output run
+                else:
+                    drafts = min(n_accepted, new)
+                    sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
+                    sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
+            touched.append(key)
+        self.store.touch_many(touched)
+        if hits:
+            self.kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
+        if total > 0:
+            scale = step_ns / total
+            for req, f in shares:
+                req.gpu_ns += f * scale
+
+    # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
+
+    def kv_shape(self, epoch: EpochState) -> kv_memory.KvShape:
+        shape = self.kv_shapes.get(epoch.engine_id)
+        if shape is None:
+            shape = self.kv_shapes[epoch.engine_id] = kv_memory.KvShape(epoch.config)
+        return shape
+
+    def kv_holder(self, epoch: EpochState) -> Callable[[str], RequestState | None]:
+        """Look-up of a holder's state for a shared-block entry (marked written)."""
+
+        def holder(rid: str) -> RequestState | None:
+            r = self.request(epoch, rid, create=False)
+            if r is not None:
+                self.put(r)
+            return r
+
+        return holder
+
+    def kv_drop(self, epoch: EpochState, req: RequestState, step: int, ts: int) -> None:
+        """The request's blocks are freed at (step, ts): it was preempted or it ended."""
+        if not req.kv_since or req.kv_since[0] < 0:
+            return
+        if req.kv_shared:
+            kv_memory.leave(req, self.store, step, ts, self.kv_holder(epoch))
+        kv_memory.drop(req, step, ts)
+
+    def kv_close(self, epoch: EpochState, r: RequestState, finish: dict[str, Any] | None, ts: int) -> None:
+        """The request ended: its hold ends where the engine freed its blocks (RequestFinished
+        says when; else after the last step seen, at the close time)."""
+        fin = finish or {}
+        freed = fin.get("kv_freed_before_step", -1)
+        freed_ts = fin.get("kv_freed_ts_ns", 0)
+        self.kv_drop(
+            epoch,
+            r,
+            freed if freed > r.last_step else max(epoch.kv_last_step, r.last_step) + 1,
+            min(ts, freed_ts) if freed_ts > 0 else ts,
+        )
+
+    def kv_join(
+        self,
+        epoch: EpochState,
+        shape: kv_memory.KvShape,
+        seq: int,
+        step: int,
+        ts: int,
+        hits: list[tuple[RequestState, int, bool]],
+    ) -> None:
+        """Requests admitted or resumed in this step hold their prefix-cache hit's blocks, shared
+        with whoever else holds them (after the step's loop: every holder's table is current)."""
+        seen: set[str] = set()
+        holder = self.kv_holder(epoch)
+        for req, hit, first in hits:
+            if req.request_id in seen or hit <= 0:
+                continue
+            seen.add(req.request_id)
+            blocks = kv_memory.hit_blocks(
+                req, shape, self.store, epoch.engine_id, seq, hit, first, epoch.cleared
+            )
+            if blocks:
+                kv_memory.join(req, shape, self.store, epoch.engine_id, blocks, step, ts, holder)
+                self.put(req)
+
+    # --- MoE routing -----------------------------------------------------------------------
+
+    def on_routing(self, epoch: EpochState, seq: int, body: dict[str, Any]) -> None:
+        layers, experts = body["num_layers"], body["num_experts"]
+        width = layers * experts
+        counts = body["expert_counts"]
+        for i, rid in enumerate(body["req_ids"]):
+            # Routing comes on the worker stream, which is not ordered with the core stream: it
+            # may precede the request's RequestStarted, so it may create the request's state.
+            r = self.request(epoch, rid)
+            if r is None or r.worker_seq >= seq:
+                continue
+            if r.closed:
+                self.stats.late_events += 1
+                continue
+            r.worker_seq = seq
+            row = counts[i * width : (i + 1) * width]
+            if not r.experts:
+                r.expert_layers, r.expert_experts = layers, experts
+                r.experts = list(row)
+            else:
+                r.experts = [x + y for x, y in zip(r.experts, row, strict=False)]
+            self.put(r)
+        if body["step"] > epoch.worker_step:
+            epoch.worker_step = body["step"]
+
+
+def _recompute_after_preemption(req: RequestState, start: int, end: int) -> None:
+    """Re-prefill of [start, end), positions this request had computed or read before."""
+    if end <= start:
+        return
+    req.recomputed_preemption += end - start
+    sg.assign(req.segments, start, end, sg.RECOMPUTED_PREEMPTION)
+
+
+def split_drafts(proposed: int, accepted: int, new: int) -> tuple[int, int]:
+    """``(accepted, cut)`` drafts of one step; the rest of ``proposed`` were rejected.
+
+    A verified step yields the accepted drafts plus one sampled token. Fewer new tokens mean the
+    stop condition cut the tail: drafts past the stop were computed, then thrown away (cut, not
+    accepted). No new token and nothing accepted means the request finished between schedule
+    and update: its drafts were never verified (cut, not rejected).
+    """
+    if new == 0 and accepted == 0:
+        return 0, proposed
+    cut = max(0, accepted - new)
+    return accepted - cut, cut
+
+
+def _add_span(spans: list[list[int]], start: int, end: int) -> None:
+    """Add [start, end) to sorted disjoint spans (admission plans add them in order)."""
+    if spans and spans[-1][1] >= start:
+        spans[-1][1] = max(spans[-1][1], end)
+    else:
+        spans.append([start, end])
+
+
+def _overlap(spans: list[list[int]], start: int, end: int) -> int:
+    """Positions of [start, end) inside the spans."""
+    total = 0
+    for lo, hi in spans:
+        if hi <= start:
+            continue
+        if lo >= end:
+            break
+        total += min(hi, end) - max(lo, start)
+    return total
