@@ -441,7 +441,9 @@ def majority_end(groups: list[dict[str, Any]], ends: list[int]) -> int:
 
 
 #: Every KV memory-time count :func:`kv_mismatches` can hold against the truth.
-KV_CHECKS = frozenset({"block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used", "amortized", "block_ns"})
+KV_CHECKS = frozenset(
+    {"block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used", "amortized", "block_ns"}
+)
 
 
 def kv_mismatches(
@@ -490,7 +492,9 @@ def kv_mismatches(
                 if k in checks and g[k] != t[k]:
                     out.append(f"{rid} group {gi} {k}: fold {g[k]} != engine {t[k]}")
             amortized = Fraction(*t["block_steps_amortized"])
-            if "amortized" in checks and abs(g["block_steps_amortized"] - amortized) > max(1, g["peak_blocks"]):
+            if "amortized" in checks and abs(g["block_steps_amortized"] - amortized) > max(
+                1, g["peak_blocks"]
+            ):
                 out.append(f"{rid} group {gi} amortized: fold {g['block_steps_amortized']} != {amortized}")
             if g["slot_steps_allocated"] != g["block_steps"] * g["block_size"]:
                 out.append(f"{rid} group {gi}: allocated slots != block-steps x block size")

@@ -71,7 +71,14 @@ def test_every_field_lands(store: Store) -> None:
     write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, rec), (ev.USAGE_WINDOW, f.usage_window())])
     (row,) = store.query(f"SELECT * FROM {store.database}.requests_v")
     for field, value in rec.items():
-        if field not in ("block_uses", "timeline", "expert_counts", "kv_groups", "kv_peak_bytes", *TOKEN_FIELDS):
+        if field not in (
+            "block_uses",
+            "timeline",
+            "expert_counts",
+            "kv_groups",
+            "kv_peak_bytes",
+            *TOKEN_FIELDS,
+        ):
             assert row[field] == value, field
     (tokens,) = store.query(f"SELECT * FROM {store.database}.request_tokens_v")
     assert tokens["privacy"] == rec["token_privacy"] == "raw"
