@@ -513,7 +513,8 @@ def _finish(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r: dict[str, Any] = {}
         for k, v in row.items():
             if k.endswith("_pico"):
-                r[k[: -len("_pico")] + "_usd"] = money(v)
+                # NULL money (KV memory-time not observed in the whole group) stays None, never 0
+                r[k[: -len("_pico")] + "_usd"] = money(v) if v is not None else None
             elif isinstance(v, datetime) and v.tzinfo is None:
                 r[k] = v.replace(tzinfo=UTC)
             else:

@@ -412,3 +412,35 @@ def test_kv_memory_time_lands_and_old_rows_read_not_observed(store: Store) -> No
     assert kv["kv_peak_bytes"] == 5 << 20 and kv["kv_never_held_blocks"] == 2
     assert (kv["kv_slot_steps_used"], kv["kv_slot_steps_allocated"]) == (800, 960)
     assert all(before[c] is None for c in KV_COLUMNS)
+
+
+def test_query_cost_prices_kv_memory_time_per_gib_hour(store: Store) -> None:
+    """``query cost``'s kv columns: the mode's byte-ms and its price (USD per GiB-hour, floored
+    per request), beside the token cost; a request without memory-time is counted as not
+    observed, and a model without a kv price as unpriced."""
+    from decimal import Decimal
+
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+    from sparseety.sinks.clickhouse.queries import Queries
+
+    gib_ms_hour = (1 << 30) * 3_600_000  # one GiB held for one hour, in byte-ms
+    # block_ns x bytes / 1e6 = byte-ms: 3.6e12 ns x 2^30 B = one GiB-hour held; actual half of it
+    one = _kv_group(bytes_per_block=1 << 30, block_ns=3_600_000_000_000)
+    one.update(block_ns_actual=1_800_000_000_000, block_ns_amortized=2_700_000_000_000)
+    now = time.time_ns()
+    recs = [
+        rich(
+            f"{f.EID}/a", tenant="A", model="m1", finished_ts_ns=now, kv_groups=[one], kv_peak_bytes=1 << 30
+        ),
+        rich(f"{f.EID}/b", tenant="A", model="m1", finished_ts_ns=now),  # written before: not observed
+    ]
+    write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, r) for r in recs])
+    set_prices(store, [Price("m1", "kv", Decimal("0.36"), 0)])
+    q = Queries(store)
+    actual = {r["tenant"]: r for r in q.cost(mode="actual", by=["tenant"])}["A"]
+    assert actual["kv_byte_ms"] == gib_ms_hour // 2
+    assert actual["kv_cost_usd"] == Decimal("0.18")
+    assert (actual["kv_not_observed"], actual["kv_unpriced"]) == (1, 0)
+    amortized = {r["tenant"]: r for r in q.cost(mode="amortized", by=["tenant"])}["A"]
+    assert amortized["kv_byte_ms"] == gib_ms_hour * 3 // 4
+    assert amortized["kv_cost_usd"] == Decimal("0.27")
