@@ -147,8 +147,8 @@ class RowBuffer:
             append(rec[f])
         self._evicted(rec.get("evicted_tokens", 0))
         req = self.columns[REQUESTS.name]
-        for col, value in zip(KV_COLUMNS, kv_totals(rec), strict=True):
-            req[col].append(value)
+        for col, kv_value in zip(KV_COLUMNS, kv_totals(rec), strict=True):
+            req[col].append(kv_value)
         req["attention_window"].append(timeline.get("attention_window"))
         req["segment_count"].append(len(segments))
         req["block_use_count"].append(len(uses))
