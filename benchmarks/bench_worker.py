@@ -19,7 +19,13 @@ each round:
    under the worker's garbage-collector settings (``sparseety.lifecycle.tune_gc``).
 
 The ratio is worker request-steps per CPU-second / fold request-steps per CPU-second (medians over
-rounds). Wall-clock rates are printed too; on a shared machine they include waiting for a core.
+rounds). Per round and per workload the script also prints where the worker's CPU went, per
+CPU-second of the pure fold: its batch thread's stages (``sparseety:worker_stage_cpu_seconds_total``
+from its metrics endpoint: decode, fold, encode, send, state), ``rest`` (that thread outside the
+stages: Faust's delivery, acks, commits, timers) and ``others`` (its other threads, Faust's
+consumer thread); and the worker's own fold stage as a share of its CPU, which is measured at the
+same moment as the rest and so moves less with a shared machine's load than the ratio does.
+Wall-clock rates are printed too; on a shared machine they include waiting for a core.
 The last two lines are the issue-13 targets::
 
     bench_worker: batch-4 NNN events/s per worker core (worker/fold ratio 0.NN)
@@ -68,6 +74,34 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` and its threads, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of ``pid`` (by thread id)."""
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+STAGES = ("decode", "fold", "encode", "send", "state")
+
+
+def stage_cpu(port: int) -> dict[str, float]:
+    """The worker's ``sparseety:worker_stage_cpu_seconds_total`` per stage (its metrics endpoint)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = dict.fromkeys(STAGES, 0.0)
+    for line in text.splitlines():
+        if line.startswith("sparseety:worker_stage_cpu_seconds_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('stage="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
 
 
 def fold_cpu(cfg: WorkerConfig, events: list[dict[str, Any]], runs: int) -> float:
@@ -166,9 +200,11 @@ main()
 
 
 def start_py_spy(pid: int, path: str) -> subprocess.Popen[bytes]:
-    """Sample ``pid`` with py-spy (collapsed stacks, idle frames left out) until SIGINT."""
+    """Sample ``pid`` with py-spy (collapsed stacks) until SIGINT: only threads holding the GIL,
+    since on a shared machine a thread back from ``select`` but waiting for a core is not idle to
+    py-spy, and such samples hid where the CPU goes (most of a loaded run's samples)."""
     exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-    command = [exe, "record", "--pid", str(pid), "--rate", "1000", "--format", "raw", "-o", path]
+    command = [exe, "record", "--pid", str(pid), "--rate", "1000", "--gil", "--format", "raw", "-o", path]
     sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches before the workload starts
     return sampler
@@ -181,11 +217,15 @@ def run_worker(
     events: list[dict[str, Any]],
     profile: str | None,
     py_spy: str | None = None,
-) -> tuple[float, float]:
-    """Worker (CPU seconds, wall seconds) to turn ``events`` into their timelines."""
+) -> tuple[float, float, dict[str, float]]:
+    """Worker (CPU seconds, wall seconds, CPU seconds per stage) to turn ``events`` into their
+    timelines. The stages are the worker's ``sparseety:worker_stage_cpu_seconds_total`` (its batch
+    thread), ``rest`` the batch thread's CPU outside them (Faust's delivery, acks, commits, timers),
+    ``others`` the process's other threads (Faust's consumer thread)."""
     from sparseety.kafka import ensure_topics
-    from tests.helpers import VENV_BIN, ComponentProcess
+    from tests.helpers import VENV_BIN, ComponentProcess, free_port
 
+    port = free_port()
     cfg = base.replace(
         topics={
             "engine_events": f"{tag}.ee",
@@ -194,7 +234,7 @@ def run_worker(
             "dlq": f"{tag}.dlq",
             "partitions": 1,
         },
-        worker={"app_id": f"bench-{tag}"},
+        worker={"app_id": f"bench-{tag}", "metrics_port": port},
     )
     ensure_topics(cfg)
     command = None
@@ -209,15 +249,23 @@ def run_worker(
         time.sleep(0.5)  # let the warm-up batch's changelog write and commit settle
         n_closed = 1 + sum(1 for e in events if ev.payload_type(e) == ev.REQUEST_FINISHED)
         sampler = start_py_spy(worker.proc.pid, py_spy) if py_spy else None
+        threads0, stages0 = thread_cpu(worker.proc.pid), stage_cpu(port)
         cpu0, wall0 = cpu_seconds(worker.proc.pid), time.monotonic()
         produce(cfg, events)
         print(f"  produced in {time.monotonic() - wall0:.2f} s", flush=True)
         wall1 = counter.wait(n_closed, worker, 600)
+        time.sleep(0.3)  # the last batch writes its state after its outputs were acknowledged
         cpu1 = cpu_seconds(worker.proc.pid)
+        threads1, stages1 = thread_cpu(worker.proc.pid), stage_cpu(port)
+        pid = worker.proc.pid
+        split = {k: stages1[k] - stages0[k] for k in STAGES}
+        # The batch thread is the main one; Faust's consumer thread and the rest are "others".
+        split["rest"] = threads1.get(pid, 0.0) - threads0.get(pid, 0.0) - sum(split.values())
+        split["others"] = sum(v - threads0.get(t, 0.0) for t, v in threads1.items() if t != pid)
         if sampler is not None:
             sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
             sampler.wait(60)
-        return cpu1 - cpu0, wall1 - wall0
+        return cpu1 - cpu0, wall1 - wall0, split
     finally:
         counter.close()
         worker.stop()
@@ -273,15 +321,21 @@ def main() -> None:
                 profile = f"{args.profile}.{batch}" if args.profile and r == args.rounds - 1 else None
                 last = r == args.rounds - 1
                 sampled = f"{args.py_spy}.{batch}" if args.py_spy and last else None
-                cpu, wall = run_worker(base, tmp, f"b{batch}r{r}", events, profile, sampled)
+                cpu, wall, split = run_worker(base, tmp, f"b{batch}r{r}", events, profile, sampled)
                 fold_s = fold_cpu(base.worker, events, 3)
                 res = results[batch]
                 res["worker"].append(cpu)
                 res["wall"].append(wall)
                 res["fold"].append(fold_s)
+                for k, v in split.items():
+                    res.setdefault(f"stage {k}", []).append(v / fold_s)
+                # Measured in the worker at the same moment as the rest of its CPU, so the load of
+                # a shared machine moves it less than the ratio to a fold timed afterwards.
+                res.setdefault("own fold", []).append(split["fold"] / cpu)
                 print(
                     f"round {r} batch {batch}: {len(events)} events, {request_steps} request-steps; "
-                    f"worker {cpu:.2f} CPU-s ({wall:.2f} s wall), fold {fold_s:.2f} CPU-s",
+                    f"worker {cpu:.2f} CPU-s ({wall:.2f} s wall), fold {fold_s:.2f} CPU-s; worker "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
                     flush=True,
                 )
     finally:
@@ -296,6 +350,13 @@ def main() -> None:
             f"({len(events) / worker_s:,.0f} events/CPU-s; "
             f"wall {request_steps / wall_s:,.0f} request-steps/s), "
             f"fold {request_steps / fold_s:,.0f} request-steps/CPU-s; ratio {ratio:.2f}"
+        )
+        print(
+            f"batch {batch:>3}: worker CPU per fold CPU-s, by stage (medians): "
+            + ", ".join(
+                f"{k} {statistics.median(res[f'stage {k}']):.2f}" for k in (*STAGES, "rest", "others")
+            )
+            + f"; the worker's own fold stage / its CPU {statistics.median(res['own fold']):.2f}"
         )
         lines[batch] = (ratio, request_steps / worker_s, len(events) / worker_s)
     if args.only:

@@ -121,7 +121,14 @@ def broker_status(c: CliContext, port: int | None) -> None:
 
 @main.command("analyze")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report directory.")
+@click.option(
+    "--output",
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Report directory (--out: its older name; one --output flag across commands).",
+)
 @click.option(
     "--format", "fmt", type=click.Choice(["json", "csv", "parquet"]), default="json", show_default=True
 )

@@ -123,6 +123,8 @@ def build(
         "parent_request_id": r.parent_request_id,
         "choice_index": r.choice_index,
         "external_kv_tokens": r.external_kv,
+        "warmup_gpu_time_ns": round(r.warmup_gpu_ns),
+        "source_history_lost_ts_ns": r.source_lost_ns,
         **token_fields(cfg.get("privacy_mode", ""), r),
         "kv_groups": kv_memory.record(kv_memory.KvShape(cfg), r) if r.steps else [],
         "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,

@@ -24,7 +24,11 @@ its piece is deleted here and its caller keeps working through the same function
    rewrites every live request's state at each flush, so that path alone cost several times the
    fold (``benchmarks/bench_worker.py --profile``). The records go as aiokafka record batches
    (``create_batch``/``send_batch``) on the producer Faust started (its private ``_producer``),
-   to the same changelog topic and partition, in the same order.
+   to the same changelog topic and partition, in the same order. The worker's outputs go the same
+   way (:func:`send_batches`): through Faust's ``Topic.send`` each record cost the same per-record
+   path, a visible share of the worker's CPU per fold CPU-second (``bench_worker.py``'s stages);
+   their partition is the one aiokafka's own ``send`` would pick (its configured partitioner on
+   the key, the producer's private ``_partition``), so records keep their partitions.
 4. **The terminal spinner** (:func:`without_spinner`): faust-streaming's ``Worker`` keeps its
    progress spinner when the log level is WARN or above and then sets the root logger to DEBUG
    (``Worker._setup_spinner_handler``), so with ``--loglevel warning`` every aiokafka debug
@@ -225,21 +229,41 @@ class ChangelogTable:
     async def _send(self, records: list[tuple[bytes, bytes | None]]) -> None:
         """Send ``records`` to this partition of the changelog as record batches; return once
         all are acknowledged (see item 3 above)."""
-        producer = self.table.app.producer._ensure_producer()  # the started AIOKafkaProducer
         topic = self.table.changelog_topic.get_topic_name()
-        pending: list[Awaitable[Any]] = []
-        batch = producer.create_batch()
+        await send_batches(self.table.app, topic, list(records), self.partition)
+
+
+async def send_batches(
+    app: Any, topic: str, records: list[tuple[bytes | None, bytes | None]], partition: int | None = None
+) -> None:
+    """Send ``records`` (key, value) to ``topic`` as aiokafka record batches on the producer Faust
+    started, in order per partition (``partition``, else the one aiokafka's ``send`` would pick
+    for the key); return once all are acknowledged (item 3 above)."""
+    if not records:
+        return
+    producer = app.producer._ensure_producer()  # the started AIOKafkaProducer
+    by_partition: dict[int, list[tuple[bytes | None, bytes | None]]] = {}
+    if partition is None:
+        await producer.client._wait_on_metadata(topic)
+        pick = producer._partition
         for key, value in records:
+            by_partition.setdefault(pick(topic, None, key, value, key, value), []).append((key, value))
+    else:
+        by_partition[partition] = records
+    pending: list[Awaitable[Any]] = []
+    for part, items in by_partition.items():
+        batch = producer.create_batch()
+        for key, value in items:
             if batch.append(key=key, value=value, timestamp=None) is None:
                 if batch.record_count():
-                    pending.append(await producer.send_batch(batch, topic, partition=self.partition))
+                    pending.append(await producer.send_batch(batch, topic, partition=part))
                     batch = producer.create_batch()
                 if batch.append(key=key, value=value, timestamp=None) is None:
                     # Larger than a whole batch: aiokafka sends it alone (up to the request size).
-                    pending.append(await producer.send(topic, value, key=key, partition=self.partition))
+                    pending.append(await producer.send(topic, value, key=key, partition=part))
         if batch.record_count():
-            pending.append(await producer.send_batch(batch, topic, partition=self.partition))
-        await asyncio.gather(*pending)
+            pending.append(await producer.send_batch(batch, topic, partition=part))
+    await asyncio.gather(*pending)
 
 
 # --- 4. the terminal spinner ------------------------------------------------------------------

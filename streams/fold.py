@@ -22,6 +22,7 @@ from typing import Any
 from sparseety.streams import block_index, kv_memory
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
+from sparseety.streams.caveats import is_warmup_step
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.outputs import Stats
 from sparseety.streams.state import (
@@ -159,6 +160,8 @@ class PositionFold:
                 live = pidx.live_as_of(block, seq, cleared) if block is not None else None
                 owner = live[pidx.COMPUTED_BY] if live else None
                 source = f"{epoch.engine_id}/{owner}" if owner else None
+                if owner is None and epoch.history_lost_ts_ns:
+                    r.source_lost_ns = epoch.history_lost_ts_ns  # docs: streams/caveats.py
                 head = min(bs, cached - start)
                 sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
                 sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
@@ -373,8 +376,12 @@ class PositionFold:
             self.kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
         if total > 0:
             scale = step_ns / total
-            for req, f in shares:
-                req.gpu_ns += f * scale
+            if is_warmup_step(step):  # the cold start: reported apart (streams/caveats.py)
+                for req, f in shares:
+                    req.warmup_gpu_ns += f * scale
+            else:
+                for req, f in shares:
+                    req.gpu_ns += f * scale
 
     # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
 

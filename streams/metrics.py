@@ -17,6 +17,16 @@ DEAD_LETTERS = Counter(
 REFETCHED = Counter(
     "sparseety:worker_refetched_events_total", "Events the stream consumer skipped and the worker re-read."
 )
+STAGE_CPU = Counter(
+    "sparseety:worker_stage_cpu_seconds_total",
+    "CPU time of the worker's batch-handling thread per stage of a batch: decode (bytes to "
+    "validated events), fold (Assembler.apply), encode (the outputs' Avro), send (from handing the "
+    "outputs over until Kafka acknowledged them) and state (changelog encode, send and "
+    "acknowledgement). Thread CPU time, so send and state include whatever else ran on the event "
+    "loop while the batch waited for Kafka; the process's CPU outside these is Faust's, aiokafka's "
+    "and the other threads'.",
+    ["stage"],
+)
 FOLD_SECONDS = Histogram("sparseety:worker_batch_fold_seconds", "Time to fold one partition batch.")
 ASSEMBLER = Counter(
     "sparseety:assembler_events_total",

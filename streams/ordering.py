@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sparseety.streams.caveats import history_lost_at
 from sparseety.streams.state import EpochState
 
 
@@ -80,6 +81,8 @@ def _declare_gap(epoch: EpochState, stream: str, max_pending: int, lateness_ns: 
         return 0
     missing = seqs[0] - epoch.next_seq[stream]
     epoch.gaps += missing
+    first_after = pending[str(seqs[0])]["ts_ns"]
+    epoch.history_lost_ts_ns = history_lost_at(stream, missing, first_after, epoch.history_lost_ts_ns)
     epoch.next_seq[stream] = seqs[0]
     return missing
 

@@ -1,5 +1,5 @@
 """The Faust runtime of the assembler worker (``streams/app.py``): the app factory, raw topics,
-awaited sends and the run-and-exit wrapper. (The sink needs no stream processor: it is a plain
+and the run-and-exit wrapper. (The sink needs no stream processor: it is a plain
 batch consumer loop, ``sinks/consumer.py``.)
 
 Workarounds for Faust's and the brokers' quirks are not here but in ``streams/compat.py``.
@@ -7,7 +7,6 @@ Workarounds for Faust's and the brokers' quirks are not here but in ``streams/co
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -67,17 +66,6 @@ def create_app(cfg: Config, app_id: str, *, session_timeout_s: float, **settings
 def raw_topic(app: faust.App, *names: str) -> Any:
     """A topic (or several read as one) of raw bytes keys and values: the codecs are ours."""
     return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-
-
-async def send_awaited(topic: Any, items: list[tuple[bytes | None, bytes]]) -> None:
-    """Send ``(key, value)`` records and return once Kafka acknowledged all of them.
-
-    ``force``: publish now instead of attaching to the current event (which would only be
-    published at commit, after the batch, and so could not be awaited here).
-    """
-    pending = [await topic.send(key=key, value=value, force=True) for key, value in items]
-    if pending:
-        await asyncio.gather(*pending)
 
 
 class _ReadyWorker(faust.Worker):

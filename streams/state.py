@@ -181,6 +181,10 @@ class RequestState(_Record):
     release_basis: int = -1
     # Added with KV connectors (appended): prompt positions loaded from outside this engine.
     external_kv: int = 0
+    # Added with the fold's caveats (appended; streams/caveats.py): the share of the epoch's cold
+    # first step, and when the prefix history some cached block's source was lost with.
+    warmup_gpu_ns: float = 0.0
+    source_lost_ns: int = 0
     # Added with KV memory-time (appended; streams/kv_memory.py has the per-group layout):
     # per KV-cache group the block table, null blocks, peak and the integrals; the (step, ts) of
     # the last change of the holding ([-1, 0]: holds nothing); the shared-block entries it is in
@@ -236,6 +240,7 @@ class EpochState(_Record):
     producer_stats: dict[str, int] = field(default_factory=dict)
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
     step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
+    history_lost_ts_ns: int = 0  # event time after the last core-stream gap (streams/caveats.py)
     kv_last_step: int = -1  # step number of the last StepBatch (a request's KV hold ends after it)
     #: The KV clock: the latest step start seen (StepBatch ts - duration). Under async scheduling
     #: a step's duration includes waiting for the one before, so starts are not monotone; KV

@@ -245,6 +245,34 @@ def long_request(
     return events
 
 
+def history_loss(ts0: int = 0, *, cold_step_ns: int = 1_000_000) -> list[dict[str, Any]]:
+    """An epoch whose prefix history is lost: r1 computes blocks a, b (the epoch's first step, of
+    ``cold_step_ns``); seq 3, the KvBlocksStored of both, is the one to drop; r2 then reads both
+    from the cache (streams/caveats.py). Event times are ``ts0 + 1000 * (seq + 1)``."""
+    stored = {
+        "block_hashes": [b"a", b"b"],
+        "parent_block_hash": None,
+        "block_size": 4,
+        "num_tokens": 8,
+        "lora_id": None,
+        "medium": "GPU",
+        "group_kind": "full_attention",
+        "sliding_window": None,
+    }
+    prompt = list(range(8))
+    bodies = [
+        (ev.ENGINE_STARTED, engine_started()),
+        (ev.REQUEST_STARTED, request_started("r1", prompt, hashes=[b"a", b"b"])),
+        (ev.STEP_BATCH, step_batch(0, [("r1", 8, 0, [1])], duration_ns=cold_step_ns)),
+        (ev.KV_STORED, stored),
+        (ev.REQUEST_FINISHED, request_finished("r1", prompt=8, output=1)),
+        (ev.REQUEST_STARTED, request_started("r2", [*prompt, 9], cached=8, hashes=[b"a", b"b"])),
+        (ev.STEP_BATCH, step_batch(1, [("r2", 1, 8, [5])])),
+        (ev.REQUEST_FINISHED, request_finished("r2", prompt=9, output=1, cached=8)),
+    ]
+    return [wrap(i, t, b, ts_ns=ts0 + 1000 * (i + 1)) for i, (t, b) in enumerate(bodies)]
+
+
 def segment(start: int, end: int, kind: str, status: str, **over: Any) -> dict[str, Any]:
     """One TokenSegment of a RequestAccounting timeline (not a draft, no source, KV kept)."""
     return {
@@ -325,6 +353,8 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "parent_request_id": "",
         "choice_index": 0,
         "external_kv_tokens": 0,
+        "warmup_gpu_time_ns": 0,
+        "source_history_lost_ts_ns": 0,
         "kv_groups": [],
         "kv_peak_bytes": -1,
     }

@@ -101,6 +101,8 @@ def ingest_cmd(
         f"{report.events_published} events published to {report.topic} in {report.seconds:.2f} s "
         f"({report.events_per_s:,.0f} events/s); engines: {', '.join(report.engine_ids) or '-'}"
     )
+    if report.skipped:
+        click.echo(f"{report.skipped} lines that are not request records skipped (not dead-lettered)")
     if report.hint:
         click.echo(f"hint: {report.hint}", err=True)
     if report.bad:

@@ -7,7 +7,10 @@ a DeadLetter (component ``ingest``, topic ``file:<path>``, offset = line or reco
 its bytes) — and the rest of the file is still published. With ``strict=True`` the whole file is
 checked first and nothing is published when any line is bad
 (:class:`~sparseety.producers.logs.errors.BadTraceLineError` for the first one). A recording cut
-short ends the read there (nothing after it can be framed); that is one bad record.
+short ends the read there (nothing after it can be framed); that is one bad record. A vLLM log
+differs: only a line that claims to be a request record and fails is bad (dead-lettered); the
+server's other lines and foreign ones are counted in :attr:`IngestReport.skipped`
+(:mod:`~sparseety.producers.logs.vllm_log`, line policy).
 
 Delivery: confluent-kafka's idempotent producer, keyed by engine name (one engine's events stay
 in order in one partition); the ingest returns once Kafka acknowledged every event, or raises
@@ -56,6 +59,8 @@ class IngestReport:
     errors: list[tuple[int, str]] = field(default_factory=list)
     engine_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: vLLM logs: lines that are not request records (skipped, not bad, not dead-lettered).
+    skipped: int = 0
     #: vLLM logs: requests received but never finished in the log, and a cut last line.
     unfinished: int = 0
     partial: int = 0
@@ -91,6 +96,7 @@ class IngestReport:
             "requests": self.requests,
             "bad_lines": self.bad,
             "dead_lettered": self.dead_lettered,
+            "skipped_lines": self.skipped,
             "errors": [{"line": n, "reason": r} for n, r in self.errors],
             "engine_ids": list(self.engine_ids),
             "unfinished_requests": self.unfinished,
@@ -299,6 +305,7 @@ def ingest(
     log_utc_offset_s: int = 0,
     log_select: Callable[[LogRequest], bool] | None = None,
     log_window_s: float | None = None,
+    log_published: Callable[[LogRequest], None] | None = None,
 ) -> IngestReport:
     """Publish a trace file to ``cfg.topics.engine_events``.
 
@@ -319,6 +326,7 @@ def ingest(
         log_select: ``vllm-log``: publish only the requests this accepts.
         log_window_s: ``vllm-log``: publish only the requests that finished within this many
             seconds of the log's last finished request (the log's own clock).
+        log_published: ``vllm-log``: called with each request published (a collect job's report).
 
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
@@ -411,9 +419,12 @@ def ingest(
             for event in epoch.log_request(req, default_tenant, default_model or "vllm-log"):
                 publisher.send(key, encoder.encode(event))
             report.requests += 1
+            if log_published is not None:
+                log_published(req)
         report.bytes_read = report.total_bytes
         parsed = parser.finish()
         report.unfinished = len(parsed.unfinished)
+        report.skipped = parsed.skipped_lines
         report.partial = len(parsed.partial)
         if not logged[0] and not report.unfinished:
             report.hint = (

@@ -30,11 +30,14 @@ that are modelled in ``modelled``; ``sparseety analyze`` reports them per reques
 * ``prompt_tokens``: modelled without DEBUG (0) or when the ids may be cut by ``--max-log-len``;
 * ``finish_reason``: modelled for streamed responses (``unknown`` unless a delta logged one).
 
-Line policy: a vLLM-format line whose message is not about a request (startup, engine steps) and a
-uvicorn access line are understood and ignored; a request line that does not parse and any other
-line (warnings printed by libraries, tracebacks, progress bars) is a bad line, dead-lettered with
-its line number. A request seen received but never finished (vLLM's ``/v1/completions`` logs no
-output) is reported as unfinished and emits nothing.
+Line policy: only request records can be bad. A line that is not one is *skipped* and counted,
+never dead-lettered: a vLLM-format line whose message is not about a request (startup, engine
+steps) or a uvicorn access line (``ignored_lines``), and any other line (warnings printed by
+libraries, tracebacks, progress bars: ``foreign_lines``). A line that claims to be a request
+record (a vLLM-format line whose message starts as one does) and does not parse, or names a
+request the log never received, is a bad line, dead-lettered with its line number; so is a line
+over :data:`MAX_LOG_LINE_BYTES` (it cannot be read to tell). A request seen received but never
+finished (vLLM's ``/v1/completions`` logs no output) is reported as unfinished and emits nothing.
 
 Rotation: the segments of one log are read as one stream, oldest first
 (:func:`rotation_order`: ``server.log.2``, ``server.log.1``, ``server.log``), so a request received
@@ -154,7 +157,14 @@ class LogParse:
     requests: list[LogRequest] = field(default_factory=list)
     unfinished: list[LogRequest] = field(default_factory=list)
     ignored_lines: int = 0
+    #: Lines not in vLLM's log format (library warnings, tracebacks, progress bars): skipped.
+    foreign_lines: int = 0
     partial: list[tuple[str, int]] = field(default_factory=list)  # (segment, line) of a cut last line
+
+    @property
+    def skipped_lines(self) -> int:
+        """Lines that are not request records (vLLM's other lines and foreign ones): skipped."""
+        return self.ignored_lines + self.foreign_lines
 
 
 def rotation_order(paths: Iterable[str | Path]) -> list[Path]:
@@ -225,8 +235,9 @@ class VllmLogParser:
         if m is None:
             if _UVICORN.match(text) or _PROCESS.match(text):
                 self.result.ignored_lines += 1
-                return None
-            raise BadTraceLineError(n, "not a vLLM log line")
+            else:  # not a request record: skipped, not bad (docs/api.md, vLLM server logs)
+                self.result.foreign_lines += 1
+            return None
         msg = m.group("msg")
         if not msg.startswith(_REQUEST_WORDS):
             if _ARGS.match(msg) and (found := _SERVED.search(msg) or _MODEL.search(msg)):

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from sparseety.errors import QueryError
 from sparseety.sinks.clickhouse import ids, regressions, routing, sessions, whatif
+from sparseety.sinks.clickhouse.caveats import note_lost_sources
 from sparseety.sinks.clickhouse.export import export
 from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
 from sparseety.sinks.clickhouse.tokens import token_records_lookup
@@ -157,6 +158,7 @@ def cost_sql(
     if mode == "list":
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
+            "input_tokens + cached_tokens AS prompt_tokens, "
             "sum(c.output_tokens) AS output_tokens, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
@@ -173,10 +175,13 @@ def cost_sql(
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
         if mode == "amortized":
-            measures += ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico"
+            measures += (
+                ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico, "
+                "countIf(w.source_history_lost_ts_ns > 0) AS fallback_requests"
+            )
         measures += ", " + kv_cost_measures(mode)
     join = (
-        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid"
+        f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid {_caveats_join(db)}"
         if mode == "amortized"
         else ""
     )
@@ -402,10 +407,19 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
     return _per_request(db, select, measures, where, keys), params
 
 
+def _caveats_join(db: str) -> str:
+    """The fold's caveats of each request (streams/caveats.py) beside ``c``, as ``w``."""
+    return (
+        f"LEFT JOIN (SELECT request_uid, warmup_gpu_time_ns, source_history_lost_ts_ns FROM {db}.requests_v) "
+        "AS w ON c.request_uid = w.request_uid"
+    )
+
+
 def gpu_time_sql(
     db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
-    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time)."""
+    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time), and
+    beside it the engines' cold first steps (``warmup_gpu_time_ns``, not attributed)."""
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
@@ -413,9 +427,14 @@ def gpu_time_sql(
         "if(sum(sum(c.gpu_time_ns)) OVER () = 0, 0, "
         "gpu_time_ns / sum(sum(c.gpu_time_ns)) OVER ()) AS gpu_share, "
         "sum(c.est_flops) AS est_flops, sum(c.gpu_pico) AS cost_pico, "
-        "countIf(NOT c.gpu_priced) AS unpriced_requests"
+        "countIf(NOT c.gpu_priced) AS unpriced_requests, "
+        "sum(ifNull(w.warmup_gpu_time_ns, 0)) AS warmup_gpu_time_ns"
     )
-    return _per_request(db, select, measures, where, keys), params
+    sql = (
+        f"SELECT {_with_group(select, measures)} FROM {db}.request_costs_v AS c {_caveats_join(db)} "
+        f"WHERE {where} {_group_clause(keys)}"
+    )
+    return sql, params
 
 
 def expert_load_sql(db: str, *, model: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
@@ -705,7 +724,7 @@ class Queries(QueryMethods):
             r["cost"] = {m: r.pop(f"_cost_{m}_usd") for m in ("list", "actual", "amortized", "gpu")}
             r["cost"]["priced"] = bool(r.pop("_cost_priced"))
             r["segments"] = [dict(zip(SEGMENT_FIELDS, seg, strict=True)) for seg in r.pop("_segments")]
-            out[r["request_uid"]] = r
+            out[r["request_uid"]] = note_lost_sources(r)
         return {u: out[u] for u in uids if u in out}
 
 
@@ -892,11 +911,13 @@ COST = QuerySpec(
     "Rows: the group keys, requests, the token counts the mode charges (input, cached, output; "
     "gpu_time_ns for gpu), cost_usd and unpriced_requests (requests whose model has no price at "
     "their finish time; they cost 0 here). amortized adds shared_delta_usd: what sharing moved "
-    "onto (+) or off (-) the group.\n\n"
+    "onto (+) or off (-) the group, and fallback_requests: requests whose cached prefix lost its "
+    "source with the engine's history (a seq gap), charged as read there, as in actual.\n\n"
     "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
     "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
     "amortized every computed position that is not an output (prefill, recompute, rejected "
-    "drafts); cached_tokens is beside it, so prompt_tokens = input + cached in list.",
+    "drafts); cached_tokens is beside it, and list adds prompt_tokens = input + cached (OpenAI's "
+    "usage.prompt_tokens, once per API request).",
     group_by="tenant",
     bucket=True,
     params=(
@@ -951,7 +972,8 @@ ENGINES = QuerySpec(
 GPU_TIME = QuerySpec(
     "gpu_time",
     gpu_time_sql,
-    "GPU time attributed per group, its share and cost.",
+    "GPU time attributed per group, its share and cost; warmup_gpu_time_ns beside it is the "
+    "share of the engines' cold first steps, not attributed (docs/cost-model.md, Warm-up).",
     group_by="tenant",
     bucket=True,
 )

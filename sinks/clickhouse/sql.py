@@ -166,6 +166,29 @@ def run_sql(
         raise QueryError(f"the store refused the SQL: {_first_line(exc)}") from None
 
 
+def run_sql_raw(
+    store: Store,
+    sql: str,
+    fmt: str,
+    parameters: dict[str, Any] | None = None,
+    *,
+    max_rows: int = MAX_ROWS,
+) -> bytes:
+    """One read-only query of an all-tenant caller, answered in ClickHouse's output format
+    ``fmt`` (``Native``, ``TabSeparated``, ...): the ClickHouse HTTP interface's subset
+    (``sparseety.api.clickhouse_http``). ``parameters`` are ``{name:Type}`` values as text.
+
+    Raises:
+        QueryError: not one read-only query, or ClickHouse refused it.
+    """
+    body = _body(sql)
+    settings = f"readonly = 1, max_result_rows = {int(max_rows)}, result_overflow_mode = 'break'"
+    try:
+        return store.raw(f"SELECT * FROM ({body}) SETTINGS {settings}", parameters or None, fmt)
+    except Exception as exc:
+        raise QueryError(f"the store refused the SQL: {_first_line(exc)}") from None
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc)
     m = re.search(

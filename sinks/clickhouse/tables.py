@@ -82,6 +82,9 @@ REQUESTS = Table(
         "parent_request_id",
         "choice_index",
         "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
+        # Added by migration 014 (issue 21: the fold's caveats, streams/caveats.py).
+        "warmup_gpu_time_ns",
+        "source_history_lost_ts_ns",
         # Added by migration 012 (issue 23: KV memory-time; NULL = not observed).
         *KV_COLUMNS,
         "attention_window",

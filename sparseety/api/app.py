@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
@@ -38,6 +39,7 @@ from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
 from sparseety.api.backend import JOB_KINDS, Backend
+from sparseety.api.clickhouse_http import router as clickhouse_router
 from sparseety.api.collect import (
     COLLECT_KINDS,
     AnalyzeSpec,
@@ -549,6 +551,23 @@ def _router() -> APIRouter:
             raise NotFound(f"no job {job_id!r}")
         return JSONResponse(found)
 
+    @api.get("/jobs/{job_id}/output", tags=["jobs"])
+    async def job_output(job_id: str, who: Caller, back: Back) -> Response:
+        """The report file a finished ``vllm_log`` job wrote (its result's ``output``), in its
+        ``output_format``."""
+        who.require_admin("jobs")
+        found = back.jobs.get(job_id)
+        if found is None:
+            raise NotFound(f"no job {job_id!r}")
+        path = (found.get("result") or {}).get("output")
+        if not path:
+            raise NotFound(f"job {job_id!r} wrote no report (state {found['state']}; only vllm_log jobs do)")
+        if not Path(path).is_file():
+            raise NotFound(f"job {job_id!r}'s report {path} is gone from the API's machine")
+        fmt = str(found["result"].get("output_format", "json"))
+        media = {"json": "application/json", **MEDIA_TYPES}.get(fmt, "application/octet-stream")
+        return FileResponse(path, media_type=media, filename=Path(path).name)
+
     return api
 
 
@@ -751,6 +770,7 @@ def create_api(backend: Backend) -> FastAPI:
     app.state.backend = backend
     app.state.sessions = Sessions()
     app.include_router(_router())
+    app.include_router(clickhouse_router(backend_of))
     _ops(app)
     _errors(app)
     _metrics_middleware(app)

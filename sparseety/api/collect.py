@@ -27,6 +27,24 @@ from sparseety.sinks.clickhouse.client import Store
 
 #: The collect job kinds, as a body's ``kind`` names them.
 COLLECT_KINDS = ("replay", "ingest", "analyze", "vllm_log")
+#: The formats of a ``vllm_log`` job's report file (``output_format``).
+LOG_OUTPUT_FORMATS = ("json", "csv", "parquet")
+#: Where a ``vllm_log`` job writes its report when the spec names no ``output_path``.
+COLLECT_DIR = "collect"
+#: The columns of a ``vllm_log`` job's report: one row per request it published.
+LOG_REPORT_COLUMNS = (
+    "request_id",
+    "engine_request_id",
+    "tenant",
+    "model",
+    "arrival_ts_ns",
+    "finished_ts_ns",
+    "prompt_tokens",
+    "output_tokens",
+    "finish_reason",
+    "streamed",
+    "modelled",
+)
 
 
 class CollectSpecError(SparseetyError):
@@ -97,7 +115,13 @@ class VllmLogSpec(BaseModel):
     trace_source: Literal["vllm_log"] | None = Field(None, description="The seed's name of the kind.")
     kind_: Literal["vllm_log"] | None = Field(None, alias="kind", description="Or kind, as the other jobs.")
     log_path: str = Field(description="The server log on the API's machine (rotated: the newest segment).")
-    output_format: Literal["json"] = Field("json", description="The job result's format.")
+    output_format: Literal["json", "csv", "parquet"] = Field(
+        "json", description="The format of the report file: one row per request published."
+    )
+    output_path: str | None = Field(
+        None,
+        description="The report file on the API's machine (default <data_dir>/collect/<job id>.<format>).",
+    )
     window_seconds: float | None = Field(
         None, gt=0, description="Only requests that finished this close to the log's last one."
     )
@@ -234,7 +258,14 @@ class VllmLogJob:
             "segments": [str(p) for p in self.segments],
             "window_seconds": self.spec.window_seconds,
             "filters": self.spec.filters.model_dump(),
+            "output_format": self.spec.output_format,
         }
+
+    def output_path(self, job_id: str) -> Path:
+        """Where the report goes: ``output_path``, else ``<data_dir>/collect/<job id>.<format>``."""
+        if self.spec.output_path:
+            return Path(self.spec.output_path).expanduser()
+        return self.cfg.data_path / COLLECT_DIR / f"{job_id}.{self.spec.output_format}"
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
         from sparseety.offline.source_dedup import REQUEST_LEVEL_KINDS
@@ -270,6 +301,7 @@ class VllmLogJob:
                 return False
             return True
 
+        published: list[dict[str, Any]] = []
         report = ingest(
             self.cfg,
             self.path,
@@ -280,8 +312,63 @@ class VllmLogJob:
             segments=list(self.segments),
             log_select=select,
             log_window_s=self.spec.window_seconds,
+            log_published=lambda req: published.append(log_report_row(req, self.spec.tenant, default_model)),
         )
-        return {**report.to_dict(), "already_accounted": len(skipped)}
+        out = self.output_path(ctx.job.id)
+        write_report(out, published, self.spec.output_format)
+        return {
+            **report.to_dict(),
+            "already_accounted": len(skipped),
+            "output": str(out),
+            "output_format": self.spec.output_format,
+            "output_rows": len(published),
+        }
+
+
+def log_report_row(req: Any, tenant: str, default_model: str) -> dict[str, Any]:
+    """One row of a ``vllm_log`` job's report (:data:`LOG_REPORT_COLUMNS`): a published request
+    as the log tells it; ``modelled`` names the accounting columns the log does not observe."""
+    return {
+        "request_id": req.request_id,
+        "engine_request_id": req.engine_request_id,
+        "tenant": tenant,
+        "model": req.model or default_model or "vllm-log",
+        "arrival_ts_ns": req.arrival_ns,
+        "finished_ts_ns": max(req.finished_ns, req.arrival_ns),
+        "prompt_tokens": req.prompt_tokens,
+        "output_tokens": req.output_tokens,
+        "finish_reason": req.finish_reason or "unknown",
+        "streamed": req.streamed,
+        "modelled": ",".join(sorted(req.modelled)),
+    }
+
+
+def write_report(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
+    """Write a job's report rows as JSON (an array of objects), CSV or Parquet.
+
+    Raises:
+        CollectSpecError: the file cannot be written.
+    """
+    import json
+
+    from sparseety.sinks.clickhouse.export import rows_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "json":
+            path.write_text(json.dumps(rows, indent=1) + "\n")
+        elif rows:
+            path.write_bytes(rows_file(rows, fmt))
+        elif fmt == "csv":  # no request: the header alone
+            path.write_text(",".join(LOG_REPORT_COLUMNS) + "\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({c: pa.array([], pa.string()) for c in LOG_REPORT_COLUMNS}), path)
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise CollectSpecError(f"cannot write the report {path}: {reason}", path=str(path)) from None
 
 
 class AnalyzeJob:

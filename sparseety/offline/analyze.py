@@ -163,6 +163,7 @@ class InputResult:
     dead_letters: int = 0
     unfinished: list[dict[str, Any]] = field(default_factory=list)
     ignored_lines: int = 0
+    skipped_lines: int = 0  # vLLM logs: lines that are not request records (not bad lines)
     partial_lines: list[dict[str, Any]] = field(default_factory=list)
     fold_summary: str = ""
     #: vLLM logs: request id -> the fields of its accounting that are modelled, not observed.
@@ -271,6 +272,7 @@ def _log_events(inp: AnalyzeInput, result: InputResult, opts: Options) -> Iterat
         yield from epoch.log_request(req, opts.tenant, model)
     parsed = parser.finish()
     result.ignored_lines = parsed.ignored_lines
+    result.skipped_lines = parsed.skipped_lines
     result.partial_lines = [{"file": f, "line": n} for f, n in parsed.partial]
     result.unfinished = [
         {"request_id": r.request_id, "engine_request_id": r.engine_request_id, "line": r.line}
@@ -353,6 +355,7 @@ def report_of(inp: AnalyzeInput, result: InputResult) -> dict[str, Any]:
         "bad_lines": result.bad,
         "bad_line_list": result.bad_lines,
         "ignored_lines": result.ignored_lines,
+        "skipped_lines": result.skipped_lines,
         "partial_lines": result.partial_lines,
         "unfinished_requests": result.unfinished,
         "requests": result.rows,

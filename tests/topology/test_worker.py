@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.partitioner import murmur2
 
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.kafka import make_encoder
+from sparseety.schema_store import SchemaStore
+from sparseety.serde import Decoder, Encoder
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
@@ -33,11 +36,18 @@ def worker_cfg(cfg: Config, unique: str) -> Config:
 
 
 def expected_outputs(cfg: Config, events: list[dict[str, Any]]) -> tuple[dict[bytes, Any], dict[bytes, Any]]:
+    """The pure fold's outputs as a reader of the topics sees them (through the wire codec, so
+    fields the fold leaves to their schema default read as that default)."""
     asm = Assembler(cfg.worker, MemoryStore())
+    store = SchemaStore.load()
+    dec = Decoder(store)
+    encoders: dict[str, Encoder] = {}
     timelines, usage = {}, {}
     for e in events:
         for o in asm.apply(e):
-            (timelines if o.topic == TIMELINES else usage)[o.key.encode()] = o.record
+            enc = encoders.setdefault(o.record_name, Encoder(store, o.record_name))
+            record = dec.decode(enc.encode(o.record))[1]
+            (timelines if o.topic == TIMELINES else usage)[o.key.encode()] = record
     return timelines, usage
 
 
@@ -89,8 +99,13 @@ def test_worker_matches_the_pure_fold_and_dead_letters_bad_input(worker_factory:
         return len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= len(want_t)
 
     wait_for(done, 180, 2, "timelines")
-    got_t = latest_by_key(read_topic(cfg, cfg.topics.timelines))
+    records = read_topic(cfg, cfg.topics.timelines)
+    got_t = latest_by_key(records)
     assert got_t == want_t
+    # Outputs go as record batches (compat.send_batches): each in the partition Kafka's default
+    # partitioner (murmur2 of the key, as Java's and aiokafka's) gives its key, as Topic.send did.
+    assert {p for p, _, _, _ in records} == {0, 1}
+    assert all(p == (murmur2(key) & 0x7FFFFFFF) % 2 for p, _, key, _ in records)
     assert all(acc["consistent"] for acc in got_t.values())
     wait_for(lambda: len(latest_by_key(read_topic(cfg, cfg.topics.usage))) >= len(want_u), 60, 1, "usage")
     assert latest_by_key(read_topic(cfg, cfg.topics.usage)) == want_u

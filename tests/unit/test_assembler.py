@@ -76,7 +76,9 @@ def test_single_request_plain_prefill_and_decode() -> None:
     assert (acc["uncached_computed_tokens"], acc["scheduled_tokens"], acc["steps"]) == (12, 12, 3)
     assert segs(acc) == [(0, 10, "prompt", "computed", False), (10, 13, "output", "computed", False)]
     assert acc["attention_pairs"] == 55 + 11 + 12 and acc["attention_pairs_skipped"] == 0
-    assert acc["gpu_time_ns"] == 3_000_000  # alone in every step: the whole step time
+    # alone in every step: the whole step time, but the epoch's first step is warm-up, apart
+    assert (acc["gpu_time_ns"], acc["warmup_gpu_time_ns"]) == (2_000_000, 1_000_000)
+    assert acc["source_history_lost_ts_ns"] == 0
 
 
 def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
@@ -252,7 +254,7 @@ def test_gpu_time_is_split_by_flops() -> None:
         f.wrap(
             3,
             ev.STEP_BATCH,
-            f.step_batch(0, [("big", 64, 0, [1]), ("small", 4, 0, [1])], duration_ns=10_000_000),
+            f.step_batch(1, [("big", 64, 0, [1]), ("small", 4, 0, [1])], duration_ns=10_000_000),
         ),
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("big", prompt=64, output=1)),
         f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("small", prompt=4, output=1)),
@@ -261,6 +263,48 @@ def test_gpu_time_is_split_by_flops() -> None:
     big, small = accs[f"{f.EID}/big"], accs[f"{f.EID}/small"]
     assert big["gpu_time_ns"] + small["gpu_time_ns"] == 10_000_000
     assert big["gpu_time_ns"] > 15 * small["gpu_time_ns"]  # more tokens and quadratic attention
+    assert big["warmup_gpu_time_ns"] == small["warmup_gpu_time_ns"] == 0  # not the first step
+
+
+def test_the_first_steps_cold_start_is_warm_up_reported_apart() -> None:
+    # the first request of a server: a 2.6 s cold first step, then 10 ms steps (issue 21)
+    cold = f.step_batch(0, [("first", 8, 0, [1]), ("second", 24, 0, [1])], duration_ns=2_600_000_000)
+    warm = f.step_batch(1, [("first", 1, 8, [2]), ("second", 1, 24, [2])], duration_ns=10_000_000)
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("first", list(range(8)), hashes=[])),
+        f.wrap(2, ev.REQUEST_STARTED, f.request_started("second", list(range(24)), hashes=[])),
+        f.wrap(3, ev.STEP_BATCH, cold),
+        f.wrap(4, ev.STEP_BATCH, warm),
+        f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("first", prompt=8, output=2)),
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("second", prompt=24, output=2)),
+    ]
+    accs = accounts(run(events)[0])
+    first, second = accs[f"{f.EID}/first"], accs[f"{f.EID}/second"]
+    # the cold step is split by the same FLOPs weights, apart; nothing of it is in gpu_time_ns
+    assert first["warmup_gpu_time_ns"] + second["warmup_gpu_time_ns"] == 2_600_000_000
+    assert second["warmup_gpu_time_ns"] > 2 * first["warmup_gpu_time_ns"] > 0
+    assert first["gpu_time_ns"] + second["gpu_time_ns"] == 10_000_000
+    assert first["consistent"] and second["consistent"]
+
+
+def test_a_cached_block_whose_source_was_lost_with_the_history_says_when() -> None:
+    # r1 computes blocks a, b; the KV events that stored them are lost (a core-stream gap, as
+    # when the broker lost its log); r2 reads both from the cache afterwards
+    events = f.history_loss()
+    cfg = WorkerConfig(reorder_max_events=1, closed_retention_s=0)
+    lost = accounts(run([e for e in events if e["seq"] != 3], cfg)[0])
+    r2 = lost[f"{f.EID}/r2"]
+    assert r2["cache_read_tokens"] == 8
+    cached = [s["source_request_uid"] for s in r2["timeline"]["segments"] if s["status"] == "cached"]
+    assert cached == [None]
+    assert r2["source_history_lost_ts_ns"] == events[4]["ts_ns"]  # the first event after the gap
+    assert lost[f"{f.EID}/r1"]["source_history_lost_ts_ns"] == 0  # it read nothing from the cache
+    # with the history whole, the source is named and nothing is flagged
+    whole = accounts(run(events, cfg)[0])[f"{f.EID}/r2"]
+    cached = [s["source_request_uid"] for s in whole["timeline"]["segments"] if s["status"] == "cached"]
+    assert cached == [f"{f.EID}/r1"]
+    assert whole["source_history_lost_ts_ns"] == 0
 
 
 def test_windows_final_then_correction_for_late_requests() -> None:

@@ -297,6 +297,7 @@ def test_cost_by_tenant_in_each_mode(q: Queries, mode: str, expected: dict[str, 
 def test_cost_token_counts_per_mode(q: Queries) -> None:
     a_list = by_key(q.cost(mode="list"), "tenant")["A"]
     assert (a_list["input_tokens"], a_list["cached_tokens"], a_list["output_tokens"]) == (7000, 1000, 800)
+    assert a_list["prompt_tokens"] == 4000 + 2000 + 1000 + 1000  # r1, r3, r6, r7: P, as usage says
     a_act = by_key(q.cost(mode="actual"), "tenant")["A"]
     assert (a_act["input_tokens"], a_act["cached_tokens"], a_act["output_tokens"]) == (
         3999 + 1499 + 999 + 999,

@@ -1,0 +1,42 @@
+"""Two caveats the fold attaches to a request's accounting (pure; issue 21).
+
+**Warm-up.** An engine's first step (StepBatch ``step`` 0 of its epoch) carries the cold start:
+lazy initialisation, kernel autotuning and compilation the engine's own warm-up did not cover
+(2.6 s of GPU time on the first request of a vLLM server, 20x its tokens' share). That step's
+wall time is not attributed to ``gpu_time_ns``; it is reported apart, split by the same FLOPs
+weights, as ``warmup_gpu_time_ns``. So ``gpu_time_ns + warmup_gpu_time_ns`` over an epoch's
+requests is still the wall time of its steps, and the gpu cost mode charges no one the cold start.
+
+**Source history lost.** A cached prompt block names the request that computed it from the
+epoch's prefix index, which the KV events build. When the fold declares events of the core
+stream lost (a seq gap: the broker lost its log, or a fresh worker met the engine mid-stream),
+the index has no history before that point, and a block cached then reads as cached with no
+source. The epoch remembers when (``history_lost_ts_ns``: the event time of the first event after
+the gap); a request admitted later with such a block carries it as ``source_history_lost_ts_ns``,
+which the API and the dashboard show as "source unknown (history lost at ...)", and amortized
+cost says it fell back to the cache-read price for those positions (no lifetime to share).
+"""
+
+from __future__ import annotations
+
+from sparseety.events import CORE_STREAM
+
+#: The step number whose wall time is warm-up (an epoch's first).
+WARMUP_STEP = 0
+
+
+def is_warmup_step(step: int) -> bool:
+    """Whether a StepBatch's wall time is the engine's cold start (reported apart)."""
+    return step == WARMUP_STEP
+
+
+def history_lost_at(stream: str, missing: int, first_after_ns: int, known_ns: int) -> int:
+    """The epoch's ``history_lost_ts_ns`` after a declared gap of ``missing`` events on ``stream``
+    (``first_after_ns``: event time of the first event after it; ``known_ns``: the value so far).
+
+    Only the core stream carries the KV events the prefix index is built from; a gap elsewhere
+    (a worker's routing stream) loses no prefix history.
+    """
+    if stream != CORE_STREAM or missing <= 0:
+        return known_ns
+    return max(known_ns, first_after_ns)
