@@ -187,6 +187,7 @@ class Assembler:
     def _on_engine_started(self, epoch: EpochState, body: dict[str, Any]) -> list[Output]:
         epoch.config = body
         self._shapes.pop(epoch.engine_id, None)
+        self.fold.kv_shapes.pop(epoch.engine_id, None)
         out: list[Output] = []
         head = self.store.get(head_key(epoch.engine_name)) or HeadState(epoch.engine_name)
         if head.current and head.current != epoch.engine_id:
@@ -281,6 +282,7 @@ class Assembler:
         incomplete: str | None,
     ) -> list[Output]:
         if not r.closed:
+            self.fold.kv_close(epoch, r, finish, ts)
             uses = block_index.block_uses(self.store, epoch, r, finish or {})
             r.output = accounting.build(epoch, r, finish, ts, incomplete, uses)
             r.closed = True

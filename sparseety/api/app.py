@@ -411,7 +411,9 @@ class PriceIn(BaseModel):
     """One price (docs/cost-model.md, Prices): USD per 1M tokens, or per GPU-hour."""
 
     model: str
-    token_class: str = Field(description="input, cached_input, output or gpu_hour")
+    token_class: str = Field(
+        description="input, cached_input, output, gpu_hour or kv (USD per GiB-hour of KV cache held)"
+    )
     usd: str = Field(description="Decimal text, at most six decimals (never a float).")
     effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
     effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")

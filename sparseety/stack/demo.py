@@ -237,6 +237,12 @@ def build_report(
                 problems.append(f"tenant {name}: cost query {k} {row[k]} != sum over requests {t[k]}")
         for mode in ("list", "actual", "amortized", "gpu"):
             t[f"cost_{mode}"] = costs.get(name, {}).get(mode, {}).get("cost_usd", "?")
+        # KV memory-time held, amortized (shared prefix blocks split among holders), GiB-seconds
+        amortized = costs.get(name, {}).get("amortized", {})
+        kv = amortized.get("kv_byte_ms")
+        t["kv_gib_s"] = f"{int(kv) / (1 << 30) / 1000:.3g}" if kv is not None else "not observed"
+        if amortized and (kv is None or int(amortized.get("kv_not_observed", 0)) or int(kv) <= 0):
+            problems.append(f"tenant {name}: KV memory-time not observed for every request")
     eng = engine["requests"]
     by_tenant_engine: dict[str, dict[str, int]] = {}
     for r in eng:
@@ -287,10 +293,12 @@ def build_report(
         {
             "tenant": t["tenant"],
             **{mode: t[f"cost_{mode}"] for mode in ("list", "actual", "amortized", "gpu")},
+            "kv_GiB_s": t["kv_gib_s"],
         }
         for t in sorted(tenants.values(), key=lambda x: x["tenant"])
     ]
-    lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu"]))
+    lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu", "kv_GiB_s"]))
+    lines.append("  kv_GiB_s: KV cache held x time, amortized (docs/cost-model.md, kv); not priced here")
     for title, path, cols in (
         ("Prefix-cache savings", "/api/v1/savings", None),
         (
@@ -360,7 +368,9 @@ def _whatif_and_regressions(api: Api) -> list[str]:
 #: The report's check line; every engine counter the report prints is compared (see below).
 CHECK_LINE = (
     "Check: per-tenant totals = sum over requests; prompt, output, cached, reasoning (per tenant), "
-    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's"
+    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's; "
+    "KV memory-time observed for every request (checked against vLLM's KV-cache manager in "
+    "tests/e2e/test_engine_truth.py)"
 )
 
 

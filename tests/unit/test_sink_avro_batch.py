@@ -105,7 +105,32 @@ def shapes() -> list[dict[str, Any]]:
         f.accounting(f"{u}6", complete=False, incomplete_reason="engine_stopped", finished_ts_ns=NOW + 9),
         f.accounting(f"{u}6", finished_ts_ns=NOW + 5, output_tokens=7),
         f.accounting(f"{u}7", finished_ts_ns=-5, token_privacy=""),  # a negative clock: _version clamps
+        # KV memory-time: two groups (byte-ms floored once per request), and bytes unknown (NULL)
+        f.accounting(
+            f"{u}8", finished_ts_ns=NOW + 6, kv_groups=[_kv(), _kv(bytes_per_block=1000)], kv_peak_bytes=7
+        ),
+        f.accounting(f"{u}9", finished_ts_ns=NOW + 7, kv_groups=[_kv(bytes_per_block=0)], kv_peak_bytes=3),
     ]
+
+
+def _kv(**over: Any) -> dict[str, Any]:
+    g = {
+        "kind": "full_attention",
+        "block_size": 16,
+        "bytes_per_block": 1 << 20,
+        "peak_blocks": 4,
+        "never_held_blocks": 1,
+        "block_steps": 30,
+        "block_ns": 3_000_000_001,
+        "block_steps_amortized": 20,
+        "block_ns_amortized": 2_000_000_003,
+        "block_steps_actual": 10,
+        "block_ns_actual": 999_999,
+        "slot_steps_used": 400,
+        "slot_steps_allocated": 480,
+    }
+    g.update(over)
+    return g
 
 
 def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
