@@ -414,6 +414,10 @@ class TableStore(MemoryStore):
     def get(self, key: str) -> Any | None:
         value = self.data.get(key)
         if value is None:
+            if key in self.deleted:
+                # Deleted since the last flush: the changelog still holds the old value until the
+                # deletion is written, and reading it would bring the state back.
+                return None
             raw = self.changelog.get(key.encode())
             if raw is None:
                 return None
