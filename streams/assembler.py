@@ -28,11 +28,12 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from sparseety.streams import accounting, block_index, ordering, windows
-from sparseety.streams.flops import ModelShape
-from sparseety.streams.fold import PositionFold
-from sparseety.streams.outputs import DLQ, TIMELINES, USAGE, Output, Stats
-from sparseety.streams.state import (
+
+from . import accounting, block_index, ordering, windows
+from .flops import ModelShape
+from .fold import PositionFold
+from .outputs import DLQ, TIMELINES, USAGE, Output, Stats
+from .state import (
     EPOCHS,
     EpochState,
     HeadState,

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sparseety.streams import block_index, kv_memory
-from sparseety.streams import prefix_index as pidx
-from sparseety.streams import segments as sg
-from sparseety.streams.caveats import is_warmup_step
-from sparseety.streams.flops import ModelShape
-from sparseety.streams.outputs import Stats
-from sparseety.streams.served import base_model
-from sparseety.streams.state import (
+from . import block_index, kv_memory
+from . import prefix_index as pidx
+from . import segments as sg
+from .caveats import is_warmup_step
+from .flops import ModelShape
+from .outputs import Stats
+from .served import base_model
+from .state import (
     EpochState,
     RequestState,
     StateStore,

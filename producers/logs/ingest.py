@@ -30,10 +30,11 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.deadletter_limits import MAX_DEAD_LETTER_BYTES
 from sparseety.kafka import make_decoder, make_encoder, make_producer
-from sparseety.producers.logs.errors import BadTraceLineError, TraceError
-from sparseety.producers.logs.format import Format, detect_format, recording_events
-from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
-from sparseety.producers.logs.vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
+
+from .errors import BadTraceLineError, TraceError
+from .format import Format, detect_format, recording_events
+from .jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
+from .vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
 
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]

@@ -34,9 +34,10 @@ from typing import Any
 from sparseety import __version__ as sparseety_version
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.producers.emitter import Emitter, new_epoch
-from sparseety.producers.privacy import PromptPolicy
-from sparseety.producers.sglang.records import HASH_ALGO, RecordBuilder
+
+from ..emitter import Emitter, new_epoch
+from ..privacy import PromptPolicy
+from .records import HASH_ALGO, RecordBuilder
 
 log = logging.getLogger("sparseety.producer.sglang")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.tables import SINK_TABLES, Table
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from .client import Store
+from .tables import SINK_TABLES, Table
+from .writer import ClickHouseSink
 
 OUTCOMES = ("new", "changed", "unchanged", "superseded")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:  # queries.py imports this module
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 #: Attribution modes a request's cost can be read in (docs/cost-model.md).
 OUTLIER_MODES = ("actual", "amortized", "list", "gpu")
