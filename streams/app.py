@@ -279,7 +279,8 @@ def create_app(cfg: Config) -> faust.App:
             except Exception as exc:  # metrics never stop the worker
                 log.debug("lag metrics not updated: %r", exc)
 
-    watch = LostLogWatch(cfg, table.changelog_topic_name)
+    # Faust sets changelog_topic_name on every Collection; its TableT type does not declare it.
+    watch = LostLogWatch(cfg, table.changelog_topic_name)  # type: ignore[attr-defined]
 
     @app.timer(w.tick_interval_s)
     async def broker_lost_its_log() -> None:

@@ -441,10 +441,10 @@ def ingest(
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
         engines[trace.engine_id] = None
         key = trace.engine_name.encode()
-        for n, req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
+        for n, trace_req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
             state = (trace.seq, trace.started, trace.last_ts)
             try:
-                encoded = [encoder.encode(event) for event in trace.request(req)]
+                encoded = [encoder.encode(event) for event in trace.request(trace_req)]
             except Exception as exc:  # a value the parser let through but the contract refuses
                 trace.seq, trace.started, trace.last_ts = state  # keep the epoch's seqs gap-free
                 report.bad_line(BadTraceLineError(n, f"cannot encode: {type(exc).__name__}: {exc}"), raw)

@@ -431,8 +431,8 @@ class ClickHouseSink(Sink):
                     merged.extend(ch.rows.columns[table.name][c])
                 cols.append(merged)
         self._insert(table, cols, result, retries)
-        for c in chunks:
-            c.written.add(table.name)
+        for chunk in chunks:
+            chunk.written.add(table.name)
 
     def _store_answers(self) -> bool:
         """Whether the store still answers a trivial query (then a failing insert is about its rows)."""
