@@ -21,7 +21,7 @@ from typing import Any
 from sparseety.streams import block_index
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
-from sparseety.streams.caveats import is_warmup_step
+from sparseety.streams.caveats import is_warmup_step, kv_events_observed
 from sparseety.streams.flops import ModelShape
 from sparseety.streams.outputs import Stats
 from sparseety.streams.served import base_model
@@ -139,7 +139,9 @@ class PositionFold:
         bs = (epoch.config or {}).get("block_size") or 0
         segs = r.segments
         loaded = cached if loaded is None else max(cached, loaded)
-        if not bs or not hashes:
+        if cached and not kv_events_observed(epoch.config):
+            r.source_lost_ns = epoch.history_lost_ts_ns  # no source is known (streams/caveats.py)
+        if not bs or not hashes or not kv_events_observed(epoch.config):
             sg.append(segs, cached, sg.PROMPT, sg.CACHED)
             sg.append(segs, loaded - cached, sg.PROMPT, sg.EXTERNAL_KV)
             sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)

@@ -75,6 +75,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "privacy_mode": "raw",
         "routing_capture": False,
         "reasoning_parser": None,
+        "kv_events_observed": True,
         **over,
     }
 

@@ -175,5 +175,7 @@ def test_sglang_engine_identity(sglang_run: dict[str, Any]) -> None:
     assert started[0]["engine_kind"] == "sglang"
     assert started[0]["engine_version"] == "0.5.23"
     assert started[0]["block_size"] == 16 and started[0]["enable_prefix_caching"]
+    # the server runs the Python TreeCore: the producer read that from the cache SGLang built
+    assert started[0]["kv_events_observed"] is True
     seqs = sorted(e["seq"] for e in sglang_run["events"] if e["stream"] == ev.CORE_STREAM)
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
