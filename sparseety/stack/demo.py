@@ -358,6 +358,10 @@ def build_report(
         ),
         ("Speculative decoding", "/api/v1/spec", None),
     ):
+        if kind == "sglang" and path == "/api/v1/spec":
+            # not 0 drafts: SGLang's CPU path runs no speculative decoding (docs/sglang.md)
+            lines += ["", f"{title}: not observed (SGLang's CPU path runs none; docs/sglang.md)"]
+            continue
         try:
             data = api.get(path, group_by="tenant", since="1d")["rows"]
         except DemoError as exc:

@@ -74,6 +74,9 @@ def test_demo_sglang(tmp_path: Path) -> None:
     assert not result.problems, result.report
     assert f"{CHECK_LINE_SGLANG}: OK" in result.report
     assert "requests served by SGLang" in result.report
+    assert "Speculative decoding: not observed" in result.report  # not a table of zeros
+    # the small radix cache evicts, and the producer's KV events make that recompute visible
+    assert sum(int(r["recomputed_eviction_tokens"]) for r in result.requests) > 0
     engine = result.engine["requests"]
     assert len(result.requests) == len(engine) > 0
     # the workload's shared prompts do hit SGLang's radix cache, and the report is checked on them
