@@ -48,6 +48,34 @@ CPU_ENV = {
 MAX_LEN = 512
 
 
+def generate(url: str, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
+    """One greedy request on SGLang's native ``/generate``, the tenant where the producer reads
+    it (``custom_params``, docs/sglang.md); SGLang's answer (``meta_info``, ``output_ids``)."""
+    body = {
+        "rid": rid,
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": max_new,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {"tenant": tenant},
+        },
+    }
+    r = httpx.post(f"{url}/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
+
+
+def realtime_tokens(url: str) -> dict[str, float]:
+    """``sglang:realtime_tokens_total`` of SGLang's ``/metrics``, summed by ``mode``."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r'sglang:realtime_tokens_total\{.*mode="([a-z_]+)".*\} ([0-9.e+]+)$', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 class SglangServer:
     """``<python> -m sglang.launch_server`` in its own process group, ready when /health is."""
 
@@ -78,29 +106,11 @@ class SglangServer:
             time.sleep(1.0)
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
-        body = {
-            "rid": rid,
-            "input_ids": ids,
-            "sampling_params": {
-                "max_new_tokens": max_new,
-                "temperature": 0,
-                "ignore_eos": True,
-                "custom_params": {"tenant": tenant},  # the producer's tenant (docs/sglang.md)
-            },
-        }
-        r = httpx.post(f"{self.url}/generate", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()  # type: ignore[no-any-return]
+        return generate(self.url, rid, tenant, ids, max_new)
 
     def metrics(self) -> dict[str, float]:
         """SGLang's own counters the report compares: ``sglang:realtime_tokens_total`` by mode."""
-        out: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            m = re.match(r'sglang:realtime_tokens_total\{.*mode="([a-z_]+)".*\} ([0-9.e+]+)$', line)
-            if m:
-                key = f"sglang:realtime_tokens_total|mode={m.group(1)}"
-                out[key] = out.get(key, 0.0) + float(m.group(2))
-        return out
+        return {f"sglang:realtime_tokens_total|mode={k}": v for k, v in realtime_tokens(self.url).items()}
 
     def close(self, timeout_s: float = 40.0) -> None:
         """SIGINT (SGLang shuts its scheduler down; the producer sends EngineStopped and flushes),
