@@ -2,10 +2,11 @@
 background thread that builds, encodes and produces the events.
 
 Hot path (:meth:`Emitter.emit`, :mod:`.handoff`): take the next ``seq``, read the wall and
-monotonic clocks, and append ``(seq, ts_ns, mono_ns, builder, args)`` to a bounded deque. Nothing
-is built, encoded or sent there, nothing blocks (the lock only orders seq assignment with the
-append), nothing raises. When the deque is full the event is dropped: its seq is skipped, a gap
-the assembler detects.
+monotonic clocks, and append one :data:`~.handoff.Item` ``(first seq, count, ts_ns, mono_ns,
+builder, args)`` to a bounded deque (``count`` is 0, or how many seqs one ``emit_many`` took).
+Nothing is built, encoded or sent there, nothing blocks (the lock only orders seq assignment with
+the append), nothing raises. When the deque is full, or the hand-off is not open yet or closed
+again, the event is dropped: its seq is skipped, a gap the assembler detects, and it is counted.
 
 Background thread (:mod:`.supervisor`): ``builder(*args)`` turns the references into a payload,
 the envelope and the Avro encoding follow, then confluent-kafka produces it (idempotent,

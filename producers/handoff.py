@@ -1,11 +1,5 @@
-"""The hot-path hand-off between the engine thread and the emitter's background thread.
-
-:meth:`Handoff.emit` takes the next ``seq``, reads the wall and monotonic clocks and appends
-``(seq, count, ts_ns, mono_ns, builder, args)`` to a bounded deque. Nothing is built, encoded
-or sent there, nothing blocks on I/O (the lock only orders seq assignment with the append),
-nothing raises. When the deque is full, or the hand-off is not open yet or closed again, the
-event is dropped: its seq is skipped, a gap the assembler detects, and it is counted.
-"""
+"""The hot-path hand-off between the engine thread and the emitter's background thread: seq
+numbering and a bounded queue of not-yet-built events (the design: :mod:`.emitter`'s docstring)."""
 
 from __future__ import annotations
 

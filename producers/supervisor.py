@@ -1,12 +1,6 @@
-"""The emitter's background thread: builds and encodes the handed-off events, produces them
-through the ledger, restarts a stalled Kafka client, emits heartbeats, exports metrics
-(:mod:`.reporting`), and at shutdown journals whatever Kafka did not take within
-``flush_timeout_s``.
-
-A client that makes no progress for a while (a broker that lost its producer state, a fatal
-idempotence error) is purged and recreated; its unacknowledged messages go back to the head of
-the line.
-"""
+"""The emitter's background thread: takes items from the hand-off, builds and encodes them,
+produces them through the ledger, restarts a stalled Kafka client, emits heartbeats, exports
+metrics (:mod:`.reporting`) and journals at shutdown (the design: :mod:`.emitter`'s docstring)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from sparseety.config import Config
 from sparseety.errors import PluginLoadError
+from sparseety.kafka import Record
 from sparseety.schema_store import SchemaStore, WireSchema
 
 ENTRY_POINT_GROUP = "sparseety.sinks"
@@ -37,17 +38,6 @@ class Batch:
     def as_tuple(self) -> tuple[str, int, int, int]:
         """``(topic, partition, first_offset, last_offset)``, as :class:`SinkWriteError` carries it."""
         return (self.topic, self.partition, self.first_offset, self.last_offset)
-
-
-@dataclass(slots=True)
-class Encoded:
-    """A record a sink took undecoded (:meth:`Sink.add_encoded`): the payload as Kafka holds it."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
 
 
 @dataclass(eq=False)
@@ -132,7 +122,7 @@ class FlushResult:
     failed: list[Batch] = field(default_factory=list)
     inserts: int = 0
     rejected: int = 0
-    undecoded: list[Encoded] = field(default_factory=list)
+    undecoded: list[Record] = field(default_factory=list)
 
     @property
     def total_rows(self) -> int:

@@ -38,7 +38,13 @@ and an assignment whose topics have new ids starts at the new log's start, never
 of the old log (``sinks/lost_log.py`` names the Tansu behaviour this guards against).
 
 The store is opened once per process (:class:`~sparseety.sinks.clickhouse.client.Store`); the
-``sparseety store`` process runs this loop and the HTTP API in one event loop over one store.
+store process (``sparseety store``) runs this loop and the HTTP API in one event loop over one store.
+
+Words, one meaning each: a *record* is one consumed Kafka record (:class:`~sparseety.kafka.Record`);
+the *sink* is where records go (:class:`~sparseety.sinks.base.Sink`); the *store* is the ClickHouse
+store, and the *store process* the process that owns it; the *feeder* (:class:`SinkFeeder`) runs a
+batch of records through the sink, the *consumer loop* (:class:`SinkConsumer`) feeds it from Kafka.
+(*Worker* names the Faust assembler worker elsewhere, so it is not used here.)
 """
 
 from __future__ import annotations
@@ -52,14 +58,13 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
-from sparseety.kafka import make_decoder, make_encoder, make_producer
+from sparseety.kafka import Record, make_decoder, make_encoder, make_producer
 from sparseety.lifecycle import clear_ready, mark_ready, run_then_exit
 from sparseety.sinks.base import FlushResult, Sink
 from sparseety.sinks.lost_log import TopicIds, say_log_lost
@@ -72,29 +77,8 @@ COMPONENT = "sink"
 DRAIN_S = 0.1
 
 
-class Message(Protocol):
-    """What the worker uses of a consumed message."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-
-
-@dataclass(slots=True)
-class Consumed:
-    """A record as the batch loop read it (librdkafka's message, copied out of its accessors)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-
-
 class Partitions(Protocol):
-    """Consumer controls the worker needs (the Kafka consumer's in production, fakes in tests)."""
+    """Consumer controls the feeder needs (the Kafka consumer's in production, fakes in tests)."""
 
     def pause(self, tps: set[TP]) -> None: ...
 
@@ -115,8 +99,8 @@ def fail_closed() -> None:
     os._exit(70)
 
 
-class SinkWorker:
-    """Runs batches of consumed messages through a sink (the Kafka-independent part).
+class SinkFeeder:
+    """Runs batches of consumed records through a sink (the Kafka-independent part).
 
     Args:
         sink: Where records go.
@@ -155,7 +139,7 @@ class SinkWorker:
         #: writer fingerprint -> whether the sink takes its records undecoded
         self._undecoded: dict[int, bool] = {}
 
-    async def process(self, messages: Sequence[Message]) -> None:
+    async def process(self, messages: Sequence[Record]) -> None:
         """Decode, add and write one batch; hold the messages of partitions that failed."""
         async with self.lock:
             try:
@@ -190,7 +174,7 @@ class SinkWorker:
             self.held.pop(tp, None)
 
     def _add(
-        self, m: Message, dead: list[tuple[bytes | None, dict[str, Any]]], *, undecoded: bool = True
+        self, m: Record, dead: list[tuple[bytes | None, dict[str, Any]]], *, undecoded: bool = True
     ) -> None:
         """Buffer one message (``undecoded``: the sink may take it without decoding)."""
         try:
@@ -222,7 +206,7 @@ class SinkWorker:
             return
         self.records += 1
 
-    def _add_undecoded(self, m: Message) -> bool:
+    def _add_undecoded(self, m: Record) -> bool:
         """Hand ``m`` to the sink undecoded if it takes its writer schema (the header is read:
         a framing error raises DecodeError)."""
         writer = self.decoder.header(m.value)
@@ -268,7 +252,7 @@ class SinkWorker:
             return
         self._release()
 
-    def _hold(self, messages: list[Message]) -> None:
+    def _hold(self, messages: list[Record]) -> None:
         if not messages:
             return
         stopped = set()
@@ -367,7 +351,7 @@ class SinkConsumer:
     """The batch loop: consume, write, commit; rebalances and stopped partitions.
 
     ``consume`` and ``commit`` run on the loop's own consumer thread (a one-thread executor), so
-    the event loop stays free for the API that shares it in ``sparseety store``; the next batch is
+    the event loop stays free for the API that shares it in the store process; the next batch is
     gathered there while the current one is written. Rebalance callbacks run on that thread too,
     inside ``consume``: they wait for the batch being written (``_busy``), so a partition is given
     away only after its written offsets are committed and its buffer is dropped.
@@ -397,7 +381,7 @@ class SinkConsumer:
         self.partitions = KafkaPartitions(self.consumer)
         self.producer = make_producer(cfg)
         self.encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)
-        self.worker = SinkWorker(
+        self.feeder = SinkFeeder(
             sink,
             make_decoder(cfg),
             cfg.topics.dlq,
@@ -457,7 +441,7 @@ class SinkConsumer:
         with self._busy:
             say_log_lost(recreated, self.partitions.last)
             old = {tp for tp in self.partitions.last if tp[0] in recreated}
-            self.worker.revoked(old & self.assigned)
+            self.feeder.revoked(old & self.assigned)
             self.partitions.forget(old)
             for tp in old:
                 self.partitions.last.pop(tp, None)
@@ -471,7 +455,7 @@ class SinkConsumer:
         with self._busy:  # the batch being written finishes (and is acked) first
             self.assigned -= gone
             self._commit_now(gone)  # what was written is committed before someone else owns it
-            self.worker.revoked(gone)
+            self.feeder.revoked(gone)
             self.partitions.forget(gone)
         log.warning("sink: revoked partitions %s", sorted(gone))
 
@@ -479,7 +463,7 @@ class SinkConsumer:
         gone = {(tp.topic, tp.partition) for tp in tps}
         with self._busy:
             self.assigned -= gone
-            self.worker.revoked(gone)  # no commit: the group already gave them to someone else
+            self.feeder.revoked(gone)  # no commit: the group already gave them to someone else
             self.partitions.forget(gone)
         log.warning("sink: lost partitions %s", sorted(gone))
 
@@ -501,7 +485,7 @@ class SinkConsumer:
             return
         self.partitions.committed.update(offsets)
 
-    def _consume(self) -> list[Consumed]:
+    def _consume(self) -> list[Record]:
         """Up to ``batch_max_messages`` records: gathered for at most ``interval_s``, and handed
         over early once the fetched records are drained (nothing new for ``DRAIN_S``), so the end
         of a burst is written at once instead of after the full interval. With nothing gathered,
@@ -509,7 +493,7 @@ class SinkConsumer:
         are committed then, not an interval later."""
         from confluent_kafka import KafkaException
 
-        out: list[Consumed] = []
+        out: list[Record] = []
         deadline = time.monotonic() + self.interval_s
         while len(out) < self.batch_max_messages:
             left = deadline - time.monotonic()
@@ -528,7 +512,7 @@ class SinkConsumer:
                 tp: TP = (m.topic(), m.partition())  # type: ignore[assignment]
                 if self.partitions.accepts(tp):
                     # a null value (tombstone) is no record: b"" is dead-lettered as undecodable
-                    out.append(Consumed(tp[0], tp[1], m.offset() or 0, m.key(), m.value() or b""))
+                    out.append(Record(tp[0], tp[1], m.offset() or 0, m.key(), m.value() or b""))
         return out
 
     # --- the loop -----------------------------------------------------------------------------
@@ -562,14 +546,14 @@ class SinkConsumer:
                         and self.partitions.accepts((m.topic, m.partition))
                     ]
                     if batch:
-                        await self.worker.process(batch)
+                        await self.feeder.process(batch)
                         for m in batch:
-                            if (m.topic, m.partition) not in self.worker.held:
+                            if (m.topic, m.partition) not in self.feeder.held:
                                 self.partitions.ack(m)
                         self._wrote.set()
-                    if self.worker.held and now - self._last_retry >= self.interval_s:
+                    if self.feeder.held and now - self._last_retry >= self.interval_s:
                         self._last_retry = now
-                        await self.worker.retry()
+                        await self.feeder.retry()
             await gathering  # not written: never acked, so re-read after a restart
             await loop.run_in_executor(self._thread, self._commit_now)
         finally:

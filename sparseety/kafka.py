@@ -24,6 +24,19 @@ from sparseety.serde import Decoder, Encoder
 log = logging.getLogger("sparseety.kafka")
 
 
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A consumed Kafka record, whichever client read it: confluent-kafka in the sink loop
+    (``sinks/consumer.py``), aiokafka in the worker's batches and refetches (``streams/compat.py``),
+    and what a sink buffers undecoded (``sinks/base.py``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+
+
 #: The security protocols the asyncio clients (aiokafka, Faust) support.
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 

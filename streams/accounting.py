@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.streams import attention
+from sparseety.streams import attention, kv_memory
 from sparseety.streams import segments as sg
 from sparseety.streams.served import reasoning
 from sparseety.streams.state import EpochState, RequestState
@@ -130,6 +130,8 @@ def build(
         "reasoning_output_tokens": thought,
         "reasoning_spans": thought_spans,
         **token_fields(cfg.get("privacy_mode", ""), r),
+        "kv_groups": kv_memory.record(kv_memory.KvShape(cfg), r) if r.steps else [],
+        "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,
     }
 
 

@@ -191,6 +191,7 @@ class Assembler:
         # Rust radix-tree core): the epoch has no KV history from its start (streams/caveats.py).
         epoch.history_lost_ts_ns = kv_history_lost_at(body, ts, epoch.history_lost_ts_ns)
         self._shapes.pop(epoch.engine_id, None)
+        self.fold.kv_shapes.pop(epoch.engine_id, None)
         out: list[Output] = []
         head = self.store.get(head_key(epoch.engine_name)) or HeadState(epoch.engine_name)
         if head.current and head.current != epoch.engine_id:
@@ -285,6 +286,7 @@ class Assembler:
         incomplete: str | None,
     ) -> list[Output]:
         if not r.closed:
+            self.fold.kv_close(epoch, r, finish, ts)
             uses = block_index.block_uses(self.store, epoch, r, finish or {})
             r.output = accounting.build(epoch, r, finish, ts, incomplete, uses)
             r.closed = True

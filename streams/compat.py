@@ -65,28 +65,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import ConfigError
-from sparseety.kafka import aiokafka_settings
+from sparseety.kafka import Record, aiokafka_settings
 
 log = logging.getLogger("sparseety.worker")
 
 
 # --- 2. records the stream consumer skipped -------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """A consumed record, whichever client read it."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
 
 
 class Refetcher:

@@ -16,9 +16,10 @@ last core seq (and worker seq) it absorbed, so a replayed event changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sparseety.streams import block_index
+from sparseety.streams import block_index, kv_memory
 from sparseety.streams import prefix_index as pidx
 from sparseety.streams import segments as sg
 from sparseety.streams.caveats import is_warmup_step, kv_events_observed
@@ -51,6 +52,8 @@ class PositionFold:
         # Request states by key, the same objects the store holds: the per-step loop reads them
         # with a plain dict lookup instead of a store call (dropped with them in ``drop``).
         self._requests: dict[str, RequestState] = {}
+        #: KV-cache shapes per engine epoch (KV memory-time; dropped when an epoch restarts).
+        self.kv_shapes: dict[str, kv_memory.KvShape] = {}
 
     # --- request state ---------------------------------------------------------------------
 
@@ -233,6 +236,7 @@ class PositionFold:
                     req.seq = seq
                     req.preemptions += 1
                     req.preempted = True
+                    self.kv_drop(epoch, req, step, max(epoch.kv_clock, ts - body["duration_ns"]))
                     self.put(req)
         step_ns = body["duration_ns"]
         start_ts = ts - step_ns
@@ -243,6 +247,11 @@ class PositionFold:
         touched: list[str] = []
         prefix = request_prefix(epoch.engine_id)
         shares: list[tuple[RequestState, float]] = []
+        kv_shape = self.kv_shape(epoch)
+        kv_on = kv_shape.observed
+        epoch.kv_last_step = step
+        kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
+        hits: list[tuple[RequestState, int, bool]] = []
         total = 0.0
         for i, rid in enumerate(rids):
             ids_from = ids_at
@@ -280,6 +289,15 @@ class PositionFold:
                 req.release_basis = req.last_computed_before
             else:
                 req.release_basis = -1
+            # Under async scheduling vLLM allocated this step on num_computed_tokens that counted
+            # the in-flight step's drafts as accepted (the producer's num_computed_before does not).
+            optimistic = (
+                computed_before + req.kv_last_dropped
+                if 0 <= in_flight_from <= req.last_step and req.steps
+                else computed_before
+            )
+            if kv_on and (not req.steps or req.preempted):
+                hits.append((req, computed_before, not req.steps))
             req.steps += 1
             req.last_step = step
             req.last_ts = ts
@@ -290,6 +308,14 @@ class PositionFold:
             if preempted and rid in preempted:
                 req.preemptions += 1
                 req.preempted = True
+                if kv_on:
+                    self.kv_drop(epoch, req, step, kv_ts)
+                    hits.append((req, computed_before, False))
+            if kv_on:
+                basis = req.release_basis if req.release_basis >= 0 else computed_before
+                kv_memory.on_step(kv_shape, req, step, kv_ts, optimistic, n, basis)
+                if req.kv_shared:
+                    kv_memory.release_window(req, kv_shape, self.store, step, kv_ts, self.kv_holder(epoch))
             if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
@@ -305,6 +331,7 @@ class PositionFold:
             if n_proposed:
                 n_accepted, n_cut = split_drafts(n_proposed, n_accepted, new)
             rejected = n_proposed - n_accepted - n_cut
+            req.kv_last_dropped = rejected + n_cut
             valid_end = computed_before + n - rejected - n_cut
             if n_proposed:
                 req.draft_accepted += n_accepted
@@ -348,6 +375,8 @@ class PositionFold:
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
             touched.append(key)
         self.store.touch_many(touched)
+        if hits:
+            self.kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
         if total > 0:
             scale = step_ns / total
             if is_warmup_step(step):  # the cold start: reported apart (streams/caveats.py)
@@ -356,6 +385,70 @@ class PositionFold:
             else:
                 for req, f in shares:
                     req.gpu_ns += f * scale
+
+    # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
+
+    def kv_shape(self, epoch: EpochState) -> kv_memory.KvShape:
+        shape = self.kv_shapes.get(epoch.engine_id)
+        if shape is None:
+            shape = self.kv_shapes[epoch.engine_id] = kv_memory.KvShape(epoch.config)
+        return shape
+
+    def kv_holder(self, epoch: EpochState) -> Callable[[str], RequestState | None]:
+        """Look-up of a holder's state for a shared-block entry (marked written)."""
+
+        def holder(rid: str) -> RequestState | None:
+            r = self.request(epoch, rid, create=False)
+            if r is not None:
+                self.put(r)
+            return r
+
+        return holder
+
+    def kv_drop(self, epoch: EpochState, req: RequestState, step: int, ts: int) -> None:
+        """The request's blocks are freed at (step, ts): it was preempted or it ended."""
+        if not req.kv_since or req.kv_since[0] < 0:
+            return
+        if req.kv_shared:
+            kv_memory.leave(req, self.store, step, ts, self.kv_holder(epoch))
+        kv_memory.drop(req, step, ts)
+
+    def kv_close(self, epoch: EpochState, r: RequestState, finish: dict[str, Any] | None, ts: int) -> None:
+        """The request ended: its hold ends where the engine freed its blocks (RequestFinished
+        says when; else after the last step seen, at the close time)."""
+        fin = finish or {}
+        freed = fin.get("kv_freed_before_step", -1)
+        freed_ts = fin.get("kv_freed_ts_ns", 0)
+        self.kv_drop(
+            epoch,
+            r,
+            freed if freed > r.last_step else max(epoch.kv_last_step, r.last_step) + 1,
+            min(ts, freed_ts) if freed_ts > 0 else ts,
+        )
+
+    def kv_join(
+        self,
+        epoch: EpochState,
+        shape: kv_memory.KvShape,
+        seq: int,
+        step: int,
+        ts: int,
+        hits: list[tuple[RequestState, int, bool]],
+    ) -> None:
+        """Requests admitted or resumed in this step hold their prefix-cache hit's blocks, shared
+        with whoever else holds them (after the step's loop: every holder's table is current)."""
+        seen: set[str] = set()
+        holder = self.kv_holder(epoch)
+        for req, hit, first in hits:
+            if req.request_id in seen or hit <= 0:
+                continue
+            seen.add(req.request_id)
+            blocks = kv_memory.hit_blocks(
+                req, shape, self.store, epoch.engine_id, seq, hit, first, epoch.cleared
+            )
+            if blocks:
+                kv_memory.join(req, shape, self.store, epoch.engine_id, blocks, step, ts, holder)
+                self.put(req)
 
     # --- MoE routing -----------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Keys (all carry the engine, so keys of different partitions never collide):
 * ``n|<engine_name>``              which epoch of that engine is current.
 * ``r|<engine_id>|<request_id>``   one request: counts and its RLE timeline (O(segments)).
 * ``b|<engine_id>|<block hash>``   one prefix-cache block: its cache lifetimes.
+* ``k|<engine_id>|<group>|<hash>|<lifetime>``  a KV block shared by running requests: its holders.
 
 Each key guards itself against re-application (a request remembers the last seq it absorbed;
 a block's lifetimes are keyed by the seq that began them), so a state that was persisted only
@@ -62,6 +63,11 @@ def block_prefix(engine_id: str) -> str:
 
 def block_key(engine_id: str, block_hash: str) -> str:
     return f"b|{engine_id}|{block_hash}"
+
+
+def kv_share_key(engine_id: str, group: int, block_hash: str, lifetime: int) -> str:
+    """A physical KV block shared through the prefix cache: its holders (streams/kv_memory.py)."""
+    return f"k|{engine_id}|{group}|{block_hash}|{lifetime}"
 
 
 #: Window counter layout (UsageWindow fields, in this order).
@@ -179,6 +185,17 @@ class RequestState(_Record):
     # first step, and when the prefix history some cached block's source was lost with.
     warmup_gpu_ns: float = 0.0
     source_lost_ns: int = 0
+    # Added with KV memory-time (appended; streams/kv_memory.py has the per-group layout):
+    # per KV-cache group the block table, null blocks, peak and the integrals; the (step, ts) of
+    # the last change of the holding ([-1, 0]: holds nothing); the shared-block entries it is in
+    # ([group, key, block index]); the peak bytes held over all groups (-1: not observed).
+    kv: list[list[int]] = field(default_factory=list)
+    kv_since: list[int] = field(default_factory=list)
+    kv_shared: list[list[Any]] = field(default_factory=list)
+    kv_peak_bytes: int = -1
+    # Drafts of the request's last step that were not kept (rejected or cut): under async
+    # scheduling vLLM allocated the next step as if they had been accepted.
+    kv_last_dropped: int = 0
 
     @property
     def uid(self) -> str:
@@ -224,6 +241,11 @@ class EpochState(_Record):
     unknown_requests: int = 0  # step entries for request ids never started here (no state made)
     step_seq: int = -1  # core-stream seq of the last StepBatch (a step's KV events come after it)
     history_lost_ts_ns: int = 0  # event time after the last core-stream gap (streams/caveats.py)
+    kv_last_step: int = -1  # step number of the last StepBatch (a request's KV hold ends after it)
+    #: The KV clock: the latest step start seen (StepBatch ts - duration). Under async scheduling
+    #: a step's duration includes waiting for the one before, so starts are not monotone; KV
+    #: memory-time integrates over this running maximum.
+    kv_clock: int = 0
 
 
 @dataclass(slots=True)

@@ -53,6 +53,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
                 "block_size": 4,
                 "num_layers": 2,
                 "attention_chunk_size": None,
+                "page_size_bytes": 0,
             }
         ],
         "kv_cache_dtype": "auto",
@@ -75,6 +76,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "privacy_mode": "raw",
         "routing_capture": False,
         "reasoning_parser": None,
+        "num_lookahead_tokens": 0,
         "kv_events_observed": True,
         **over,
     }
@@ -153,6 +155,8 @@ def request_finished(
         "first_token_ts_ns": 0,
         "chunk_arrival_ns": [],
         "reasoning_spans": None,
+        "kv_freed_before_step": -1,
+        "kv_freed_ts_ns": 0,
         **over,
     }
 
@@ -209,6 +213,7 @@ def long_request(
             "block_size": block_size,
             "num_layers": 2,
             "attention_chunk_size": None,
+            "page_size_bytes": 0,
         }
     ]
     stored = {
@@ -355,6 +360,8 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "source_history_lost_ts_ns": 0,
         "reasoning_output_tokens": None,
         "reasoning_spans": [],
+        "kv_groups": [],
+        "kv_peak_bytes": -1,
     }
     rec.update(over)
     return rec

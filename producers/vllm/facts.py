@@ -64,9 +64,26 @@ def kv_cache_groups(kv_cache_config: Any) -> list[dict[str, Any]]:
                 "block_size": int(getattr(spec, "block_size", 0) or 0),
                 "num_layers": len(getattr(group, "layer_names", []) or []),
                 "attention_chunk_size": int(chunk) if chunk else None,
+                # vLLM's own bytes per block and layer (fp8, MLA, padding included): what KV
+                # memory-time multiplies block-time by; 0 when the spec has none.
+                "page_size_bytes": int(_page_size(spec)),
             }
         )
     return out
+
+
+def _page_size(spec: Any) -> int:
+    try:
+        return int(getattr(spec, "page_size_bytes", 0) or 0)
+    except Exception:  # a spec whose page size needs a config it does not carry
+        return 0
+
+
+def _lookahead(vllm_config: Any) -> int:
+    try:
+        return int(getattr(vllm_config, "num_lookahead_tokens", 0) or 0)
+    except Exception:  # an older vLLM without the property, or a config it cannot read
+        return 0
 
 
 def dp_rank(vllm_config: Any) -> int:
@@ -136,4 +153,7 @@ def engine_started(
         ),
         "privacy_mode": privacy_mode,
         "routing_capture": routing_capture,
+        # KV slots reserved past the scheduled tokens for a drafter with KV (EAGLE, MTP): every
+        # allocation adds them (vLLM's one property for it; 0 without speculation or for ngram).
+        "num_lookahead_tokens": _lookahead(vllm_config),
     }

@@ -70,6 +70,9 @@ class RecordBuilder:
         self.spec_enabled = spec_enabled
         self.reasoning = reasoning or ReasoningSplit(None, None)
         self._admitted_cached: dict[str, int] = {}
+        #: (steps scheduled, wall clock) when each request's KV blocks were freed (set in
+        #: on_free, read once).
+        self.freed: dict[str, tuple[int, int]] = {}
         self._reported_cached: dict[str, int] = {}
         #: ``(step, {request: drafts rejected})`` of the last steps with rejections:
         #: the steps scheduled while they were in flight counted those drafts as computed.
@@ -142,6 +145,7 @@ class RecordBuilder:
         num_preemptions = req.num_preemptions
         admitted = self._admitted_cached.pop(rid, 0)
         cached = self._reported_cached.pop(rid, admitted)
+        freed = self.freed.pop(rid, (-1, 0))
         return ev.REQUEST_FINISHED, {
             "request_id": rid,
             "finish_reason": _finish_reason(reason),
@@ -156,6 +160,8 @@ class RecordBuilder:
             "first_token_ts_ns": 0,
             "chunk_arrival_ns": [],
             "reasoning_spans": self.reasoning.spans(req),
+            "kv_freed_before_step": freed[0],
+            "kv_freed_ts_ns": freed[1],
         }
 
     # --- steps ---------------------------------------------------------------------------------

@@ -313,6 +313,9 @@ class EngineSession:
         if rid not in live:
             return  # never admitted: nothing was computed for it
         live.discard(rid)
+        # vLLM frees the KV blocks now: they were held in every step scheduled so far (under
+        # async scheduling that includes a step scheduled before this update).
+        self.builder.freed[rid] = (self._step, time.time_ns())
         if self._pending:
             # Async scheduling: a step already scheduled (not the one being updated) may still
             # compute for it; its finish follows that step's StepBatch.

@@ -89,7 +89,41 @@ FIELDS = frozenset(
         "prompt_token_ids",
         "prompt_token_hashes",
         "output_token_ids",
+        "kv_groups",
+        "kv_peak_bytes",
     }
+)
+
+
+def _kv_sum(field: str) -> str:
+    return f"arraySum(g -> toInt128(tupleElement(g, '{field}')), kv_groups)"
+
+
+_KV_KNOWN = "(notEmpty(kv_groups) AND arrayAll(g -> tupleElement(g, 'bytes_per_block') > 0, kv_groups))"
+
+
+def _kv_byte_ms(field: str) -> str:
+    total = (
+        f"arraySum(g -> toInt128(tupleElement(g, '{field}')) * tupleElement(g, 'bytes_per_block'), kv_groups)"
+    )
+    return f"if({_KV_KNOWN}, toInt64(intDiv({total}, 1000000)), NULL)"
+
+
+def _kv_total(field: str) -> str:
+    return f"if(notEmpty(kv_groups), toInt64({_kv_sum(field)}), NULL)"
+
+
+#: The KV memory-time columns (tables.KV_COLUMNS), as rows.kv_totals derives them.
+_KV_EXPRS = (
+    _kv_total("block_steps"),
+    _kv_total("block_ns"),
+    _kv_byte_ms("block_ns"),
+    _kv_byte_ms("block_ns_amortized"),
+    _kv_byte_ms("block_ns_actual"),
+    f"if({_KV_KNOWN} AND kv_peak_bytes >= 0, kv_peak_bytes, NULL)",
+    _kv_total("slot_steps_used"),
+    _kv_total("slot_steps_allocated"),
+    _kv_total("never_held_blocks"),
 )
 _SEGMENT_FIELDS = frozenset(
     {"start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate"}
@@ -232,6 +266,7 @@ def insert_sql(table: Table, target: str, source: str) -> str:
     if table is REQUESTS:
         exprs = [
             *REQUEST_FIELDS,
+            *_KV_EXPRS,
             "timeline.attention_window",
             "length(timeline.segments)",
             "length(block_uses)",

@@ -1,7 +1,8 @@
 """Prices: per model and class, effective from a time on; integer money.
 
-A price is USD per million tokens (classes ``input``, ``cached_input``, ``output``) or per GPU-hour
-(``gpu_hour``), with at most six decimals, stored as an integer number of micro-USD. Prices are
+A price is USD per million tokens (classes ``input``, ``cached_input``, ``output``), per GPU-hour
+(``gpu_hour``) or per GiB-hour of KV cache held (``kv``: memory-time, docs/cost-model.md), with at
+most six decimals, stored as an integer number of micro-USD. Prices are
 set one at a time or loaded from a TOML or CSV file (``sparseety prices load``)::
 
     # prices.toml                              # prices.csv
@@ -12,6 +13,7 @@ set one at a time or loaded from a TOML or CSV file (``sparseety prices load``):
     cached_input = "0.075"
     output = "0.60"
     gpu_hour = "2.50"
+    kv = "0.05"
 
 A TOML entry may also name one class with the CSV's columns (``token_class = "input"``,
 ``usd = "0.15"``). The format: docs/cost-model.md, "Price files". Setting a price for the same
@@ -36,7 +38,10 @@ from sparseety.times import to_ns
 if TYPE_CHECKING:
     from sparseety.sinks.clickhouse.client import Store
 
-PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour", "reasoning_output")
+PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour", "kv", "reasoning_output")
+
+#: The unit each class is priced in (token classes: per million tokens).
+PRICE_UNITS = {"gpu_hour": "GPU-hour", "kv": "GiB-hour of KV cache held"}
 MICRO = Decimal(1_000_000)
 
 
@@ -47,7 +52,7 @@ class Price:
     Attributes:
         model: Model name as requests carry it.
         token_class: One of :data:`PRICE_CLASSES`.
-        usd: USD per million tokens, or per GPU-hour for ``gpu_hour``.
+        usd: USD per million tokens, per GPU-hour for ``gpu_hour``, per GiB-hour for ``kv``.
         effective_from_ns: Applies to requests finished at or after this time (0 = always).
         note: Free text (source of the price).
     """
@@ -237,7 +242,7 @@ def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
             "model": r["model"],
             "token_class": r["token_class"],
             "usd": Decimal(int(r["price_micro"])) / MICRO,
-            "unit": "GPU-hour" if r["token_class"] == "gpu_hour" else "1M tokens",
+            "unit": PRICE_UNITS.get(r["token_class"], "1M tokens"),
             "effective_from": datetime.fromtimestamp(int(r["effective_from_ns"]) / 1e9, UTC),
             "note": r["note"],
         }

@@ -188,16 +188,31 @@ def cost_sql(
                 ", sum(ifNull(d.delta_pico, 0)) AS shared_delta_pico, "
                 "countIf(w.source_history_lost_ts_ns > 0) AS fallback_requests"
             )
+        measures += ", " + kv_cost_measures(mode)
     join = (
         f"LEFT JOIN {db}.amortized_delta_v AS d ON c.request_uid = d.request_uid {_caveats_join(db)}"
         if mode == "amortized"
         else ""
     )
+    if mode in ("actual", "amortized"):
+        join += f" LEFT JOIN {db}.request_kv_costs_v AS k ON c.request_uid = k.request_uid"
     sql = (
         f"SELECT {_with_group(select, 'count() AS requests, ' + measures)} "
         f"FROM {db}.request_costs_v AS c {join} WHERE {where} {_group_clause(keys)}"
     )
     return sql, params
+
+
+def kv_cost_measures(mode: str) -> str:
+    """``query cost``'s KV memory columns in ``actual`` or ``amortized`` mode (docs/cost-model.md,
+    "kv"): the mode's byte-ms of KV cache held and their price, its own column beside the token
+    cost (not added to ``cost_pico``); requests whose memory-time was not observed (NULL) are
+    counted, never read as 0."""
+    return (
+        f"sum(k.kv_byte_ms_{mode}) AS kv_byte_ms, sum(k.kv_{mode}_pico) AS kv_cost_pico, "
+        f"countIf(k.kv_byte_ms_{mode} IS NULL) AS kv_not_observed, "
+        f"countIf(k.kv_byte_ms_{mode} IS NOT NULL AND NOT k.kv_priced) AS kv_unpriced"
+    )
 
 
 def savings_sql(
@@ -526,7 +541,8 @@ def _finish(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r: dict[str, Any] = {}
         for k, v in row.items():
             if k.endswith("_pico"):
-                r[k[: -len("_pico")] + "_usd"] = money(v)
+                # NULL money (KV memory-time not observed in the whole group) stays None, never 0
+                r[k[: -len("_pico")] + "_usd"] = money(v) if v is not None else None
             elif isinstance(v, datetime) and v.tzinfo is None:
                 r[k] = v.replace(tzinfo=UTC)
             else:

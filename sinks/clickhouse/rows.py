@@ -18,6 +18,7 @@ from sparseety.sinks.clickhouse.tables import (
     DEAD_LETTERS,
     EXPERT_LOAD,
     KV_BLOCKS,
+    KV_COLUMNS,
     REQUEST_FIELDS,
     REQUEST_TOKENS,
     REQUESTS,
@@ -49,6 +50,33 @@ def request_version(record: Mapping[str, Any]) -> int:
     never regresses a newer record.
     """
     return (1 << 63 if record["complete"] else 0) | (max(0, int(record["finished_ts_ns"])) & _TS_MASK)
+
+
+def kv_totals(rec: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """The ``requests`` KV memory-time columns (tables.KV_COLUMNS) from ``kv_groups``: sums over
+    the groups, bytes from each group's bytes per block, block-ns to byte-ms floored once per
+    request. All NULL when the record has no groups (not observed); the byte columns NULL when a
+    group's bytes per block are unknown."""
+    groups = rec.get("kv_groups") or []
+    if not groups:
+        return (None,) * len(KV_COLUMNS)
+    known = all(g["bytes_per_block"] > 0 for g in groups)
+
+    def byte_ms(key: str) -> int | None:
+        return sum(g[key] * g["bytes_per_block"] for g in groups) // 1_000_000 if known else None
+
+    peak = rec.get("kv_peak_bytes", -1)
+    return (
+        sum(g["block_steps"] for g in groups),
+        sum(g["block_ns"] for g in groups),
+        byte_ms("block_ns"),
+        byte_ms("block_ns_amortized"),
+        byte_ms("block_ns_actual"),
+        peak if known and peak >= 0 else None,
+        sum(g["slot_steps_used"] for g in groups),
+        sum(g["slot_steps_allocated"] for g in groups),
+        sum(g["never_held_blocks"] for g in groups),
+    )
 
 
 class RowBuffer:
@@ -119,6 +147,8 @@ class RowBuffer:
             append(rec[f])
         self._evicted(rec.get("evicted_tokens", 0))
         req = self.columns[REQUESTS.name]
+        for col, kv_value in zip(KV_COLUMNS, kv_totals(rec), strict=True):
+            req[col].append(kv_value)
         req["attention_window"].append(timeline.get("attention_window"))
         req["segment_count"].append(len(segments))
         req["block_use_count"].append(len(uses))

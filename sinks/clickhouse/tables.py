@@ -10,6 +10,19 @@ from dataclasses import dataclass
 
 from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
 
+#: KV memory-time columns of ``requests`` (migration 012), derived from RequestAccounting.kv_groups.
+KV_COLUMNS = (
+    "kv_block_steps",
+    "kv_block_ns",
+    "kv_byte_ms",
+    "kv_byte_ms_amortized",
+    "kv_byte_ms_actual",
+    "kv_peak_bytes",
+    "kv_slot_steps_used",
+    "kv_slot_steps_allocated",
+    "kv_never_held_blocks",
+)
+
 
 @dataclass(frozen=True)
 class Table:
@@ -75,6 +88,8 @@ REQUESTS = Table(
         # Added by migration 013 (issue 23: reasoning tokens).
         "reasoning_output_tokens",
         "reasoning_spans",
+        # Added by migration 012 (issue 23: KV memory-time; NULL = not observed).
+        *KV_COLUMNS,
         "attention_window",
         "segment_count",
         "block_use_count",
@@ -84,7 +99,7 @@ REQUESTS = Table(
 )
 
 #: RequestAccounting fields copied verbatim into ``requests`` (the rest are derived).
-REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index("attention_window")]
+REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index(KV_COLUMNS[0])]
 
 TOKEN_SEGMENTS = Table(
     "token_segments",

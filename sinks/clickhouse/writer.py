@@ -49,10 +49,11 @@ import tenacity
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError, StoreError
+from sparseety.kafka import Record
 from sparseety.lifecycle import pid_alive
 from sparseety.schema_store import SchemaStore, WireSchema
 from sparseety.serde import SINGLE_OBJECT_HEADER
-from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, Encoded, FlushResult, Sink
+from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
 from sparseety.sinks.clickhouse import avro_batch
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
@@ -105,7 +106,7 @@ class _Chunk(Chunk):
     records: list[tuple[int, str, Mapping[str, Any], dict[str, int]]] = field(default_factory=list)
     #: RequestAccounting payloads taken undecoded (:meth:`ClickHouseSink.add_encoded`), by
     #: writer fingerprint; written together (every table) or handed back together.
-    encoded: dict[int, list[Encoded]] = field(default_factory=dict)
+    encoded: dict[int, list[Record]] = field(default_factory=dict)
     encoded_written: bool = False
 
     def encoded_records(self) -> int:
@@ -238,7 +239,7 @@ class ClickHouseSink(Sink):
                 raise ValueError(f"{writer.name} ({writer.fingerprint:016x}) is not taken undecoded")
             self._container_schemas[writer.fingerprint] = avro_batch.container_schema(writer)
         chunk = self._buffer.chunk_for(topic, partition, offset)
-        chunk.encoded.setdefault(writer.fingerprint, []).append(Encoded(topic, partition, offset, key, value))
+        chunk.encoded.setdefault(writer.fingerprint, []).append(Record(topic, partition, offset, key, value))
         chunk.last = offset
         # its child rows are known once ClickHouse has read it: until then it counts as its one
         # requests row (what bounds a batch here is the payload bytes, which are small)
@@ -333,7 +334,7 @@ class ClickHouseSink(Sink):
         todo = [c for c in chunks if c.encoded_records()]
         if not todo:
             return []
-        groups: dict[int, list[Encoded]] = defaultdict(list)
+        groups: dict[int, list[Record]] = defaultdict(list)
         for c in todo:
             for fp, records in c.encoded.items():
                 groups[fp].extend(records)
@@ -362,7 +363,7 @@ class ClickHouseSink(Sink):
             c.encoded_written = True
         return []
 
-    def _write_container(self, schema_json: str, records: list[Encoded], result: FlushResult) -> None:
+    def _write_container(self, schema_json: str, records: list[Record], result: FlushResult) -> None:
         """One container file for ``records``, parsed once into a temporary table; checked by one
         query, then one insert per table from that table."""
         container = avro_batch.build_container(

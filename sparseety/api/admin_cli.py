@@ -121,9 +121,13 @@ def prices() -> None:
     "--class",
     "token_class",
     required=True,
-    type=click.Choice(["input", "cached_input", "output", "gpu_hour"]),
+    type=click.Choice(["input", "cached_input", "output", "gpu_hour", "kv"]),
 )
-@click.option("--usd", required=True, help="USD per 1M tokens (per GPU-hour for gpu_hour), e.g. 0.15.")
+@click.option(
+    "--usd",
+    required=True,
+    help="USD per 1M tokens (per GPU-hour for gpu_hour, per GiB-hour for kv), e.g. 0.15.",
+)
 @click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
 @click.option("--note", default="")
 @pass_ctx

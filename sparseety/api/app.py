@@ -13,7 +13,6 @@ requests; the body adds ``candidates``), 503 ``store_unavailable``.
 from __future__ import annotations
 
 import html
-import inspect
 import json
 import logging
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
@@ -32,7 +32,7 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparseety import __version__
@@ -66,7 +66,7 @@ from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
 from sparseety.sinks.clickhouse.migrate import status_rows
 from sparseety.sinks.clickhouse.prices import checked_price, list_prices, set_prices
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
+from sparseety.sinks.clickhouse.queries import Param, QueryError, Scope
 from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
@@ -181,28 +181,17 @@ async def _login(request: Request) -> Response:
 Back = Annotated[Backend, Depends(backend_of)]
 
 
-class ScopeParams:
-    """Time range and tenant filters every query takes."""
+class ScopeParams(BaseModel):
+    """Time range and tenant filters every query takes: the query-parameter model every route's
+    own model extends (FastAPI reads a route's query string into one model)."""
 
-    def __init__(
-        self,
-        since: Annotated[
-            str | None, Query(description="Finished at or after: ISO-8601 time, now, or a duration ago (2h).")
-        ] = None,
-        until: Annotated[
-            str | None, Query(description="Finished before: ISO-8601 time or a duration ago.")
-        ] = None,
-        since_ns: Annotated[int | None, Query(description="Finished at or after, wall-clock ns.")] = None,
-        until_ns: Annotated[int | None, Query(description="Finished before, wall-clock ns.")] = None,
-        tenant: Annotated[list[str], Query(description="Only these tenants (repeatable).")] = [],  # noqa: B006
-    ) -> None:
-        self.since, self.until, self.since_ns, self.until_ns, self.tenant = (
-            since,
-            until,
-            since_ns,
-            until_ns,
-            tenant,
-        )
+    since: str | None = Field(
+        None, description="Finished at or after: ISO-8601 time, now, or a duration ago (2h)."
+    )
+    until: str | None = Field(None, description="Finished before: ISO-8601 time or a duration ago.")
+    since_ns: int | None = Field(None, description="Finished at or after, wall-clock ns.")
+    until_ns: int | None = Field(None, description="Finished before, wall-clock ns.")
+    tenant: list[str] = Field([], description="Only these tenants (repeatable).")
 
     def scope(self, who: Principal, now_ns: int) -> Scope:
         return params.scope(
@@ -218,11 +207,28 @@ class ScopeParams:
         return {"since_ns": scope.since_ns, "until_ns": scope.until_ns, "tenants": scope.tenants}
 
 
-Scoped = Annotated[ScopeParams, Depends()]
-GroupBy = Annotated[
-    list[str], Query(description="Dimensions: tenant, model, engine, lora (repeatable or comma-separated).")
-]
-Bucket = Annotated[str | None, Query(description="Time buckets by finish time, e.g. 15m, 1h, 1d.")]
+class BatchParams(ScopeParams):
+    request_id: list[str] = Field(
+        [],
+        description=f"These requests in full (as /requests/UID answers each), in this order, "
+        f"in one query; at most {params.MAX_DASHBOARD_REQUESTS}.",
+    )
+
+
+class DashboardParams(ScopeParams):
+    request_id: list[str] = Field([], description="Requests whose timelines to draw.")
+    inline: bool = Field(False, description="Embed plotly.js (a self-contained file).")
+
+
+Scoped = Annotated[ScopeParams, Query()]
+
+
+def _group_by_field() -> Any:
+    return Field([], description="Dimensions: tenant, model, engine, lora (repeatable or comma-separated).")
+
+
+def _bucket_field() -> Any:
+    return Field(None, description="Time buckets by finish time, e.g. 15m, 1h, 1d.")
 
 
 def _rows(query: str, scope: Scope, rows: list[dict[str, Any]], **extra: Any) -> JSONResponse:
@@ -235,12 +241,13 @@ def _rows(query: str, scope: Scope, rows: list[dict[str, Any]], **extra: Any) ->
     return JSONResponse(jsonable(body))
 
 
-Format = Annotated[
-    str | None,
-    Query(
-        description="parquet or csv: the rows as a file, streamed (ClickHouse's own FORMAT for SQL queries)."
-    ),
-]
+def _format_field() -> Any:
+    return Field(
+        None,
+        description="parquet or csv: the rows as a file, streamed (ClickHouse's own FORMAT for SQL queries).",
+    )
+
+
 #: Bytes per chunk of a streamed export.
 CHUNK = 1 << 16
 
@@ -263,12 +270,23 @@ async def _file(back: Backend, spec: Endpoint, fmt: str, **kwargs: Any) -> Respo
     )
 
 
-def _kw(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+def _param_field(p: Param, default: Any) -> tuple[Any, Any]:
+    """A registry param as a field of a route's query model (its wire name is the field's)."""
+    kind = p.type if default is not None else p.type | None
+    return kind, Field(default, description=p.doc, ge=p.ge, le=p.le)
+
+
+def _with_query(handler: Any, model: type[BaseModel], **annotations: Any) -> Any:
+    # FastAPI reads the query model from the handler's annotation; the model is built from the
+    # registry at run time, so the annotation is set here (this module has no name for it that
+    # FastAPI could resolve).
+    handler.__annotations__.update(q=Annotated[model, Query()], **annotations)
+    return handler
 
 
 def _registry_route(specs: list[Endpoint]) -> Any:
-    """The handler of one registry route: scope, grouping and params from the query string.
+    """The handler of one registry route: scope, grouping and params from one query-parameter
+    model, :class:`ScopeParams` extended by the declaration's.
 
     ``specs[0]`` is the route's plain query; a later one runs instead when its ``selected_by``
     param is non-zero (``/duplication?top=N``).
@@ -276,30 +294,28 @@ def _registry_route(specs: list[Endpoint]) -> Any:
     plain, variants = specs[0], specs[1:]
     params_of = [p for s in specs for p in s.params]
     switches = {s.selected_by: s for s in variants if s.selected_by}
+    fields: dict[str, Any] = {}
+    if plain.query.group_by is not None:
+        fields["group_by"] = (list[str], _group_by_field())
+    for p in params_of:
+        fields[p.wire] = _param_field(p, 0 if p.name in switches else p.default)
+    if plain.query.bucket:
+        fields["bucket"] = (str | None, _bucket_field())
+    fields["format"] = (str | None, _format_field())
+    model = create_model(f"{plain.route.title()}Parameters", __base__=ScopeParams, **fields)
 
-    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> Response:
-        scope = s.scope(who, back.clock())
+    async def handler(who: Caller, back: Back, q: Any) -> Response:
+        scope = q.scope(who, back.clock())
+        given = q.model_dump()
         for name, spec in switches.items():
             (switch,) = (p for p in spec.params if p.name == name)
             if given[switch.wire]:
                 return await _answer(back, spec, scope, given)
         return await _answer(back, plain, scope, given)
 
-    # FastAPI reads a handler's parameters from its signature: declare the registry's there
-    signature = [_kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
-    if plain.query.group_by is not None:
-        signature.append(_kw("group_by", GroupBy, []))
-    for p in params_of:
-        default = 0 if p.name in switches else p.default
-        kind = p.type if default is not None else p.type | None
-        signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], default))
-    if plain.query.bucket:
-        signature.append(_kw("bucket", Bucket, None))
-    signature.append(_kw("format", Format, None))
-    handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
     handler.__doc__ = plain.query.doc.split("\n\n")[0]
     handler.__name__ = plain.route
-    return handler
+    return _with_query(handler, model)
 
 
 async def _answer(back: Backend, spec: Endpoint, scope: Scope, given: dict[str, Any]) -> Response:
@@ -332,15 +348,28 @@ async def _answer(back: Backend, spec: Endpoint, scope: Scope, given: dict[str, 
     return _rows(spec.label, scope, rows, **extra)
 
 
+#: What a lookup's id may be.
+KEY_DOC = (
+    "The request: its uid (engine_id/request_id), the engine's id, or the id the client got "
+    "(chatcmpl-..., cmpl-...); an id that names several requests answers 409 with them."
+)
+
+
 def _lookup_route(spec: Endpoint) -> Any:
     """The handler of one lookup: the id from the path (or the query string), 404 when absent."""
     query = spec.query
     assert query.key is not None
     key_name = query.key
+    fields: dict[str, Any] = {p.wire: _param_field(p, p.default) for p in query.params}
+    if not spec.key_in_path:
+        fields[key_name] = (str, Field(description=KEY_DOC))
+    fields["format"] = (str | None, _format_field())
+    model = create_model(f"{spec.name.title().replace('_', '')}Parameters", __base__=ScopeParams, **fields)
 
-    async def handler(who: Principal, back: Backend, s: ScopeParams, **given: Any) -> Response:
-        scope = s.scope(who, back.clock())
-        key = given.pop(key_name)
+    async def answer(
+        key: str, who: Principal, back: Backend, q: ScopeParams, given: dict[str, Any]
+    ) -> Response:
+        scope = q.scope(who, back.clock())
         arguments = {p.name: p.check(given[p.wire]) for p in query.params}
         if spec.permission:
             arguments["allowed"] = who.allows(spec.permission)
@@ -352,22 +381,22 @@ def _lookup_route(spec: Endpoint) -> Any:
         body = {key_name: key, **found} if spec.echo_key else found
         return JSONResponse(jsonable(body))
 
-    key_doc = (
-        "The request: its uid (engine_id/request_id), the engine's id, or the id the client got "
-        "(chatcmpl-..., cmpl-...); an id that names several requests answers 409 with them."
-    )
-    key_param = (
-        _kw(key_name, str) if spec.key_in_path else _kw(key_name, Annotated[str, Query(description=key_doc)])
-    )
-    signature = [key_param, _kw("who", Caller), _kw("back", Back), _kw("s", Scoped)]
-    for p in query.params:
-        kind = p.type if p.default is not None else p.type | None
-        signature.append(_kw(p.wire, Annotated[kind, Query(description=p.doc, ge=p.ge, le=p.le)], p.default))
-    signature.append(_kw("format", Format, None))
-    handler.__signature__ = inspect.Signature(signature)  # type: ignore[attr-defined]
+    path: dict[str, Any] = {}
+    if spec.key_in_path:
+        path["key"] = Annotated[str, PathParam(alias=key_name)]
+
+        async def handler(key: str, who: Caller, back: Back, q: Any) -> Response:
+            return await answer(key, who, back, q, q.model_dump())
+
+    else:
+
+        async def handler(who: Caller, back: Back, q: Any) -> Response:  # type: ignore[misc]
+            given = q.model_dump()
+            return await answer(given.pop(key_name), who, back, q, given)
+
     handler.__doc__ = query.doc.split("\n\n")[0]
     handler.__name__ = spec.name
-    return handler
+    return _with_query(handler, model, **path)
 
 
 async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
@@ -382,7 +411,9 @@ class PriceIn(BaseModel):
     """One price (docs/cost-model.md, Prices): USD per 1M tokens, or per GPU-hour."""
 
     model: str
-    token_class: str = Field(description="input, cached_input, output or gpu_hour")
+    token_class: str = Field(
+        description="input, cached_input, output, gpu_hour or kv (USD per GiB-hour of KV cache held)"
+    )
     usd: str = Field(description="Decimal text, at most six decimals (never a float).")
     effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
     effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")
@@ -402,22 +433,11 @@ def _router() -> APIRouter:
 
     # Before the lookups: "requests/batch" is never a request uid (uids are engine_id/request_id).
     @api.get("/requests/batch", tags=["requests"])
-    async def requests_batch(
-        who: Caller,
-        back: Back,
-        s: Scoped,
-        request_id: Annotated[
-            list[str],
-            Query(
-                description=f"These requests in full (as /requests/UID answers each), in this order, "
-                f"in one query; at most {params.MAX_DASHBOARD_REQUESTS}."
-            ),
-        ] = [],  # noqa: B006
-    ) -> JSONResponse:
+    async def requests_batch(who: Caller, back: Back, s: Annotated[BatchParams, Query()]) -> JSONResponse:
         """Several requests in full in one query (the dashboard's batch); unknown or out-of-scope
         ones are left out."""
         scope = s.scope(who, back.clock())
-        uids = params.request_ids(request_id)
+        uids = params.request_ids(s.request_id)
         found = await back.query("requests_by_uid", back.queries.requests_by_uid, uids, scope=scope)
         return _rows("requests", scope, list(found.values()), request_id=uids)
 
@@ -622,13 +642,7 @@ def _ops(app: FastAPI) -> None:
         return response
 
     @app.get("/dashboard", response_class=HTMLResponse, tags=["dashboard"])
-    async def dashboard(
-        who: Browser,
-        back: Back,
-        s: Scoped,
-        request_id: Annotated[list[str], Query(description="Requests whose timelines to draw.")] = [],  # noqa: B006
-        inline: Annotated[bool, Query(description="Embed plotly.js (a self-contained file).")] = False,
-    ) -> Response:
+    async def dashboard(who: Browser, back: Back, s: Annotated[DashboardParams, Query()]) -> Response:
         """The dashboard, rendered now for the caller's tenants; a browser without a session is
         sent to ``/login``."""
         if who is None:
@@ -639,11 +653,11 @@ def _ops(app: FastAPI) -> None:
             collect_dashboard,
             back.queries,
             scope=scope,
-            request_uids=params.request_ids(request_id),
+            request_uids=params.request_ids(s.request_id),
             pipeline=back.pipeline() if who.admin else None,
             now_ns=back.clock(),
         )
-        return HTMLResponse(render_html(data, plotly_src=None if inline else "/dashboard/plotly.min.js"))
+        return HTMLResponse(render_html(data, plotly_src=None if s.inline else "/dashboard/plotly.min.js"))
 
     @app.get("/dashboard/plotly.min.js", include_in_schema=False)
     async def plotly_js() -> FileResponse:

@@ -42,7 +42,7 @@ class Backend:
         cfg: Configuration (Kafka and topics for jobs, sink settings for replays).
         store: The open (migrated) store this process owns.
         tokens: Who may call.
-        sink_worker: The in-process sink worker (``sparseety store``), for its health counters.
+        sink_feeder: The sink feeder of the store process (``sparseety store``), for its health counters.
         max_jobs: Collect jobs that run at once.
         clock: Wall clock in ns (tests).
         regressions_every_s: Least time between two evaluations of the sparsity-regression
@@ -56,7 +56,7 @@ class Backend:
         store: Store,
         *,
         tokens: TokenTable,
-        sink_worker: Any = None,
+        sink_feeder: Any = None,
         max_jobs: int = 1,
         clock: Callable[[], int] = time.time_ns,
         regressions_every_s: float = 60.0,
@@ -67,11 +67,11 @@ class Backend:
         self.store = store
         self.queries = ApiQueries(store, tokenizers=cfg.api.tokenizers)
         self.tokens = tokens
-        self.sink_worker = sink_worker
+        self.sink_feeder = sink_feeder
         self.clock = clock
         self.metrics = ApiMetrics()
-        if sink_worker is not None:
-            self.metrics.watch_sink(sink_worker)
+        if sink_feeder is not None:
+            self.metrics.watch_sink(sink_feeder)
         self.jobs = JobManager(max_workers=max_jobs, on_finish=self._job_finished)
 
     def _job_finished(self, job: Job) -> None:
@@ -110,9 +110,9 @@ class Backend:
         return snapshot
 
     def pipeline(self) -> dict[str, Any]:
-        """Process-side health: the sink worker's counters (when it runs here) and active jobs."""
-        out: dict[str, Any] = {"sink_in_process": self.sink_worker is not None}
-        w = self.sink_worker
+        """Process-side health: the sink feeder's counters (when it runs here) and active jobs."""
+        out: dict[str, Any] = {"sink_in_process": self.sink_feeder is not None}
+        w = self.sink_feeder
         if w is not None:
             out.update(
                 sink_records=w.records,

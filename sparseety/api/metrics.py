@@ -2,7 +2,7 @@
 
 Each API instance has its own registry (so tests can run several). Store-side figures (freshness,
 stored requests, dead letters) are refreshed by the ``/metrics`` handler just before rendering;
-the sink worker's counters (when the sink runs in this process) are read at scrape time.
+the sink feeder's counters (when the sink runs in this process) are read at scrape time.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 class SinkCollector(Collector):
-    """The in-process sink worker's counters (``sparseety.sinks.consumer.SinkWorker``)."""
+    """The in-process sink feeder's counters (``sparseety.sinks.consumer.SinkFeeder``)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
+    def __init__(self, feeder: Any) -> None:
+        self.feeder = feeder
 
     def collect(self) -> Iterator[Metric]:
-        w = self.worker
+        w = self.feeder
         yield CounterMetricFamily("sparseety:sink_records", "Records the sink stored.", value=w.records)
         yield CounterMetricFamily(
             "sparseety:sink_dead_letters", "Records the sink dead-lettered.", value=w.dead_letters
@@ -111,9 +111,9 @@ class ApiMetrics:
             registry=r,
         )
 
-    def watch_sink(self, worker: Any) -> None:
-        """Export an in-process sink worker's counters."""
-        self.registry.register(SinkCollector(worker))
+    def watch_sink(self, feeder: Any) -> None:
+        """Export an in-process sink feeder's counters."""
+        self.registry.register(SinkCollector(feeder))
 
     def job_finished(self, kind: str, state: str) -> None:
         self.jobs.labels(kind, state).inc()

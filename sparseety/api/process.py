@@ -88,7 +88,7 @@ def run_store(
             cfg, sink, session_timeout_s=session_timeout_s, commit_interval_s=commit_interval_s
         )
         tokens, admin = _tokens(cfg)
-        backend = Backend(cfg, store, tokens=tokens, sink_worker=loop.worker)
+        backend = Backend(cfg, store, tokens=tokens, sink_feeder=loop.feeder)
         server = _api_server(cfg, backend, loglevel, access_log)
     except BaseException:
         log.exception("the store process failed")

@@ -32,7 +32,9 @@ from typing import Any
 
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
+from sparseety.sinks.output import render
 from sparseety.stack.engine import TINY_ENGINE, TINY_REASONING_PARSER
+from sparseety.stack.engine_checks import check_engine_counters, reasoning_by_tenant, same_text
 from sparseety.stack.supervisor import Stack
 
 Say = Callable[[str], None]
@@ -242,17 +244,9 @@ def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -
         time.sleep(1.0)
 
 
-def _cell(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    widths = [max(len(c), *(len(_cell(r.get(c, ""))) for r in rows)) for c in columns]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
-    body = [
-        "  ".join(_cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows
-    ]
-    return "\n".join([line, "  ".join("-" * w for w in widths), *body])
+    """``rows`` in ``columns`` as the CLI prints tables (:func:`sparseety.sinks.output.render`)."""
+    return render([{c: r.get(c, "") for c in columns} for r in rows], "table")
 
 
 def build_report(
@@ -286,6 +280,12 @@ def build_report(
                 problems.append(f"tenant {name}: cost query {k} {row[k]} != sum over requests {t[k]}")
         for mode in ("list", "actual", "amortized", "gpu"):
             t[f"cost_{mode}"] = costs.get(name, {}).get(mode, {}).get("cost_usd", "?")
+        # KV memory-time held, amortized (shared prefix blocks split among holders), GiB-seconds
+        amortized = costs.get(name, {}).get("amortized", {})
+        kv = amortized.get("kv_byte_ms")
+        t["kv_gib_s"] = f"{int(kv) / (1 << 30) / 1000:.3g}" if kv is not None else "not observed"
+        if amortized and (kv is None or int(amortized.get("kv_not_observed", 0)) or int(kv) <= 0):
+            problems.append(f"tenant {name}: KV memory-time not observed for every request")
     eng = engine["requests"]
     by_tenant_engine: dict[str, dict[str, int]] = {}
     for r in eng:
@@ -345,10 +345,12 @@ def build_report(
         {
             "tenant": t["tenant"],
             **{mode: t[f"cost_{mode}"] for mode in ("list", "actual", "amortized", "gpu")},
+            "kv_GiB_s": t["kv_gib_s"],
         }
         for t in sorted(tenants.values(), key=lambda x: x["tenant"])
     ]
-    lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu"]))
+    lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu", "kv_GiB_s"]))
+    lines.append("  kv_GiB_s: KV cache held x time, amortized (docs/cost-model.md, kv); not priced here")
     for title, path, cols in (
         ("Prefix-cache savings", "/api/v1/savings", None),
         (
@@ -422,7 +424,9 @@ def _whatif_and_regressions(api: Api) -> list[str]:
 #: The report's check line; every engine counter the report prints is compared (see below).
 CHECK_LINE = (
     "Check: per-tenant totals = sum over requests; prompt, output, cached, reasoning (per tenant), "
-    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's"
+    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's; "
+    "KV memory-time observed for every request (checked against vLLM's KV-cache manager in "
+    "tests/e2e/test_engine_truth.py)"
 )
 #: The check line of ``--engine sglang``: SGLang's meta_info per request, summed per tenant, and
 #: its /metrics (drafts, preemptions and reasoning are not observed there: docs/sglang.md).
@@ -433,16 +437,6 @@ CHECK_LINE_SGLANG = (
 )
 CHECK_LINES = {"vllm": CHECK_LINE, "sglang": CHECK_LINE_SGLANG}
 ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
-
-
-def reasoning_by_tenant(stored: list[dict[str, Any]]) -> dict[str, int | None]:
-    """Per tenant, the stored reasoning positions; None when no request of it was observed."""
-    out: dict[str, int | None] = {}
-    for r in stored:
-        n = r.get("reasoning_output_tokens")
-        prev = out.get(r["tenant"])
-        out[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
-    return out
 
 
 def restored_request(
@@ -494,103 +488,11 @@ def restored_request(
     return lines, problems
 
 
-def same_text(decoded: str, streamed: str) -> bool:
-    """Whether a whole decode equals vLLM's text: its incremental detokenizer withholds a trailing
-    incomplete UTF-8 sequence, which a whole decode shows as U+FFFD (random weights emit byte tokens)."""
-    return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
-
-
 def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every stored count of each request (the list rows omit engine_cached_tokens, preemptions)."""
     from urllib.parse import quote
 
     return [api.get(f"/api/v1/requests/{quote(r['request_uid'], safe='')}") for r in stored]
-
-
-def check_engine_counters(
-    stored: list[dict[str, Any]],
-    engine: dict[str, Any],
-    by_tenant_engine: dict[str, dict[str, int]],
-    kind: str = "vllm",
-) -> list[str]:
-    """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
-
-    Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
-    ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
-    ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
-    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
-    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
-    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
-
-    SGLang (``kind`` sglang): per tenant the same, against ``meta_info`` (``prompt_tokens``,
-    ``completion_tokens``, ``cached_tokens``); engine-wide the cached prompt tokens against
-    ``sglang:realtime_tokens_total{mode="prefill_cache"}``. Drafts do not run on its CPU path and
-    it has no reasoning parser here: those are not observed, not compared.
-    """
-    problems: list[str] = []
-    tenants: dict[str, dict[str, int]] = {}
-    for r in stored:
-        t = tenants.setdefault(
-            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
-        )
-        t["requests"] += 1
-        t["prompt_tokens"] += int(r["prompt_tokens"])
-        t["output_tokens"] += int(r["output_tokens"])
-        t["cached"] += int(r.get("engine_cached_tokens", -1))
-    for name, e in sorted(by_tenant_engine.items()):
-        t = tenants.get(name, {})
-        for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
-            if t.get(k) != e[k]:
-                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
-    # reasoning: vLLM's own count per request (its parser's count_reasoning_tokens over its output)
-    theirs: dict[str, int | None] = {}
-    for r in engine["requests"]:
-        n = r.get("reasoning_tokens")
-        prev = theirs.get(r["tenant"])
-        theirs[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
-    ours = reasoning_by_tenant(stored)
-    for name in sorted(set(theirs) | set(ours)):
-        if ours.get(name) != theirs.get(name):
-            problems.append(
-                f"tenant {name}: reasoning {ours.get(name)} stored, "
-                f"{theirs.get(name)} counted by vLLM's parser"
-            )
-    m = engine.get("metrics", {})
-
-    def total(*keys: str) -> int:
-        return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
-
-    if kind == "sglang":
-        metric = "sglang:realtime_tokens_total|mode=prefill_cache"
-        if metric not in m:
-            problems.append(f"cached: the engine did not report {metric}")
-        elif total("engine_cached_tokens") != int(m[metric]):
-            problems.append(
-                f"cached: {total('engine_cached_tokens')} stored, {int(m[metric])} counted by SGLang "
-                '(sglang:realtime_tokens_total{mode="prefill_cache"})'
-            )
-        return problems
-
-    pairs = [
-        (
-            "accepted drafts",
-            total("draft_accepted_tokens", "draft_cut_tokens"),
-            "vllm:spec_decode_num_accepted_tokens",
-        ),
-        ("preemptions", total("preemptions"), "vllm:num_preemptions"),
-    ]
-    for label, got, metric in pairs:
-        if metric not in m:
-            problems.append(f"{label}: the engine did not report {metric}")
-        elif got != int(m[metric]):
-            problems.append(f"{label}: {got} stored, {int(m[metric])} counted by vLLM ({metric})")
-    hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
-    if hit is not None and total("engine_cached_tokens") != int(hit):
-        problems.append(
-            f"cached: {total('engine_cached_tokens')} stored, {int(hit)} counted by vLLM "
-            "(vllm:prompt_tokens_by_source{source=local_cache_hit})"
-        )
-    return problems
 
 
 def run_demo(

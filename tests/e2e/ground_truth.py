@@ -24,7 +24,12 @@ Per request it records:
   block's hash in ``cache_full_blocks`` when it allocates it for a request);
 * attention pairs: per step, the query-key pairs each layer attends, from the model's KV-cache
   groups (full: ``q + 1`` keys for query ``q``; sliding window ``W``: ``min(q + 1, W)``; chunked
-  local attention ``C``: ``q % C + 1``), summed over the layers of each group.
+  local attention ``C``: ``q % C + 1``), summed over the layers of each group;
+* KV memory: after every ``schedule()`` (vLLM has allocated for the step), the blocks each
+  request holds in each group (``req_to_blocks``, null blocks excluded) with the block pool's
+  reference counts: per request and group its block-steps, peak, token slots used, and the
+  block-steps it is charged when each physical block is split among its holders (amortized) or
+  charged to the holder that has held it longest (actual), step by step for the time integrals.
 
 Hashes evicted from the prefix cache (all copies of a hash gone) are kept per KV-cache group.
 """
@@ -67,6 +72,9 @@ class RequestTruth:
     sources: list[str | None] = field(default_factory=list)  # per hit block at first admission
     layer_pairs: int = 0  # query-key pairs attended, summed over every layer
     full_pairs: int = 0  # pairs full causal attention would attend (per layer)
+    #: KV memory per group: step -> [blocks held, amortized share (Fraction), actual blocks,
+    #: token slots used] after the step's schedule().
+    kv_steps: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
 
     @property
     def drafts_cut(self) -> int:
@@ -110,6 +118,9 @@ class EngineTruth:
         self.owner: dict[bytes, str | None] = {}
         self._caching: str | None = None  # request of the cache_full_blocks call in progress
         self.steps = 0
+        #: Per (group, block id): holder -> (step first held, position in that step's order).
+        self._holders: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+        self.ref_mismatches = 0  # blocks whose pool ref_cnt differed from their holders
         self._wrap()
 
     # --- wrapping ------------------------------------------------------------------------------
@@ -154,6 +165,8 @@ class EngineTruth:
         def schedule_(*a: Any, **k: Any) -> Any:
             so = schedule(*a, **k)
             self._on_schedule(so)
+            if so.total_num_scheduled_tokens:
+                self._record_kv(so)
             return so
 
         def update_(so: Any, mro: Any, *a: Any, **k: Any) -> Any:
@@ -253,6 +266,72 @@ class EngineTruth:
             rt.prompt_len = int(getattr(request, "num_prompt_tokens", 0) or 0)
         else:
             rt.resumes += 1
+
+    def _record_kv(self, so: Any) -> None:
+        """The blocks every request holds after this step's allocation, per group."""
+        from fractions import Fraction
+
+        step = self.steps - 1
+        order = {rid: i for i, rid in enumerate(so.num_scheduled_tokens)}
+        reqs = self.scheduler.requests
+        null = self.pool.null_block
+        for gi, m in enumerate(self.kv.coordinator.single_type_managers):
+            held: dict[str, list[Any]] = {}
+            by_block: dict[int, list[str]] = {}
+            for rid, blocks in m.req_to_blocks.items():
+                real = [b for b in blocks if b is not null]
+                if not real:
+                    continue
+                held[rid] = real
+                for b in real:
+                    by_block.setdefault(b.block_id, []).append(rid)
+            for bid, rids in by_block.items():
+                key = (gi, bid)
+                known = self._holders.setdefault(key, {})
+                for gone in set(known) - set(rids):
+                    del known[gone]
+                for rid in rids:
+                    known.setdefault(rid, (step, order.get(rid, len(order))))
+            for key in [k for k in self._holders if k[0] == gi and k[1] not in by_block]:
+                del self._holders[key]
+            bs = m.block_size
+            for rid, real in held.items():
+                share = Fraction(0)
+                actual = 0
+                for b in real:
+                    holders = self._holders[(gi, b.block_id)]
+                    if b.ref_cnt != len(holders):
+                        self.ref_mismatches += 1
+                    share += Fraction(1, len(holders))
+                    actual += min(holders, key=holders.__getitem__) == rid
+                req = reqs.get(rid)
+                computed = int(getattr(req, "num_computed_tokens", 0) or 0) if req is not None else 0
+                nulls = len(m.req_to_blocks[rid]) - len(real)
+                used = max(0, min(computed, len(m.req_to_blocks[rid]) * bs) - nulls * bs)
+                self.requests[rid].kv_steps.setdefault(step, {})[gi] = [len(real), share, actual, used]
+
+    def kv_summary(self, rid: str) -> list[dict[str, Any]]:
+        """Per group: block-steps, peak, amortized and actual block-steps, slot-steps used."""
+        rt = self.requests[rid]
+        out = []
+        for gi in range(len(self.groups)):
+            rows = [v[gi] for v in rt.kv_steps.values() if gi in v]
+            amortized = sum((r[1] for r in rows), start=0)
+            out.append(
+                {
+                    "block_steps": sum(r[0] for r in rows),
+                    "peak_blocks": max((r[0] for r in rows), default=0),
+                    "block_steps_amortized": [amortized.numerator, amortized.denominator] if rows else [0, 1],
+                    "block_steps_actual": sum(r[2] for r in rows),
+                    "slot_steps_used": sum(r[3] for r in rows),
+                    "steps": {
+                        str(k): [v[gi][0], float(v[gi][1]), v[gi][2]]
+                        for k, v in rt.kv_steps.items()
+                        if gi in v
+                    },
+                }
+            )
+        return out
 
     def _before_update(self, so: Any, mro: Any) -> dict[str, Any]:
         spec = so.scheduled_spec_decode_tokens or {}
@@ -361,6 +440,80 @@ def majority_end(groups: list[dict[str, Any]], ends: list[int]) -> int:
     return 0
 
 
+#: Every KV memory-time count :func:`kv_mismatches` can hold against the truth.
+KV_CHECKS = frozenset(
+    {"block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used", "amortized", "block_ns"}
+)
+
+
+def kv_mismatches(
+    accounts: dict[str, dict[str, Any]],
+    truths: dict[str, list[dict[str, Any]]],
+    events: list[dict[str, Any]],
+    checks: frozenset[str] = KV_CHECKS,
+) -> tuple[list[str], dict[str, int]]:
+    """The fold's KV memory-time (``kv_groups``) against :meth:`EngineTruth.kv_summary`, per
+    request (engine id) and group: block-steps, peak, token slots used and the actual mode
+    exactly, the amortized mode within rounding (a holder's share of one interval is floored or
+    ceiled), block-ns on the steps' own clock (StepBatch start, RequestFinished time). Returns
+    the mismatches and the totals (``physical`` block-steps of the pool, both modes folded)."""
+    from fractions import Fraction
+
+    from sparseety import events as ev
+
+    starts: dict[int, int] = {}
+    finished: dict[str, int] = {}
+    for e in events:
+        kind = ev.payload_type(e)
+        if kind == ev.STEP_BATCH:
+            body = ev.payload(e)
+            starts[body["step"]] = e["ts_ns"] - body["duration_ns"]
+        elif kind == ev.REQUEST_FINISHED:
+            body = ev.payload(e)
+            freed = body.get("kv_freed_ts_ns", 0)
+            finished[body["request_id"]] = min(e["ts_ns"], freed) if freed > 0 else e["ts_ns"]
+    clock = 0
+    for step in sorted(starts):  # the fold's KV clock: the running maximum of step starts
+        clock = starts[step] = max(clock, starts[step])
+    out: list[str] = []
+    totals = {"physical": 0, "amortized": 0, "actual": 0, "shared": 0, "requests": 0}
+    for rid, truth in truths.items():
+        acc = accounts.get(rid)
+        if acc is None:
+            out.append(f"{rid}: no accounting")
+            continue
+        groups = acc["kv_groups"]
+        if len(groups) != len(truth):
+            out.append(f"{rid}: {len(groups)} kv groups != {len(truth)}")
+            continue
+        totals["requests"] += 1
+        for gi, (g, t) in enumerate(zip(groups, truth, strict=True)):
+            for k in ("block_steps", "peak_blocks", "block_steps_actual", "slot_steps_used"):
+                if k in checks and g[k] != t[k]:
+                    out.append(f"{rid} group {gi} {k}: fold {g[k]} != engine {t[k]}")
+            amortized = Fraction(*t["block_steps_amortized"])
+            if "amortized" in checks and abs(g["block_steps_amortized"] - amortized) > max(
+                1, g["peak_blocks"]
+            ):
+                out.append(f"{rid} group {gi} amortized: fold {g['block_steps_amortized']} != {amortized}")
+            if g["slot_steps_allocated"] != g["block_steps"] * g["block_size"]:
+                out.append(f"{rid} group {gi}: allocated slots != block-steps x block size")
+            if g["slot_steps_used"] > g["slot_steps_allocated"]:
+                out.append(f"{rid} group {gi}: more slots used than allocated")
+            ns = 0
+            for k, (held, _share, _actual) in t["steps"].items():
+                step = int(k)
+                end = min(starts.get(step + 1, finished[rid]), finished[rid])
+                ns += held * max(0, end - starts[step])
+            if "block_ns" in checks and g["block_ns"] != ns:
+                out.append(f"{rid} group {gi} block_ns: fold {g['block_ns']} != engine {ns}")
+            totals["physical"] += t["block_steps_actual"]
+            totals["amortized"] += g["block_steps_amortized"]
+            totals["actual"] += g["block_steps_actual"]
+            totals["shared"] += g["block_steps"] - g["block_steps_actual"]
+    return out, totals
+
+
 #: RequestAccounting fields held against the truth of the same name.
 CLASSES = (
     "cache_read_tokens",
@@ -445,6 +598,7 @@ def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]
             "sources": rt.sources,
             "layer_pairs": rt.layer_pairs,
             "full_pairs": rt.full_pairs,
+            "kv": truth.kv_summary(rid),
         }
     metrics: dict[str, float] = {}
     for m in llm.get_metrics():
@@ -460,6 +614,7 @@ def run_workload(llm: Any, truth: EngineTruth, phases: list[list[dict[str, Any]]
         "block_size": truth.block_size,
         "async_scheduling": truth.async_scheduling,
         "evicted_hashes": sum(len(v) for v in truth.evicted.values()),
+        "kv_ref_mismatches": truth.ref_mismatches,
     }
 
 

@@ -24,7 +24,7 @@ from sparseety import events as ev
 from sparseety.config import Config, WorkerConfig
 from tests.e2e.conftest import MODEL_CACHE, engine_config, run_driver, tiny_model
 from tests.e2e.engine_events import engine_events
-from tests.e2e.ground_truth import CLASSES, majority_end, unattended_end
+from tests.e2e.ground_truth import CLASSES, kv_mismatches, majority_end, unattended_end
 from tests.e2e.truth_workloads import ENGINES, phases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,3 +235,38 @@ def test_attention_pairs_follow_each_layers_window_and_chunk(
         assert acc["attention_pairs_skipped"] == (t["full_pairs"] - pairs if limited else 0)
     if limited:
         assert sum(run.accounts[r["engine_request_id"]]["attention_pairs_skipped"] for r in run.requests) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_memory_time_equals_the_kv_managers_blocks(kind: str, broker: Config, workdir: Path) -> None:
+    """Per request and KV-cache group, the fold's memory-time equals the blocks vLLM's KV-cache
+    manager held for it after every schedule() (``req_to_blocks``, null blocks excluded): block-steps,
+    peak, token slots used, the actual mode (a shared block charged to its longest holder) exactly,
+    the amortized mode within rounding (Σ exact), and block-nanoseconds on the steps' own clock."""
+    run = engine_run(kind, broker, workdir)
+    assert run.result["kv_ref_mismatches"] == 0  # the truth's holders are the pool's ref counts
+    truths = {r["engine_request_id"]: r["truth"]["kv"] for r in run.requests}
+    bad, totals = kv_mismatches(run.accounts, truths, run.events)
+    assert not bad, "\n".join(bad[:40])
+    assert totals["requests"] == len(run.requests)
+    # A physical block is held once: both modes add up to the pool's block-steps exactly.
+    assert totals["amortized"] == totals["actual"] == totals["physical"]
+    assert totals["shared"] > 0  # the workload shares prefix blocks between running requests
+    for r in run.requests:
+        acc = run.accounts[r["engine_request_id"]]
+        assert all(g["bytes_per_block"] > 0 for g in acc["kv_groups"])
+        assert acc["kv_peak_bytes"] >= max(g["peak_blocks"] * g["bytes_per_block"] for g in acc["kv_groups"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_bytes_per_block_are_vllms_page_size(kind: str, broker: Config, workdir: Path) -> None:
+    """Bytes per block = the group's page size x its layers; the page size vLLM reports equals
+    2 x KV heads x head size x block size x dtype bytes of EngineStarted's KV spec."""
+    from sparseety.streams.kv_memory import bytes_per_block
+
+    run = engine_run(kind, broker, workdir)
+    started = run.started
+    for g in started["kv_cache_groups"]:
+        assert g["page_size_bytes"] > 0
+        fallback = bytes_per_block(started, {**g, "page_size_bytes": 0})
+        assert fallback == g["page_size_bytes"] * g["num_layers"], g

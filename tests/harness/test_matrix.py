@@ -21,7 +21,7 @@ import pytest
 from sparseety import events as ev
 from sparseety.config import Config
 from tests.e2e.conftest import tiny_model
-from tests.e2e.ground_truth import majority_end, unattended_end
+from tests.e2e.ground_truth import KV_CHECKS, kv_mismatches, majority_end, unattended_end
 from tests.harness.engine import Mode
 from tests.harness.pipeline import ModeRun, mismatches, run_mode
 
@@ -180,3 +180,25 @@ def test_without_the_hybrid_manager_nothing_is_window_released(
     assert [g["kind"] for g in groups] == ["full_attention"]
     assert groups[0]["sliding_window"] or groups[0]["attention_chunk_size"]
     assert all(acc["window_released_tokens"] == 0 for acc in run.accounts.values())
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_ids(MODES))
+def test_kv_memory_time_equals_the_kv_managers_blocks(mode: Mode, broker: Config, workdir: Path) -> None:
+    """Block-steps, peak, slots, both sharing modes and block-ns per request and group against
+    the blocks vLLM's KV-cache manager held after every schedule() (async scheduling, EAGLE's
+    lookahead slots, hybrid manager on and off, a KV connector's loaded blocks included)."""
+    run = mode_run(mode, broker, workdir)
+    truth = run.harness.truth
+    assert truth.ref_mismatches == 0
+    truths = {rid: truth.kv_summary(rid) for rid in run.harness.outputs}
+    # Block-steps and peaks are exact in every mode. The time integral, token slots and the
+    # sharing modes are exact on the plain scheduler with one full-attention group; under async
+    # scheduling and in sliding-window groups they are not yet (docs/streams.md, "KV memory-time":
+    # known gaps), so there they are not claimed.
+    exact = not mode.async_scheduling and mode.shape == "full"
+    checks = KV_CHECKS if exact else frozenset({"block_steps", "peak_blocks"})
+    bad, totals = kv_mismatches(run.accounts, truths, run.events, checks)
+    assert not bad, "\n".join(bad[:40])
+    assert totals["requests"] == len(truths) and totals["physical"] > 0
+    if exact:
+        assert totals["amortized"] == totals["actual"] == totals["physical"]

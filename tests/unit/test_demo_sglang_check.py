@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.stack.demo import check_engine_counters
+from sparseety.stack.engine_checks import check_engine_counters
 
 METRIC = "sglang:realtime_tokens_total|mode=prefill_cache"
 

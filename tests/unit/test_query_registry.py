@@ -7,7 +7,7 @@ import time."""
 
 from __future__ import annotations
 
-import inspect
+from fastapi import FastAPI
 
 from sparseety.api.app import _router
 from sparseety.api.cli import query
@@ -52,20 +52,44 @@ def test_routes_serve_their_variants_after_the_plain_query() -> None:
         assert all(s.selected_by in {p.name for p in s.params} for s in specs[1:]), route
 
 
+def _openapi_parameters() -> dict[str, dict[str, dict[str, object]]]:
+    """Path -> parameter name -> its OpenAPI entry, as the app publishes them."""
+    app = FastAPI()
+    app.include_router(_router())
+    return {
+        path: {p["name"]: p for p in ops["get"].get("parameters", [])}
+        for path, ops in app.openapi()["paths"].items()
+        if "get" in ops
+    }
+
+
 def test_api_route_parameters_come_from_the_declaration() -> None:
-    handlers = {getattr(r, "path", ""): getattr(r, "endpoint", None) for r in _router().routes}
+    published = _openapi_parameters()
     for route, specs in routes().items():
-        names = set(inspect.signature(handlers[f"/api/v1/{route}"]).parameters)
-        assert {p.wire for s in specs for p in s.params} <= names, route
+        names = published[f"/api/v1/{route}"]
+        assert {p.wire for s in specs for p in s.params} <= set(names), route
         assert ("group_by" in names) == (specs[0].query.group_by is not None), route
         assert ("bucket" in names) == specs[0].query.bucket, route
+        assert {"since", "until", "tenant", "format"} <= set(names), route
+        for p in (p for s in specs for p in s.params):
+            entry = names[p.wire]
+            assert entry["in"] == "query" and entry["description"] == p.doc, (route, p.wire)
+            schema: dict[str, object] = entry["schema"]  # type: ignore[assignment]
+            bounds = {k: v for k, v in schema.items() if k in ("minimum", "maximum")}
+            for s in schema.get("anyOf", []):  # type: ignore[attr-defined]
+                bounds.update({k: v for k, v in s.items() if k in ("minimum", "maximum")})
+            expected = {k: v for k, v in (("minimum", p.ge), ("maximum", p.le)) if v is not None}
+            assert bounds == expected, (route, p.wire)
 
 
 def test_lookup_routes_take_their_id_and_come_before_the_catch_all_paths() -> None:
-    handlers = {getattr(r, "path", ""): getattr(r, "endpoint", None) for r in _router().routes}
+    published = _openapi_parameters()
     order = [getattr(r, "path", "") for r in _router().routes]
     for spec in lookups():
-        assert spec.query.key in inspect.signature(handlers[spec.api_path]).parameters, spec.name
+        where = "path" if spec.key_in_path else "query"
+        names = published[spec.api_path.replace(":path}", "}")]
+        assert names[spec.query.key]["in"] == where and names[spec.query.key]["required"], spec.name
+        assert {p.wire for p in spec.query.params} <= set(names), spec.name
         if spec.api_path.endswith(":path}"):
             prefix = spec.api_path.split("{")[0]
             longer = [p for p in order if p.startswith(prefix) and p != spec.api_path and "{" in p]

@@ -105,7 +105,32 @@ def shapes() -> list[dict[str, Any]]:
         f.accounting(f"{u}6", complete=False, incomplete_reason="engine_stopped", finished_ts_ns=NOW + 9),
         f.accounting(f"{u}6", finished_ts_ns=NOW + 5, output_tokens=7),
         f.accounting(f"{u}7", finished_ts_ns=-5, token_privacy=""),  # a negative clock: _version clamps
+        # KV memory-time: two groups (byte-ms floored once per request), and bytes unknown (NULL)
+        f.accounting(
+            f"{u}8", finished_ts_ns=NOW + 6, kv_groups=[_kv(), _kv(bytes_per_block=1000)], kv_peak_bytes=7
+        ),
+        f.accounting(f"{u}9", finished_ts_ns=NOW + 7, kv_groups=[_kv(bytes_per_block=0)], kv_peak_bytes=3),
     ]
+
+
+def _kv(**over: Any) -> dict[str, Any]:
+    g = {
+        "kind": "full_attention",
+        "block_size": 16,
+        "bytes_per_block": 1 << 20,
+        "peak_blocks": 4,
+        "never_held_blocks": 1,
+        "block_steps": 30,
+        "block_ns": 3_000_000_001,
+        "block_steps_amortized": 20,
+        "block_ns_amortized": 2_000_000_003,
+        "block_steps_actual": 10,
+        "block_ns_actual": 999_999,
+        "slot_steps_used": 400,
+        "slot_steps_allocated": 480,
+    }
+    g.update(over)
+    return g
 
 
 def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
@@ -255,14 +280,14 @@ def test_container_round_trips_through_clickhouse(stores: tuple[Store, Store]) -
 
 
 def test_the_worker_dead_letters_a_refused_batch_s_bad_records(stores: tuple[Store, Store]) -> None:
-    """SinkWorker over the fast path: a corrupt body's batch is decoded in Python after
+    """SinkFeeder over the fast path: a corrupt body's batch is decoded in Python after
     ClickHouse refused it; the bad payload goes to the dlq topic with its raw bytes, a bad header
     never reaches the sink, and the rest is written once and acknowledged."""
     import asyncio
 
     from sparseety.config import load_config
     from sparseety.kafka import make_decoder
-    from sparseety.sinks.consumer import SinkWorker
+    from sparseety.sinks.consumer import SinkFeeder
     from tests.unit.test_sink_worker import Controls, Msg
 
     _, store = stores
@@ -278,7 +303,7 @@ def test_the_worker_dead_letters_a_refused_batch_s_bad_records(stores: tuple[Sto
 
     sink = ClickHouseSink(store)
     controls = Controls()
-    worker = SinkWorker(sink, make_decoder(load_config()), "dlq", send, controls)
+    worker = SinkFeeder(sink, make_decoder(load_config()), "dlq", send, controls)
     asyncio.run(worker.process(msgs))
 
     assert [(k, d["error_type"], d["partition"], d["offset"]) for k, d in sent] == [

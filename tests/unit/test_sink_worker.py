@@ -1,5 +1,5 @@
-"""SinkWorker, the Kafka-independent part of ``sparseety sink``: dead letters for bad input, and a
-partition whose write keeps failing held unacked and paused until its data is written."""
+"""SinkFeeder (formerly SinkWorker), the Kafka-independent part of ``sparseety sink``: dead letters for
+bad input, and a partition whose write keeps failing held unacked and paused until its data is written."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sparseety.errors import SinkWriteError
 from sparseety.kafka import make_decoder, make_encoder
 from sparseety.sinks import consumer
 from sparseety.sinks.base import Batch, FlushResult, Sink
-from sparseety.sinks.consumer import SinkWorker
+from sparseety.sinks.consumer import SinkFeeder
 from tests import factories as f
 
 CFG = load_config()
@@ -89,14 +89,14 @@ class MemorySink(Sink):
         pass
 
 
-def make_worker(sink: MemorySink) -> tuple[SinkWorker, Controls, list[tuple[bytes | None, dict[str, Any]]]]:
+def make_worker(sink: MemorySink) -> tuple[SinkFeeder, Controls, list[tuple[bytes | None, dict[str, Any]]]]:
     sent: list[tuple[bytes | None, dict[str, Any]]] = []
 
     async def send(items: list[tuple[bytes | None, dict[str, Any]]]) -> None:
         sent.extend(items)
 
     controls = Controls()
-    return SinkWorker(sink, make_decoder(CFG), DLQ, send, controls), controls, sent
+    return SinkFeeder(sink, make_decoder(CFG), DLQ, send, controls), controls, sent
 
 
 def accounting(i: int, partition: int = 0) -> Msg:

@@ -17,7 +17,7 @@ from sparseety.sinks import base
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.rows import request_version
-from sparseety.sinks.clickhouse.tables import SINK_TABLES
+from sparseety.sinks.clickhouse.tables import KV_COLUMNS, SINK_TABLES
 from sparseety.sinks.clickhouse.writer import ClickHouseSink, is_data_error
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store
@@ -71,7 +71,14 @@ def test_every_field_lands(store: Store) -> None:
     write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, rec), (ev.USAGE_WINDOW, f.usage_window())])
     (row,) = store.query(f"SELECT * FROM {store.database}.requests_v")
     for field, value in rec.items():
-        if field not in ("block_uses", "timeline", "expert_counts", *TOKEN_FIELDS):
+        if field not in (
+            "block_uses",
+            "timeline",
+            "expert_counts",
+            "kv_groups",
+            "kv_peak_bytes",
+            *TOKEN_FIELDS,
+        ):
             assert row[field] == value, field
     (tokens,) = store.query(f"SELECT * FROM {store.database}.request_tokens_v")
     assert tokens["privacy"] == rec["token_privacy"] == "raw"
@@ -366,3 +373,74 @@ def test_a_missing_table_is_no_data_error(store: Store) -> None:
         store.query("SELECT * FROM no_such_table_here")
     assert caught.value.fields["code"] == 60  # UNKNOWN_TABLE: the store's, retried
     assert not is_data_error(caught.value)
+
+
+def _kv_group(**over: Any) -> dict[str, Any]:
+    g = {
+        "kind": "full_attention",
+        "block_size": 16,
+        "bytes_per_block": 1 << 20,
+        "peak_blocks": 4,
+        "never_held_blocks": 0,
+        "block_steps": 30,
+        "block_ns": 3_000_000_000,
+        "block_steps_amortized": 20,
+        "block_ns_amortized": 2_000_000_001,
+        "block_steps_actual": 10,
+        "block_ns_actual": 999_999,
+        "slot_steps_used": 400,
+        "slot_steps_allocated": 480,
+    }
+    g.update(over)
+    return g
+
+
+def test_kv_memory_time_lands_and_old_rows_read_not_observed(store: Store) -> None:
+    """Migration 012's columns: sums over the groups, byte-ms floored once; a record without
+    kv_groups (written before, or request level) reads NULL, never 0."""
+    groups = [_kv_group(), _kv_group(kind="sliding_window", bytes_per_block=1000, never_held_blocks=2)]
+    now = time.time_ns()
+    with_kv = rich(f"{f.EID}/kv", finished_ts_ns=now, kv_groups=groups, kv_peak_bytes=5 << 20)
+    old = rich(f"{f.EID}/old", finished_ts_ns=now)
+    write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, with_kv), (ev.REQUEST_ACCOUNTING, old)])
+    rows = {r["request_uid"]: r for r in store.query(f"SELECT * FROM {store.database}.requests_v")}
+    kv, before = rows[f"{f.EID}/kv"], rows[f"{f.EID}/old"]
+    assert kv["kv_block_steps"] == 60 and kv["kv_block_ns"] == 6_000_000_000
+    assert kv["kv_byte_ms"] == (3_000_000_000 * (1 << 20) + 3_000_000_000 * 1000) // 1_000_000
+    assert kv["kv_byte_ms_amortized"] == (2_000_000_001 * ((1 << 20) + 1000)) // 1_000_000
+    assert kv["kv_byte_ms_actual"] == (999_999 * ((1 << 20) + 1000)) // 1_000_000
+    assert kv["kv_peak_bytes"] == 5 << 20 and kv["kv_never_held_blocks"] == 2
+    assert (kv["kv_slot_steps_used"], kv["kv_slot_steps_allocated"]) == (800, 960)
+    assert all(before[c] is None for c in KV_COLUMNS)
+
+
+def test_query_cost_prices_kv_memory_time_per_gib_hour(store: Store) -> None:
+    """``query cost``'s kv columns: the mode's byte-ms and its price (USD per GiB-hour, floored
+    per request), beside the token cost; a request without memory-time is counted as not
+    observed, and a model without a kv price as unpriced."""
+    from decimal import Decimal
+
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+    from sparseety.sinks.clickhouse.queries import Queries
+
+    gib_ms_hour = (1 << 30) * 3_600_000  # one GiB held for one hour, in byte-ms
+    # block_ns x bytes / 1e6 = byte-ms: 3.6e12 ns x 2^30 B = one GiB-hour held; actual half of it
+    one = _kv_group(bytes_per_block=1 << 30, block_ns=3_600_000_000_000)
+    one.update(block_ns_actual=1_800_000_000_000, block_ns_amortized=2_700_000_000_000)
+    now = time.time_ns()
+    recs = [
+        rich(
+            f"{f.EID}/a", tenant="A", model="m1", finished_ts_ns=now, kv_groups=[one], kv_peak_bytes=1 << 30
+        ),
+        rich(f"{f.EID}/b", tenant="A", model="m1", finished_ts_ns=now),  # written before: not observed
+    ]
+    write(ClickHouseSink(store), [(ev.REQUEST_ACCOUNTING, r) for r in recs])
+    set_prices(store, [Price("m1", "kv", Decimal("0.36"), 0)])
+    q = Queries(store)
+    actual = {r["tenant"]: r for r in q.cost(mode="actual", by=["tenant"])}["A"]
+    assert actual["kv_byte_ms"] == gib_ms_hour // 2
+    assert actual["kv_cost_usd"] == Decimal("0.18")
+    assert (actual["kv_not_observed"], actual["kv_unpriced"]) == (1, 0)
+    amortized = {r["tenant"]: r for r in q.cost(mode="amortized", by=["tenant"])}["A"]
+    assert amortized["kv_byte_ms"] == gib_ms_hour * 3 // 4
+    assert amortized["kv_cost_usd"] == Decimal("0.27")

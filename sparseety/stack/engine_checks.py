@@ -1,0 +1,110 @@
+"""The demo's checks against the engine's own answers: what vLLM returned (``RequestOutput``) and
+counted (its Prometheus metrics), or what SGLang returned (``meta_info``) and counted
+(``/metrics``), compared with what SparSEEty stored. Pure functions over plain
+rows, shared by ``sparseety demo`` (``sparseety/stack/demo.py``) and the end-to-end tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def same_text(decoded: str, streamed: str) -> bool:
+    """Whether a whole decode equals vLLM's text: its incremental detokenizer withholds a trailing
+    incomplete UTF-8 sequence, which a whole decode shows as U+FFFD (random weights emit byte tokens)."""
+    return decoded.startswith(streamed) and set(decoded[len(streamed) :]) <= {"\ufffd"}
+
+
+def reasoning_by_tenant(stored: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Per tenant, the stored reasoning positions; None when no request of it was observed."""
+    out: dict[str, int | None] = {}
+    for r in stored:
+        n = r.get("reasoning_output_tokens")
+        prev = out.get(r["tenant"])
+        out[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
+    return out
+
+
+def check_engine_counters(
+    stored: list[dict[str, Any]],
+    engine: dict[str, Any],
+    by_tenant_engine: dict[str, dict[str, int]],
+    kind: str = "vllm",
+) -> list[str]:
+    """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
+
+    Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
+    ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
+    ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
+    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
+    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
+    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
+
+    SGLang (``kind`` sglang): per tenant the same, against ``meta_info`` (``prompt_tokens``,
+    ``completion_tokens``, ``cached_tokens``); engine-wide the cached prompt tokens against
+    ``sglang:realtime_tokens_total{mode="prefill_cache"}``. Drafts do not run on its CPU path and
+    it has no reasoning parser here: those are not observed, not compared.
+    """
+    problems: list[str] = []
+    tenants: dict[str, dict[str, int]] = {}
+    for r in stored:
+        t = tenants.setdefault(
+            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
+        )
+        t["requests"] += 1
+        t["prompt_tokens"] += int(r["prompt_tokens"])
+        t["output_tokens"] += int(r["output_tokens"])
+        t["cached"] += int(r.get("engine_cached_tokens", -1))
+    for name, e in sorted(by_tenant_engine.items()):
+        t = tenants.get(name, {})
+        for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
+            if t.get(k) != e[k]:
+                problems.append(f"tenant {name}: {k} {t.get(k)} stored, {e[k]} from the engine")
+    # reasoning: vLLM's own count per request (its parser's count_reasoning_tokens over its output)
+    theirs: dict[str, int | None] = {}
+    for r in engine["requests"]:
+        n = r.get("reasoning_tokens")
+        prev = theirs.get(r["tenant"])
+        theirs[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
+    ours = reasoning_by_tenant(stored)
+    for name in sorted(set(theirs) | set(ours)):
+        if ours.get(name) != theirs.get(name):
+            problems.append(
+                f"tenant {name}: reasoning {ours.get(name)} stored, "
+                f"{theirs.get(name)} counted by vLLM's parser"
+            )
+    m = engine.get("metrics", {})
+
+    def total(*keys: str) -> int:
+        return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
+
+    if kind == "sglang":
+        metric = "sglang:realtime_tokens_total|mode=prefill_cache"
+        if metric not in m:
+            problems.append(f"cached: the engine did not report {metric}")
+        elif total("engine_cached_tokens") != int(m[metric]):
+            problems.append(
+                f"cached: {total('engine_cached_tokens')} stored, {int(m[metric])} counted by SGLang "
+                '(sglang:realtime_tokens_total{mode="prefill_cache"})'
+            )
+        return problems
+
+    pairs = [
+        (
+            "accepted drafts",
+            total("draft_accepted_tokens", "draft_cut_tokens"),
+            "vllm:spec_decode_num_accepted_tokens",
+        ),
+        ("preemptions", total("preemptions"), "vllm:num_preemptions"),
+    ]
+    for label, got, metric in pairs:
+        if metric not in m:
+            problems.append(f"{label}: the engine did not report {metric}")
+        elif got != int(m[metric]):
+            problems.append(f"{label}: {got} stored, {int(m[metric])} counted by vLLM ({metric})")
+    hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
+    if hit is not None and total("engine_cached_tokens") != int(hit):
+        problems.append(
+            f"cached: {total('engine_cached_tokens')} stored, {int(hit)} counted by vLLM "
+            "(vllm:prompt_tokens_by_source{source=local_cache_hit})"
+        )
+    return problems

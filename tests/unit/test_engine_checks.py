@@ -1,0 +1,53 @@
+"""The demo's engine checks (sparseety/stack/engine_checks.py): stored counts against what vLLM
+returned and counted. Pure logic over hand-made rows here; the real comparison runs in
+tests/e2e/test_demo.py against a real engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparseety.stack.engine_checks import check_engine_counters, same_text
+
+STORED = [
+    {"tenant": "acme", "prompt_tokens": 10, "output_tokens": 4, "engine_cached_tokens": 2,
+     "draft_accepted_tokens": 3, "draft_cut_tokens": 1, "preemptions": 1},
+    {"tenant": "acme", "prompt_tokens": 6, "output_tokens": 2, "engine_cached_tokens": 0,
+     "draft_accepted_tokens": 0, "draft_cut_tokens": 0, "preemptions": 0},
+]  # fmt: skip
+ENGINE: dict[str, Any] = {
+    "requests": [{"tenant": "acme", "reasoning_tokens": None}] * 2,  # no reasoning parser
+    "metrics": {
+        "vllm:spec_decode_num_accepted_tokens": 4,  # vLLM counts cut drafts as accepted
+        "vllm:num_preemptions": 1,
+        "vllm:prompt_tokens_by_source|source=local_cache_hit": 2,
+    },
+}
+BY_TENANT = {"acme": {"requests": 2, "prompt_tokens": 16, "output_tokens": 6, "cached": 2}}
+
+
+def test_agreeing_counts_pass() -> None:
+    assert check_engine_counters(STORED, ENGINE, BY_TENANT) == []
+
+
+def test_each_disagreement_is_named() -> None:
+    engine = {**ENGINE, "metrics": {**ENGINE["metrics"], "vllm:num_preemptions": 3}}
+    del engine["metrics"]["vllm:spec_decode_num_accepted_tokens"]
+    by_tenant = {"acme": {**BY_TENANT["acme"], "prompt_tokens": 17}}
+    assert check_engine_counters(STORED, engine, by_tenant) == [
+        "tenant acme: prompt_tokens 16 stored, 17 from the engine",
+        "accepted drafts: the engine did not report vllm:spec_decode_num_accepted_tokens",
+        "preemptions: 1 stored, 3 counted by vLLM (vllm:num_preemptions)",
+    ]
+
+
+def test_reasoning_is_compared_with_the_parsers_count() -> None:
+    stored = [{**STORED[0], "reasoning_output_tokens": 5}, STORED[1]]
+    engine = {**ENGINE, "requests": [{"tenant": "acme", "reasoning_tokens": 4}, ENGINE["requests"][1]]}
+    assert check_engine_counters(stored, engine, BY_TENANT) == [
+        "tenant acme: reasoning 5 stored, 4 counted by vLLM's parser"
+    ]
+
+
+def test_a_withheld_incomplete_utf8_tail_is_the_same_text() -> None:
+    assert same_text("héllo\ufffd", "héllo")
+    assert not same_text("hello!", "hello")
