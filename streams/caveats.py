@@ -1,11 +1,13 @@
 """Two caveats the fold attaches to a request's accounting (pure; issue 21).
 
-**Warm-up.** An engine's first step (StepBatch ``step`` 0 of its epoch) carries the cold start:
+**Warm-up.** An engine's first step (StepBatch ``step`` 0 of its epoch) may carry the cold start:
 lazy initialisation, kernel autotuning and compilation the engine's own warm-up did not cover
-(2.6 s of GPU time on the first request of a vLLM server, 20x its tokens' share). That step's
-wall time is not attributed to ``gpu_time_ns``; it is reported apart, split by the same FLOPs
-weights, as ``warmup_gpu_time_ns``. So ``gpu_time_ns + warmup_gpu_time_ns`` over an epoch's
-requests is still the wall time of its steps, and the gpu cost mode charges no one the cold start.
+(2.6 s of GPU time on the first request of a vLLM server, 20x its tokens' share). It also carries
+real work: the first batch's prefills. The fold cannot tell the two apart as the step arrives, so
+the step stays in ``gpu_time_ns`` (excluding it charged no one for a whole first batch's
+prefill) and is *flagged*: the part of each request's ``gpu_time_ns`` that came from its epoch's
+first step is reported apart as ``warmup_gpu_time_ns`` (a subset, never added to it), so a
+reader sees the cold start and can subtract it.
 
 **Source history lost.** A cached prompt block names the request that computed it from the
 epoch's prefix index, which the KV events build. When the fold declares events of the core

@@ -379,12 +379,11 @@ class PositionFold:
             self.kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
         if total > 0:
             scale = step_ns / total
-            if is_warmup_step(step):  # the cold start: reported apart (streams/caveats.py)
+            for req, f in shares:
+                req.gpu_ns += f * scale
+            if is_warmup_step(step):  # the cold start: flagged, its share reported apart
                 for req, f in shares:
                     req.warmup_gpu_ns += f * scale
-            else:
-                for req, f in shares:
-                    req.gpu_ns += f * scale
 
     # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
 

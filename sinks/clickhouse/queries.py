@@ -428,7 +428,7 @@ def gpu_time_sql(
     db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
     """GPU time per group (each request's FLOPs-weighted share of its steps' wall time), and
-    beside it the engines' cold first steps (``warmup_gpu_time_ns``, not attributed)."""
+    beside it the part of it from the engines' first steps (``warmup_gpu_time_ns``, flagged)."""
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
@@ -986,7 +986,7 @@ GPU_TIME = QuerySpec(
     "gpu_time",
     gpu_time_sql,
     "GPU time attributed per group, its share and cost; warmup_gpu_time_ns beside it is the "
-    "share of the engines' cold first steps, not attributed (docs/cost-model.md, Warm-up).",
+    "part of it from the engines' cold first steps (docs/cost-model.md, Warm-up).",
     group_by="tenant",
     bucket=True,
 )

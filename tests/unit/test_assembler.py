@@ -76,8 +76,8 @@ def test_single_request_plain_prefill_and_decode() -> None:
     assert (acc["uncached_computed_tokens"], acc["scheduled_tokens"], acc["steps"]) == (12, 12, 3)
     assert segs(acc) == [(0, 10, "prompt", "computed", False), (10, 13, "output", "computed", False)]
     assert acc["attention_pairs"] == 55 + 11 + 12 and acc["attention_pairs_skipped"] == 0
-    # alone in every step: the whole step time, but the epoch's first step is warm-up, apart
-    assert (acc["gpu_time_ns"], acc["warmup_gpu_time_ns"]) == (2_000_000, 1_000_000)
+    # alone in every step: the whole step time; the epoch's first step is flagged as warm-up
+    assert (acc["gpu_time_ns"], acc["warmup_gpu_time_ns"]) == (3_000_000, 1_000_000)
     assert acc["source_history_lost_ts_ns"] == 0
 
 
@@ -281,10 +281,10 @@ def test_the_first_steps_cold_start_is_warm_up_reported_apart() -> None:
     ]
     accs = accounts(run(events)[0])
     first, second = accs[f"{f.EID}/first"], accs[f"{f.EID}/second"]
-    # the cold step is split by the same FLOPs weights, apart; nothing of it is in gpu_time_ns
+    # the cold step is split by the same FLOPs weights, in gpu_time_ns and flagged apart
     assert first["warmup_gpu_time_ns"] + second["warmup_gpu_time_ns"] == 2_600_000_000
     assert second["warmup_gpu_time_ns"] > 2 * first["warmup_gpu_time_ns"] > 0
-    assert first["gpu_time_ns"] + second["gpu_time_ns"] == 10_000_000
+    assert first["gpu_time_ns"] + second["gpu_time_ns"] == 2_610_000_000
     assert first["consistent"] and second["consistent"]
 
 

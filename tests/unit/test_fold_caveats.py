@@ -98,8 +98,8 @@ def test_with_the_history_whole_the_source_is_named_and_amortized_shares(q: Quer
 def test_the_cold_first_step_is_reported_apart_from_gpu_attribution(q: Queries) -> None:
     r1, r2 = q.request(f"{f.EID}/r1"), q.request(f"{f.EID}/r2")
     assert r1 is not None and r2 is not None
-    # r1 ran alone in the cold step 0 and r2 alone in step 1 (1 ms): no one is charged the 2.6 s
-    assert (r1["gpu_time_ns"], r1["warmup_gpu_time_ns"]) == (0, COLD_NS)
+    # r1 ran alone in the cold step 0 and r2 alone in step 1 (1 ms): r1's 2.6 s is flagged
+    assert (r1["gpu_time_ns"], r1["warmup_gpu_time_ns"]) == (COLD_NS, COLD_NS)
     assert (r2["gpu_time_ns"], r2["warmup_gpu_time_ns"]) == (1_000_000, 0)
     (row,) = q.gpu_time()
-    assert (row["gpu_time_ns"], row["warmup_gpu_time_ns"]) == (1_000_000, COLD_NS)
+    assert (row["gpu_time_ns"], row["warmup_gpu_time_ns"]) == (COLD_NS + 1_000_000, COLD_NS)

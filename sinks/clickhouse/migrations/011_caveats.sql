@@ -1,11 +1,10 @@
 -- Issue 21: two caveats of a request's accounting (streams/caveats.py).
 --
--- warmup_gpu_time_ns is the request's share of its engine epoch's first step (the cold start),
--- which gpu_time_ns no longer includes: the first request of a server is not charged 20x its
--- tokens. source_history_lost_ts_ns says that cached positions of the request have no source
+-- warmup_gpu_time_ns is the part of gpu_time_ns that came from the request's engine epoch's first
+-- step (the cold start), flagged so a reader can see and subtract it. source_history_lost_ts_ns says that cached positions of the request have no source
 -- because the fold lost the engine's KV history at that time (a seq gap on the core stream):
 -- shown as "source unknown (history lost at ...)", and amortized falls back to the cache-read
--- price for them. Rows written before read 0 (their gpu_time_ns includes the first step).
+-- price for them. Rows written before read 0 (not flagged).
 
 ALTER TABLE {db}.requests{on_cluster}
     ADD COLUMN IF NOT EXISTS warmup_gpu_time_ns Int64 DEFAULT 0 AFTER external_kv_tokens,
