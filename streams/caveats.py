@@ -1,4 +1,4 @@
-"""Two caveats the fold attaches to a request's accounting (pure; issue 21).
+"""The caveats the fold attaches to a request's accounting (pure; issues 21 and 22).
 
 **Warm-up.** An engine's first step (StepBatch ``step`` 0 of its epoch) may carry the cold start:
 lazy initialisation, kernel autotuning and compilation the engine's own warm-up did not cover
