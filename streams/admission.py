@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import block_index
 from . import prefix_index as pidx
 from . import segments as sg
+from .caveats import kv_events_observed
 from .state import EpochState, RequestState, StateStore, block_key
 
 
@@ -32,7 +33,9 @@ def plan_prompt(
     bs = (epoch.config or {}).get("block_size") or 0
     segs = r.segments
     loaded = cached if loaded is None else max(cached, loaded)
-    if not bs or not hashes:
+    if cached and not kv_events_observed(epoch.config):
+        r.source_lost_ns = epoch.history_lost_ts_ns  # no source is known (streams/caveats.py)
+    if not bs or not hashes or not kv_events_observed(epoch.config):
         sg.append(segs, cached, sg.PROMPT, sg.CACHED)
         sg.append(segs, loaded - cached, sg.PROMPT, sg.EXTERNAL_KV)
         sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)
