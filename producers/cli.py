@@ -70,7 +70,8 @@ def proxy(
     import uvicorn
 
     from sparseety.kafka import ensure_topics, wait_for_kafka
-    from sparseety.producers.proxy.app import ProxyProducer, create_app
+
+    from .proxy.app import ProxyProducer, create_app
 
     cfg = c.cfg
     wait_for_kafka(cfg)

@@ -36,10 +36,11 @@ from typing import Any
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import SparseetyError
-from sparseety.producers.handoff import Builder, Handoff
-from sparseety.producers.kafka_client import confluent_producer
-from sparseety.producers.ledger import EmitterStats
-from sparseety.producers.supervisor import Supervisor
+
+from .handoff import Builder, Handoff
+from .kafka_client import confluent_producer
+from .ledger import EmitterStats
+from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

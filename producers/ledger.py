@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparseety.producers.journal import Journal, JournalError, JournalFullError
+from .journal import Journal, JournalError, JournalFullError
 
 log = logging.getLogger("sparseety.producer")
 

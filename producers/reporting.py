@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sparseety.producers import metrics
-from sparseety.producers.ledger import Ledger
+from . import metrics
+from .ledger import Ledger
 
 if TYPE_CHECKING:
-    from sparseety.producers.emitter import Emitter
+    from .emitter import Emitter
 
 log = logging.getLogger("sparseety.producer")
 

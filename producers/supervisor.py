@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from sparseety import events as ev
 from sparseety.lifecycle import name_os_thread
-from sparseety.producers.handoff import Item
-from sparseety.producers.kafka_client import producer_settings, rdkafka_log
-from sparseety.producers.ledger import Ledger, OnDelivery, WarnOnce
-from sparseety.producers.reporting import Reporter
+
+from .handoff import Item
+from .kafka_client import producer_settings, rdkafka_log
+from .ledger import Ledger, OnDelivery, WarnOnce
+from .reporting import Reporter
 
 if TYPE_CHECKING:
-    from sparseety.producers.emitter import Emitter
+    from .emitter import Emitter
 
 log = logging.getLogger("sparseety.producer")
 

@@ -26,8 +26,8 @@ FORMAT = click.option(
 
 @contextlib.contextmanager
 def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
-    from sparseety.sinks.clickhouse.client import Store
-    from sparseety.sinks.clickhouse.migrate import ensure_migrated
+    from .clickhouse.client import Store
+    from .clickhouse.migrate import ensure_migrated
 
     store = Store.open(cfg, owner=owner)
     try:
@@ -40,7 +40,7 @@ def _store(cfg: Config, owner: str, *, check: bool = True) -> Iterator[Any]:
 
 def echo_rows(rows: Any, fmt: str) -> None:
     """Rows (or one object) in the chosen format."""
-    from sparseety.sinks.output import render, render_object
+    from .output import render, render_object
 
     if isinstance(rows, dict) and fmt == "json":
         click.echo(render_object(rows))
@@ -86,9 +86,10 @@ def sink_cmd(
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
     from sparseety.lifecycle import exit_after
-    from sparseety.sinks.base import load_sink_class
-    from sparseety.sinks.consumer import SinkConsumer, run
-    from sparseety.sinks.fanout import FanOutSink
+
+    from .base import load_sink_class
+    from .consumer import SinkConsumer, run
+    from .fanout import FanOutSink
 
     cfg = c.cfg
     names = list(dict.fromkeys(sink_names))
@@ -131,11 +132,11 @@ def replay_cmd(
     fmt: str,
 ) -> None:
     """Re-read a topic range through the same processor and sink (idempotent)."""
-    from sparseety.sinks.clickhouse.dryrun import DryRunSink
-    from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.writer import ClickHouseSink
-    from sparseety.sinks.processors import load_processor, processor_for_topic
-    from sparseety.sinks.replay import Replay, parse_bound
+    from .clickhouse.dryrun import DryRunSink
+    from .clickhouse.migrate import migrate
+    from .clickhouse.writer import ClickHouseSink
+    from .processors import load_processor, processor_for_topic
+    from .replay import Replay, parse_bound
 
     cfg = c.cfg
     name = cfg.topics.resolve(topic)
@@ -179,7 +180,7 @@ def replay_cmd(
 
 
 def _print_report(report: Any, fmt: str) -> None:
-    from sparseety.sinks.output import render
+    from .output import render
 
     click.echo(
         f"{report.records_in_range} records in range ({report.records_read} read) in "

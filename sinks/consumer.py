@@ -66,8 +66,9 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import Record, make_decoder, make_encoder, make_producer
 from sparseety.lifecycle import clear_ready, mark_ready, run_then_exit
-from sparseety.sinks.base import FlushResult, Sink
-from sparseety.sinks.lost_log import TopicIds, say_log_lost
+
+from .base import FlushResult, Sink
+from .lost_log import TopicIds, say_log_lost
 
 log = logging.getLogger("sparseety.sink")
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from sparseety.config import Config
 from sparseety.errors import SinkWriteError
-from sparseety.sinks.base import Batch, FlushResult, Sink
+
+from .base import Batch, FlushResult, Sink
 
 
 class FanOutSink(Sink):
@@ -33,7 +34,7 @@ class FanOutSink(Sink):
     @classmethod
     def from_config(cls, cfg: Config, **options: Any) -> FanOutSink:
         """Build from registered sink names: ``names=["clickhouse", "otel"]``."""
-        from sparseety.sinks.base import load_sink_class
+        from .base import load_sink_class
 
         names = options.pop("names")
         if options:

@@ -31,10 +31,11 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
 from sparseety.kafka import aiokafka_settings, make_decoder
-from sparseety.sinks.base import FlushResult, Sink
-from sparseety.sinks.processors import Processor
 from sparseety.streams.compat import offsets_for_time, outside_time_range
 from sparseety.times import QueryError, parse_time
+
+from .base import FlushResult, Sink
+from .processors import Processor
 
 Progress = Callable[[int, int], None]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.streams import attention, kv_memory
-from sparseety.streams import segments as sg
-from sparseety.streams.served import reasoning
-from sparseety.streams.state import EpochState, RequestState
+from . import attention, kv_memory
+from . import segments as sg
+from .served import reasoning
+from .state import EpochState, RequestState
 
 
 def build(

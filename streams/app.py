@@ -31,9 +31,10 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, EncodeError
 from sparseety.kafka import make_decoder, make_encoder
 from sparseety.lifecycle import clear_ready, ready_file
-from sparseety.streams import metrics
-from sparseety.streams.assembler import DLQ, TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.compat import (
+
+from . import metrics
+from .assembler import DLQ, TIMELINES, USAGE, Assembler, Output
+from .compat import (
     ChangelogTable,
     LostLogWatch,
     Record,
@@ -42,9 +43,9 @@ from sparseety.streams.compat import (
     fill_holes,
     send_batches,
 )
-from sparseety.streams.runtime import create_app as create_faust_app
-from sparseety.streams.runtime import raw_topic
-from sparseety.streams.state import TableStore
+from .runtime import create_app as create_faust_app
+from .runtime import raw_topic
+from .state import TableStore
 
 log = logging.getLogger("sparseety.worker")
 
@@ -278,7 +279,8 @@ def create_app(cfg: Config) -> faust.App:
             except Exception as exc:  # metrics never stop the worker
                 log.debug("lag metrics not updated: %r", exc)
 
-    watch = LostLogWatch(cfg, table.changelog_topic_name)
+    # Faust sets changelog_topic_name on every Collection; its TableT type does not declare it.
+    watch = LostLogWatch(cfg, table.changelog_topic_name)  # type: ignore[attr-defined]
 
     @app.timer(w.tick_interval_s)
     async def broker_lost_its_log() -> None:

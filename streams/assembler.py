@@ -28,11 +28,13 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from sparseety.streams import accounting, block_index, ordering, windows
-from sparseety.streams.flops import ModelShape
-from sparseety.streams.fold import PositionFold
-from sparseety.streams.outputs import DLQ, TIMELINES, USAGE, Output, Stats
-from sparseety.streams.state import (
+
+from . import accounting, block_index, ordering, windows
+from .caveats import kv_history_lost_at
+from .flops import ModelShape
+from .fold import PositionFold
+from .outputs import DLQ, TIMELINES, USAGE, Output, Stats
+from .state import (
     EPOCHS,
     EpochState,
     HeadState,
@@ -170,7 +172,7 @@ class Assembler:
             epoch.producer_stats = {k: int(v) for k, v in body.items()}
             return self._sweep(epoch)
         elif kind == ev.ENGINE_STARTED:
-            return self._on_engine_started(epoch, body)
+            return self._on_engine_started(epoch, body, ts)
         elif kind == ev.ENGINE_STOPPED:
             return self._close_epoch(epoch, "engine_stopped")
         return []
@@ -184,8 +186,11 @@ class Assembler:
 
     # --- engine lifecycle ------------------------------------------------------------------
 
-    def _on_engine_started(self, epoch: EpochState, body: dict[str, Any]) -> list[Output]:
+    def _on_engine_started(self, epoch: EpochState, body: dict[str, Any], ts: int) -> list[Output]:
         epoch.config = body
+        # An engine whose prefix-cache inserts and evictions the producer cannot see (SGLang's
+        # Rust radix-tree core): the epoch has no KV history from its start (streams/caveats.py).
+        epoch.history_lost_ts_ns = kv_history_lost_at(body, ts, epoch.history_lost_ts_ns)
         self._shapes.pop(epoch.engine_id, None)
         self.fold.kv_shapes.pop(epoch.engine_id, None)
         out: list[Output] = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.streams import prefix_index as pidx
-from sparseety.streams.state import EpochState, RequestState, StateStore, block_key, block_prefix
+from . import prefix_index as pidx
+from .state import EpochState, RequestState, StateStore, block_key, block_prefix
 
 #: KV-cache group kinds that cache every full block of a request (vLLM's KVCacheSpecKind values;
 #: older producers sent the spec class name).

@@ -1,4 +1,4 @@
-"""Two caveats the fold attaches to a request's accounting (pure; issue 21).
+"""The caveats the fold attaches to a request's accounting (pure; issues 21 and 22).
 
 **Warm-up.** An engine's first step (StepBatch ``step`` 0 of its epoch) may carry the cold start:
 lazy initialisation, kernel autotuning and compilation the engine's own warm-up did not cover
@@ -17,9 +17,21 @@ source. The epoch remembers when (``history_lost_ts_ns``: the event time of the 
 the gap); a request admitted later with such a block carries it as ``source_history_lost_ts_ns``,
 which the API and the dashboard show as "source unknown (history lost at ...)", and amortized
 cost says it fell back to the cache-read price for those positions (no lifetime to share).
+
+**No KV history at all.** An engine whose producer cannot see its prefix cache's inserts and
+evictions says so in EngineStarted (``kv_events_observed`` false: SGLang's Rust radix-tree core,
+docs/sglang.md). Its epoch has no history from the start: ``history_lost_ts_ns`` is the
+EngineStarted event time, a request with cached positions carries it as
+``source_history_lost_ts_ns`` (sources unknown, amortized falls back to the read price), and its
+prompt is laid out without blocks: cached ``[0, cached)`` and computed after, never
+``recomputed_eviction`` (an eviction the fold cannot see cannot be told from a first
+computation). The 0 that ``recomputed_eviction_tokens`` then holds is "not observed"; the
+epoch's EngineStarted says so (docs/sglang.md, docs/streams.md).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from sparseety.events import CORE_STREAM
 
@@ -42,3 +54,15 @@ def history_lost_at(stream: str, missing: int, first_after_ns: int, known_ns: in
     if stream != CORE_STREAM or missing <= 0:
         return known_ns
     return max(known_ns, first_after_ns)
+
+
+def kv_events_observed(config: dict[str, Any] | None) -> bool:
+    """Whether an epoch's producer sees the prefix cache's inserts and evictions (EngineStarted
+    ``kv_events_observed``; true for producers older than the field, which always did)."""
+    return bool((config or {}).get("kv_events_observed", True))
+
+
+def kv_history_lost_at(started: dict[str, Any], ts_ns: int, known_ns: int) -> int:
+    """The epoch's ``history_lost_ts_ns`` after its EngineStarted (event time ``ts_ns``): the
+    start itself when the producer sees no KV events, else unchanged."""
+    return known_ns if kv_events_observed(started) else max(known_ns, ts_ns)

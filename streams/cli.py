@@ -18,8 +18,9 @@ def worker(c: CliContext, loglevel: str) -> None:
     Start several with the same configuration to share the partitions (one consumer group).
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
-    from sparseety.streams.app import create_app
-    from sparseety.streams.runtime import run
+
+    from .app import create_app
+    from .runtime import run
 
     cfg = c.cfg
     wait_for_kafka(cfg)

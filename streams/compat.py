@@ -64,7 +64,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from sparseety.config import Config
@@ -222,7 +222,10 @@ class ChangelogTable:
 
 
 async def send_batches(
-    app: Any, topic: str, records: list[tuple[bytes | None, bytes | None]], partition: int | None = None
+    app: Any,
+    topic: str,
+    records: Sequence[tuple[bytes | None, bytes | None]],
+    partition: int | None = None,
 ) -> None:
     """Send ``records`` (key, value) to ``topic`` as aiokafka record batches on the producer Faust
     started, in order per partition (``partition``, else the one aiokafka's ``send`` would pick
@@ -237,7 +240,7 @@ async def send_batches(
         for key, value in records:
             by_partition.setdefault(pick(topic, None, key, value, key, value), []).append((key, value))
     else:
-        by_partition[partition] = records
+        by_partition[partition] = list(records)
     pending: list[Awaitable[Any]] = []
     for part, items in by_partition.items():
         batch = producer.create_batch()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparseety.streams import attention
-from sparseety.streams.attention import causal_pairs, windowed_pairs
+from . import attention
+from .attention import causal_pairs, windowed_pairs
 
 __all__ = ["ModelShape", "causal_pairs", "windowed_pairs"]
 

@@ -19,18 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sparseety.streams import block_index, kv_memory
-from sparseety.streams import prefix_index as pidx
-from sparseety.streams import segments as sg
-from sparseety.streams.caveats import is_warmup_step
-from sparseety.streams.flops import ModelShape
-from sparseety.streams.outputs import Stats
-from sparseety.streams.served import base_model
-from sparseety.streams.state import (
+from . import admission, kv_memory
+from . import segments as sg
+from .caveats import is_warmup_step
+from .flops import ModelShape
+from .outputs import Stats
+from .served import base_model
+from .state import (
     EpochState,
     RequestState,
     StateStore,
-    block_key,
     request_key,
     request_prefix,
 )
@@ -123,87 +121,10 @@ class PositionFold:
         r.external_kv = external
         r.cache_read += local
         r.kv_end = max(r.kv_end, cached)
-        self._plan_prompt(epoch, r, seq, body["block_hashes"], prompt, local, cached)
+        admission.plan_prompt(
+            self.store, epoch, r, seq, body["block_hashes"], prompt, local, cached, max_blocks=self.max_blocks
+        )
         self.put(r)
-
-    def _plan_prompt(
-        self,
-        epoch: EpochState,
-        r: RequestState,
-        seq: int,
-        hashes: list[bytes],
-        prompt: int,
-        cached: int,
-        loaded: int | None = None,
-    ) -> None:
-        """Lay out the prompt's statuses at admission: cached blocks with their source, positions
-        a KV connector loaded (``[cached, loaded)``), computed blocks (recomputed when the engine
-        had cached and evicted them before), and claims."""
-        bs = (epoch.config or {}).get("block_size") or 0
-        segs = r.segments
-        loaded = cached if loaded is None else max(cached, loaded)
-        if not bs or not hashes:
-            sg.append(segs, cached, sg.PROMPT, sg.CACHED)
-            sg.append(segs, loaded - cached, sg.PROMPT, sg.EXTERNAL_KV)
-            sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)
-            return
-        store = self.store
-        cleared = epoch.cleared
-        pos = 0
-        for i, h in enumerate(hashes):
-            hexh = h.hex()
-            key = block_key(epoch.engine_id, hexh)
-            block = store.get(key)
-            start, end = i * bs, (i + 1) * bs
-            if start < cached:
-                # Served from the prefix cache (a fully cached prompt still recomputes its last
-                # token, so the last block may be cached only in part).
-                live = pidx.live_as_of(block, seq, cleared) if block is not None else None
-                owner = live[pidx.COMPUTED_BY] if live else None
-                source = f"{epoch.engine_id}/{owner}" if owner else None
-                if owner is None and epoch.history_lost_ts_ns:
-                    r.source_lost_ns = epoch.history_lost_ts_ns  # docs: streams/caveats.py
-                head = min(bs, cached - start)
-                sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
-                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
-                r.blocks.append([hexh, "cached", int(live[pidx.STORED]) if live else -1])
-            elif start < loaded:
-                # Loaded by a KV connector: no BlockUse (not computed or read here); a block it
-                # fills only in part is finished here, so this request begins its lifetime.
-                head = min(bs, loaded - start)
-                sg.append(segs, head, sg.PROMPT, sg.EXTERNAL_KV)
-                sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
-                if block is None:
-                    block = pidx.new_block()
-                    epoch.block_count += 1
-                pidx.claim(block, r.request_id, seq, cleared)
-                store.put(key, block)
-            else:
-                if block is None:
-                    block = pidx.new_block()
-                    epoch.block_count += 1
-                # Recomputed after eviction: a lifetime of the hash ended before admission and no
-                # copy was live when vLLM looked the request up. Copies stored in this step (after
-                # the previous StepBatch) by an earlier admission of the step were live then: a
-                # hybrid model's request misses them when its sliding-window groups lack them.
-                recompute = pidx.evicted_before(block, seq, cleared) and not pidx.live_at_lookup(
-                    block, r.request_id, seq, epoch.step_seq, cleared
-                )
-                sg.append(segs, bs, sg.PROMPT, sg.RECOMPUTED_EVICTION if recompute else sg.COMPUTED)
-                if recompute:
-                    _add_span(r.eviction_spans, start, end)
-                    r.evicted_blocks_recomputed += 1
-                r.blocks.append([hexh, "recomputed" if recompute else "computed", -1])
-                pidx.claim(block, r.request_id, seq, cleared)
-                store.put(key, block)
-            pos = end
-        tail = prompt - pos
-        head = max(0, min(cached - pos, tail))
-        sg.append(segs, head, sg.PROMPT, sg.CACHED)
-        ext = max(0, min(loaded - pos - head, tail - head))
-        sg.append(segs, ext, sg.PROMPT, sg.EXTERNAL_KV)
-        sg.append(segs, tail - head - ext, sg.PROMPT, sg.COMPUTED)
-        block_index.bound(store, epoch, self.max_blocks)
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -494,14 +415,6 @@ def split_drafts(proposed: int, accepted: int, new: int) -> tuple[int, int]:
         return 0, proposed
     cut = max(0, accepted - new)
     return accepted - cut, cut
-
-
-def _add_span(spans: list[list[int]], start: int, end: int) -> None:
-    """Add [start, end) to sorted disjoint spans (admission plans add them in order)."""
-    if spans and spans[-1][1] >= start:
-        spans[-1][1] = max(spans[-1][1], end)
-    else:
-        spans.append([start, end])
 
 
 def _overlap(spans: list[list[int]], start: int, end: int) -> int:

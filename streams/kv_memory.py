@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.streams import attention
-from sparseety.streams import prefix_index as pidx
-from sparseety.streams.state import block_key, kv_share_key, request_key
+from . import attention
+from . import prefix_index as pidx
+from .state import block_key, kv_share_key, request_key
 
 # Per-group list layout in RequestState.kv.
 (

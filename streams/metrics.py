@@ -7,7 +7,7 @@ from dataclasses import astuple, fields
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from sparseety.streams.assembler import Stats
+from .assembler import Stats
 
 EVENTS_IN = Counter("sparseety:worker_events_total", "Engine events consumed by the assembler.")
 OUTPUTS = Counter("sparseety:worker_outputs_total", "Records sent by the assembler.", ["topic"])

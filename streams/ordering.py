@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sparseety.streams.caveats import history_lost_at
-from sparseety.streams.state import EpochState
+from .caveats import history_lost_at
+from .state import EpochState
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,9 @@ from typing import Any
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.errors import InvalidEventError
-from sparseety.streams.assembler import Assembler
-from sparseety.streams.state import MemoryStore
+
+from .assembler import Assembler
+from .state import MemoryStore
 
 
 class FoldProcessor:

@@ -17,7 +17,8 @@ import faust
 from sparseety.config import Config
 from sparseety.kafka import client_security
 from sparseety.lifecycle import mark_ready, run_then_exit
-from sparseety.streams.compat import without_spinner
+
+from .compat import without_spinner
 
 log = logging.getLogger("sparseety")
 

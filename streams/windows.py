@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparseety.streams.state import WINDOW_COUNTERS, EpochState
+from .state import WINDOW_COUNTERS, EpochState
 
 _FLOAT_COUNTERS = {"est_flops"}
 #: Separates a LoRA adapter from the base model in a window's key (``start|model<US>adapter|tenant``);

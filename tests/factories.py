@@ -77,6 +77,7 @@ def engine_started(**over: Any) -> dict[str, Any]:
         "routing_capture": False,
         "reasoning_parser": None,
         "num_lookahead_tokens": 0,
+        "kv_events_observed": True,
         **over,
     }
 

@@ -65,8 +65,9 @@ def ingest_cmd(
     like a live engine's (or replay the engine-events topic into the store).
     """
     from sparseety.kafka import ensure_topics, wait_for_kafka
-    from sparseety.producers.logs.ingest import Limits, ingest
-    from sparseety.producers.logs.vllm_log import rotation_order
+
+    from .ingest import Limits, ingest
+    from .vllm_log import rotation_order
 
     if len(paths) > 1 and fmt != "vllm-log":
         raise click.UsageError("several files only with --format vllm-log (the segments of one log)")

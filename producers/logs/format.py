@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from sparseety import events as ev
 from sparseety.errors import DecodeError
-from sparseety.producers.logs.errors import BadTraceLineError, TraceError
+
+from .errors import BadTraceLineError, TraceError
 
 if TYPE_CHECKING:
     from sparseety.serde import Decoder

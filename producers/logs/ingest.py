@@ -30,10 +30,11 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.deadletter_limits import MAX_DEAD_LETTER_BYTES
 from sparseety.kafka import make_decoder, make_encoder, make_producer
-from sparseety.producers.logs.errors import BadTraceLineError, TraceError
-from sparseety.producers.logs.format import Format, detect_format, recording_events
-from sparseety.producers.logs.jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
-from sparseety.producers.logs.vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
+
+from .errors import BadTraceLineError, TraceError
+from .format import Format, detect_format, recording_events
+from .jsonl import MAX_DEPTH, MAX_LINE_BYTES, TraceEpoch, TraceRequest, parse_line
+from .vllm_log import LogRequest, VllmLogParser, log_epoch, read_log, rotation_order
 
 #: (bytes read, file size); may raise to abort the ingest (a cancelled job).
 Progress = Callable[[int, int], None]
@@ -440,10 +441,10 @@ def ingest(
         trace = TraceEpoch(engine_name or _engine_name(p), file_digest(p)[:16], p.name)
         engines[trace.engine_id] = None
         key = trace.engine_name.encode()
-        for n, req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
+        for n, trace_req, raw in _jsonl_requests(p, report, default_tenant, default_model, progress, limits):
             state = (trace.seq, trace.started, trace.last_ts)
             try:
-                encoded = [encoder.encode(event) for event in trace.request(req)]
+                encoded = [encoder.encode(event) for event in trace.request(trace_req)]
             except Exception as exc:  # a value the parser let through but the contract refuses
                 trace.seq, trace.started, trace.last_ts = state  # keep the epoch's seqs gap-free
                 report.bad_line(BadTraceLineError(n, f"cannot encode: {type(exc).__name__}: {exc}"), raw)

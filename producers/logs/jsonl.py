@@ -45,8 +45,9 @@ from typing import Any
 
 from sparseety import __version__
 from sparseety import events as ev
-from sparseety.producers.logs.errors import BadTraceLineError
 from sparseety.validate import count_error
+
+from .errors import BadTraceLineError
 
 ENGINE_KIND = "trace"
 #: Default size limit of one line, in bytes (``ingest --max-line-bytes``).

@@ -58,8 +58,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sparseety import events as ev
-from sparseety.producers.logs.errors import BadTraceLineError
-from sparseety.producers.logs.jsonl import TraceEpoch, TraceRequest, engine_started, request_payloads
+
+from .errors import BadTraceLineError
+from .jsonl import TraceEpoch, TraceRequest, engine_started, request_payloads
 
 ENGINE_KIND = "vllm_log"
 

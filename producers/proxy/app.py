@@ -40,8 +40,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sparseety import __version__
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.producers.emitter import Emitter, new_epoch
-from sparseety.producers.proxy.accounting import (
+
+from ..emitter import Emitter, new_epoch
+from .accounting import (
     ACCOUNTED_PATHS,
     Exchange,
     UnaccountableResponseError,

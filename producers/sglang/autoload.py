@@ -24,7 +24,7 @@ def register() -> None:
     try:
         if not is_configured(os.environ):
             return
-        from sparseety.producers.sglang import hooks
+        from . import hooks
 
         hooks.install()
     except Exception as exc:

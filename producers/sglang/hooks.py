@@ -24,7 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sparseety.config import load_config
-from sparseety.producers.vllm.plugin import _ensure_log_handler, after_import
+
+from ..vllm.plugin import _ensure_log_handler, after_import
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -88,7 +89,7 @@ def _on_scheduler_module(module: Any) -> list[str]:
     if missing:
         log.warning("sparseety: SGLang producer disabled: SGLang has no Scheduler.%s", ", ".join(missing))
         return []
-    from sparseety.producers.sglang.session import sglang_version
+    from .session import sglang_version
 
     if not sglang_version().startswith(TESTED_VERSIONS):
         log.warning(
@@ -111,7 +112,7 @@ def _on_scheduler_module(module: Any) -> list[str]:
         try:
             if int(getattr(self, "tp_rank", 0) or 0) != 0 or int(getattr(self, "pp_rank", 0) or 0) != 0:
                 return  # every rank runs the same schedule: rank 0 publishes it
-            from sparseety.producers.sglang.session import SglangSession
+            from .session import SglangSession, kv_events_observed
 
             _session = SglangSession.start(load_config(env=os.environ), self)
             log.info(
@@ -119,6 +120,13 @@ def _on_scheduler_module(module: Any) -> list[str]:
                 _session.emitter.engine_id,
                 type(getattr(self, "tree_cache", None)).__name__,
             )
+            if not kv_events_observed(getattr(self, "tree_cache", None)):
+                log.warning(
+                    "sparseety: SGLang runs the Rust radix-tree core, whose inserts and evictions "
+                    "the producer cannot see: cached-token sources and recompute after eviction are "
+                    "not observed (EngineStarted.kv_events_observed false). "
+                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python makes them visible (docs/sglang.md)"
+                )
         except Exception as exc:
             log.warning("sparseety: not publishing this SGLang engine: %r", exc)
 

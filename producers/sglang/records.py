@@ -17,8 +17,9 @@ from array import array
 from typing import Any
 
 from sparseety import events as ev
-from sparseety.producers.privacy import PromptPolicy
-from sparseety.producers.vllm.request_ids import request_identity
+
+from ..privacy import PromptPolicy
+from ..vllm.request_ids import request_identity
 
 HASH_ALGO = "sparseety-chain-blake2b64"
 

@@ -34,9 +34,10 @@ from typing import Any
 from sparseety import __version__ as sparseety_version
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.producers.emitter import Emitter, new_epoch
-from sparseety.producers.privacy import PromptPolicy
-from sparseety.producers.sglang.records import HASH_ALGO, RecordBuilder
+
+from ..emitter import Emitter, new_epoch
+from ..privacy import PromptPolicy
+from .records import HASH_ALGO, RecordBuilder
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -102,7 +103,24 @@ def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[s
         "num_gpu_blocks": int(getattr(scheduler, "max_total_num_tokens", 0) or 0) // block_size,
         "privacy_mode": privacy_mode,
         "routing_capture": False,
+        "kv_events_observed": kv_events_observed(tree),
     }
+
+
+def kv_events_observed(tree: Any) -> bool:
+    """Whether the recorder hooks will see this radix cache's inserts and evictions.
+
+    SGLang 0.5.23's ``UnifiedRadixCache`` runs its tree in a TreeCore chosen per cache
+    (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust`` on Linux, with a fallback to
+    Python for features Rust lacks): the Rust core inserts and evicts inside Rust and never calls
+    the Python ``KVCacheEventRecorder``. What is read here is the backend the cache resolved, not
+    the variable, so a fallback is seen as what runs.
+    """
+    backend = getattr(tree, "_tree_core_backend", None)
+    if isinstance(backend, str):
+        return backend != "rust"
+    core = getattr(tree, "tree_core", None)
+    return core is None or "Rust" not in type(core).__name__
 
 
 def engine_name(cfg: Config, scheduler: Any, served: str) -> str:

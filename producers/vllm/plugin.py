@@ -65,7 +65,7 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    from sparseety.producers.vllm import routing
+    from . import routing
 
     after_import("vllm.distributed.kv_events", _on_kv_events_module)
     after_import("vllm.v1.core.sched.scheduler", _on_scheduler_module)
@@ -97,7 +97,7 @@ def _on_scheduler_module(module: Any) -> list[str]:
 
 
 def _on_kv_events_module(module: Any) -> list[str]:
-    from sparseety.producers.vllm import kv
+    from . import kv
 
     kv.register_publisher()
     return ["EventPublisherFactory['sparseety']"]
@@ -142,7 +142,7 @@ def _ensure_log_handler() -> None:
 
 
 def _version() -> str:
-    from sparseety.producers.vllm.session import vllm_version
+    from .session import vllm_version
 
     return vllm_version()
 
@@ -180,8 +180,8 @@ def _patch_scheduler(cls: Any) -> list[str]:
         orig_init(self, *args, **kwargs)
         self._sparseety = None
         try:
-            from sparseety.producers.vllm import kv
-            from sparseety.producers.vllm.session import EngineSession
+            from . import kv
+            from .session import EngineSession
 
             cfg = load_config(env=os.environ)
             session = EngineSession.start(cfg, self)

@@ -17,9 +17,10 @@ from itertools import repeat
 from typing import Any
 
 from sparseety import events as ev
-from sparseety.producers.privacy import PromptPolicy
-from sparseety.producers.vllm.reasoning import ReasoningSplit
-from sparseety.producers.vllm.request_ids import request_identity
+
+from ..privacy import PromptPolicy
+from .reasoning import ReasoningSplit
+from .request_ids import request_identity
 
 _MASK64 = (1 << 64) - 1
 

@@ -31,8 +31,9 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import Config, load_config
-from sparseety.producers.emitter import Emitter
-from sparseety.producers.vllm.session import STEP_STAMP, routing_enabled
+
+from ..emitter import Emitter
+from .session import STEP_STAMP, routing_enabled
 
 log = logging.getLogger("sparseety.producer.vllm")
 

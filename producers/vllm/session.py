@@ -35,11 +35,12 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import Config
-from sparseety.producers.emitter import Emitter, new_epoch
-from sparseety.producers.privacy import PromptPolicy
-from sparseety.producers.vllm import facts
-from sparseety.producers.vllm.reasoning import ReasoningSplit
-from sparseety.producers.vllm.records import RecordBuilder
+
+from ..emitter import Emitter, new_epoch
+from ..privacy import PromptPolicy
+from . import facts
+from .reasoning import ReasoningSplit
+from .records import RecordBuilder
 
 log = logging.getLogger("sparseety.producer.vllm")
 
@@ -396,7 +397,7 @@ class EngineSession:
             self._flush_kv()
         if self._held:
             self._release_held(max(self._held))
-        from sparseety.producers.vllm import routing
+        from . import routing
 
         routing.flush_in_process(2.0)
         self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})

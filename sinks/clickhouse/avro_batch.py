@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparseety.schema_store import WireSchema
-from sparseety.sinks.clickhouse.tables import (
+
+from .tables import (
     EXPERT_LOAD,
     KV_BLOCKS,
     REQUEST_FIELDS,

@@ -123,7 +123,7 @@ def _open_engine(target: Target, cfg: Config, owner: str) -> Engine:
     """The engine behind ``target``: a chDB path goes through the one-owner rule (its own
     module, imported only then), a server gets a plain client of its own."""
     if target.kind == "chdb":
-        from sparseety.sinks.clickhouse.embedded import open_embedded
+        from .embedded import open_embedded
 
         return open_embedded(target, owner)
     import clickhouse_connect

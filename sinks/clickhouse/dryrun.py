@@ -17,9 +17,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.tables import SINK_TABLES, Table
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from .client import Store
+from .tables import SINK_TABLES, Table
+from .writer import ClickHouseSink
 
 OUTCOMES = ("new", "changed", "unchanged", "superseded")
 
@@ -29,7 +29,7 @@ class DryRunSink(ClickHouseSink):
 
     def __init__(self, store: Store, **options: Any) -> None:
         super().__init__(store, **options)
-        self._scratch = f"_dry_{uuid.uuid4().hex[:10]}"
+        self._prefix = f"_dry_{uuid.uuid4().hex[:10]}"
         self._created: list[str] = []
         for t in SINK_TABLES:
             name = self.target(t)
@@ -37,7 +37,7 @@ class DryRunSink(ClickHouseSink):
             self._created.append(name)
 
     def target(self, table: Table) -> str:
-        return self.store.table(f"{self._scratch}_{table.name}")
+        return self.store.table(f"{self._prefix}_{table.name}")
 
     def diff(self) -> dict[str, dict[str, int]]:
         """Per table: rows that would be new / changed / unchanged / superseded."""

@@ -26,7 +26,8 @@ from typing import Any
 
 from sparseety.errors import StoreError, StoreLockedError
 from sparseety.lifecycle import pid_alive
-from sparseety.sinks.clickhouse.client import Engine, Target
+
+from .client import Engine, Target
 
 OWNER_FILE = "sparseety-owner.json"
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.queries import QuerySpec, Scope
+    from .queries import QuerySpec, Scope
 
 #: Export format -> ClickHouse output format.
 FORMATS = {"parquet": "Parquet", "csv": "CSVWithNames"}
@@ -72,7 +72,7 @@ def rows_file(rows: list[dict[str, Any]], fmt: str) -> bytes:
     """Rows (the query library's Python values) as a Parquet or CSV file."""
     check_format(fmt)
     if fmt == "csv":
-        from sparseety.sinks.output import render
+        from ..output import render
 
         return (render(rows, "csv") + "\n").encode() if rows else b""
     import pyarrow as pa
@@ -98,7 +98,7 @@ def export(
     """One registry query as a file in ``fmt`` (None: a lookup found nothing)."""
     check_format(fmt)
     if scope is None:
-        from sparseety.sinks.clickhouse.queries import Scope
+        from .queries import Scope
 
         scope = Scope()
     if spec.key is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import AmbiguousIdError
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from .queries import Queries, Scope
 
 #: How vLLM's OpenAI front ends prefix the id they give the engine (chat, completions).
 FRONT_END_PREFIXES = ("chatcmpl-", "cmpl-")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 ORDERS = ("recent", "varied")
 
@@ -37,7 +37,7 @@ def requests_sql(
     (``ids.client_id_condition``); ``inconsistent`` = 1 those whose counts disagree with the
     engine's own totals (``consistent`` false: the dashboard's "inconsistent N" links here).
     """
-    from sparseety.sinks.clickhouse import ids
+    from . import ids
 
     if order not in ORDERS:
         raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
@@ -71,7 +71,7 @@ def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, 
     ``source_request_uid`` is hidden from a tenant-scoped reader as in a single timeline
     (:func:`~sparseety.sinks.clickhouse.queries.segments_sql`).
     """
-    from sparseety.sinks.clickhouse.queries import hidden_source
+    from .queries import hidden_source
 
     where, params = scope.where("s")
     params["limit"] = limit

@@ -25,7 +25,7 @@ from sparseety.config import RETENTION
 from sparseety.errors import MigrationError
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.client import Store
+    from .client import Store
 
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
 _ENGINE = re.compile(

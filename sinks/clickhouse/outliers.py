@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:  # queries.py imports this module
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 #: Attribution modes a request's cost can be read in (docs/cost-model.md).
 OUTLIER_MODES = ("actual", "amortized", "list", "gpu")
@@ -28,6 +28,8 @@ LONG_PROMPT_FACTOR = 2
 CACHE_MISS_SHARE = 0.5
 #: Rejected and cut drafts count as a driver from this share of the request's scheduled compute.
 REJECTED_DRAFT_SHARE = 0.1
+#: KV memory-time is "heavy" at this many times the median of its tenant's requests (that have it).
+KV_HEAVY_FACTOR = 2
 
 #: The features, in the order ``reasons`` lists them: (name, SQL condition over the ``base`` rows).
 FEATURES: tuple[tuple[str, str], ...] = (
@@ -40,6 +42,11 @@ FEATURES: tuple[tuple[str, str], ...] = (
     (
         "rejected_drafts",
         f"rejected_draft_tokens > 0 AND rejected_draft_tokens >= {REJECTED_DRAFT_SHARE} * scheduled_tokens",
+    ),
+    # NULL (memory-time not observed) is not a driver
+    (
+        "kv_memory",
+        f"ifNull(kv_byte_ms > 0 AND kv_byte_ms >= {KV_HEAVY_FACTOR} * tenant_median_kv_byte_ms, 0)",
     ),
     ("cut_by_limit", "cut_by_limit"),
 )
@@ -65,6 +72,13 @@ def _base(db: str, mode: str, scope: Scope) -> tuple[str, dict[str, Any]]:
         if mode == "amortized"
         else ""
     )
+    # KV memory-time in the mode's sharing (amortized splits shared blocks; the others charge
+    # them to their first holder, as actual does), NULL when not observed (docs/cost-model.md).
+    kv = "kv_byte_ms_amortized" if mode == "amortized" else "kv_byte_ms_actual"
+    join += (
+        f" LEFT JOIN (SELECT request_uid, {kv} AS kv FROM {db}.requests_v) AS k "
+        "ON c.request_uid = k.request_uid"
+    )
     sql = (
         "SELECT c.request_uid AS request_uid, c.tenant AS tenant, c.model AS model, "
         "ifNull(c.lora_name, '') AS adapter, c.engine_name AS engine, c.finished_at AS finished_at, "
@@ -77,8 +91,10 @@ def _base(db: str, mode: str, scope: Scope) -> tuple[str, dict[str, Any]]:
         "toInt64(c.draft_rejected_tokens) + c.draft_cut_tokens AS rejected_draft_tokens, "
         "toInt64(c.scheduled_tokens) AS scheduled_tokens, "
         "c.reasoning_output_tokens AS reasoning_output_tokens, "
+        "k.kv AS kv_byte_ms, "
         "c.finish_reason AS finish_reason, c.finish_reason = 'length' AS cut_by_limit, "
         "median(c.prompt_tokens) OVER (PARTITION BY c.tenant) AS tenant_median_prompt_tokens, "
+        "median(k.kv) OVER (PARTITION BY c.tenant) AS tenant_median_kv_byte_ms, "
         "count() OVER (PARTITION BY c.tenant) AS tenant_requests, "
         "row_number() OVER (PARTITION BY c.tenant ORDER BY cost_per_output_token_pico DESC, c.request_uid) "
         "AS rank_top, "
@@ -114,7 +130,7 @@ def outliers_sql(
         "if(side = 'top', rank_top, rank_bottom) AS rank, request_uid, model, adapter, engine, finished_at, "
         "cost_pico, output_tokens, cost_per_output_token_pico, prompt_tokens, tenant_median_prompt_tokens, "
         "cache_miss_share, recomputed_tokens, rejected_draft_tokens, scheduled_tokens, "
-        "reasoning_output_tokens, "
+        "reasoning_output_tokens, kv_byte_ms, "
         f"finish_reason, cut_by_limit, {_reasons()}, tenant_requests "
         f"FROM ({base}) WHERE rank_top <= {{limit:UInt32}} OR rank_bottom <= {{limit:UInt32}} "
         "ORDER BY tenant, side = 'bottom', rank"

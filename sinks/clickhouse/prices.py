@@ -36,7 +36,7 @@ from sparseety.errors import ConfigError
 from sparseety.times import to_ns
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.client import Store
+    from .client import Store
 
 PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour", "kv", "reasoning_output")
 

@@ -23,12 +23,13 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from sparseety.errors import QueryError
-from sparseety.sinks.clickhouse import ids, outliers, regressions, routing, sessions, whatif
-from sparseety.sinks.clickhouse.caveats import note_lost_sources
-from sparseety.sinks.clickhouse.export import export
-from sparseety.sinks.clickhouse.listing import ORDERS, requests_sql, timelines_sql
-from sparseety.sinks.clickhouse.tokens import token_records_lookup
 from sparseety.times import parse_bucket, to_ns
+
+from . import ids, outliers, regressions, routing, sessions, whatif
+from .caveats import note_lost_sources
+from .export import export
+from .listing import ORDERS, requests_sql, timelines_sql
+from .tokens import token_records_lookup
 
 PICO = Decimal(10**12)
 MODES = ("actual", "amortized", "list", "gpu")

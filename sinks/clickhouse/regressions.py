@@ -35,7 +35,7 @@ from sparseety.errors import QueryError
 from sparseety.times import parse_bucket
 
 if TYPE_CHECKING:  # queries.py imports this module
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 #: Rule constants (docs/operations.md "Sparsity regressions" states them too).
 HIT_MIN, HIT_FACTOR = 0.05, 0.5

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # queries.py imports this module
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 
 def routing_advice_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:

@@ -14,7 +14,8 @@ from operator import itemgetter
 from typing import Any
 
 from sparseety import events as ev
-from sparseety.sinks.clickhouse.tables import (
+
+from .tables import (
     DEAD_LETTERS,
     EXPERT_LOAD,
     KV_BLOCKS,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:  # queries.py imports this module for its registry
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 #: How a request's session is chosen: the client's id, else inferred (auto); only the client's
 #: (explicit: requests without one are sessions of one turn); or only inferred (ids ignored).

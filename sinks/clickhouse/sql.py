@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.client import Store
+    from .client import Store
 
 #: The most rows one answer carries (the caller adds LIMIT for less).
 MAX_ROWS = 100_000

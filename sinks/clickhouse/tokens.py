@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
+    from .queries import Queries, Scope
 
 log = logging.getLogger("sparseety.tokens")
 
@@ -100,8 +100,8 @@ def token_records_lookup(
         allowed: Whether the caller may read token content (the ``token_ids`` permission).
         per_position: One record per position rather than per run.
     """
-    from sparseety.sinks.clickhouse.ids import resolve
-    from sparseety.sinks.clickhouse.queries import segments_sql
+    from .ids import resolve
+    from .queries import segments_sql
 
     resolved = resolve(q, request_uid, scope=scope)  # any id the request is known by
     if resolved is None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError
 
 if TYPE_CHECKING:  # queries.py imports this module
-    from sparseety.sinks.clickhouse.queries import Scope
+    from .queries import Scope
 
 #: The cache sizes ``kv-curve`` shows (the issue's 1.5x, 2x and 4x).
 KV_CURVE = (1.5, 2.0, 4.0)
@@ -140,7 +140,7 @@ def whatif_sql(
 ) -> tuple[str, dict[str, Any]]:
     """Actual and counterfactual compute, GPU time and cost per group under one scenario."""
     # queries.py imports this module for its registry entry; its helpers are taken at call time
-    from sparseety.sinks.clickhouse.queries import _group, _with_group
+    from .queries import _group, _with_group
 
     sc = parse_scenario(scenario)
     select, keys, _ = _group(by, bucket, "c")

@@ -53,11 +53,12 @@ from sparseety.kafka import Record
 from sparseety.lifecycle import pid_alive
 from sparseety.schema_store import SchemaStore, WireSchema
 from sparseety.serde import SINGLE_OBJECT_HEADER
-from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
-from sparseety.sinks.clickhouse import avro_batch
-from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.rows import RECORDS, RowBuffer
-from sparseety.sinks.clickhouse.tables import DEAD_LETTERS, SINK_TABLES, Table
+
+from ..base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
+from . import avro_batch
+from .client import Store
+from .rows import RECORDS, RowBuffer
+from .tables import DEAD_LETTERS, SINK_TABLES, Table
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class ClickHouseSink(Sink):
         Options: ``store`` (use this open store instead; not closed by the sink), ``owner``
         (recorded as the owner of an embedded path), ``migrate`` (default True).
         """
-        from sparseety.sinks.clickhouse.migrate import migrate
+        from .migrate import migrate
 
         store = options.pop("store", None)
         owner = options.pop("owner", "sparseety sink")
@@ -430,8 +431,8 @@ class ClickHouseSink(Sink):
                     merged.extend(ch.rows.columns[table.name][c])
                 cols.append(merged)
         self._insert(table, cols, result, retries)
-        for c in chunks:
-            c.written.add(table.name)
+        for chunk in chunks:
+            chunk.written.add(table.name)
 
     def _store_answers(self) -> bool:
         """Whether the store still answers a trivial query (then a failing insert is about its rows)."""

@@ -31,8 +31,9 @@ from sparseety import __version__
 from sparseety import events as ev
 from sparseety.config import Config, OtelConfig
 from sparseety.errors import SinkWriteError
-from sparseety.sinks.base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
-from sparseety.sinks.otel.spans import SCOPE, SpanSpec, span_spec
+
+from ..base import Batch, Chunk, ChunkBuffer, FlushResult, Sink
+from .spans import SCOPE, SpanSpec, span_spec
 
 log = logging.getLogger(__name__)
 

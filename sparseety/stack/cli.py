@@ -102,15 +102,35 @@ def status(c: CliContext) -> None:
 @click.option("--sessions", default=4, show_default=True, help="Chat sessions per tenant.")
 @click.option("--quick", is_flag=True, help="A short run (what CI does).")
 @click.option("--keep-running", is_flag=True, help="Leave the stack up afterwards to explore the API.")
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang"]),
+    default="vllm",
+    show_default=True,
+    help="The serving engine (sglang: a real SGLang server from .venv-sglang, docs/sglang.md).",
+)
+@click.option(
+    "--sglang-python",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The Python of SGLang's venv (default: .venv-sglang/bin/python beside this checkout).",
+)
 @pass_ctx
 def demo(
-    c: CliContext, model: Path | None, engine_args: str, sessions: int, quick: bool, keep_running: bool
+    c: CliContext,
+    model: Path | None,
+    engine_args: str,
+    sessions: int,
+    quick: bool,
+    keep_running: bool,
+    engine: str,
+    sglang_python: Path | None,
 ) -> None:
     """Run the whole pipeline on this machine and print a cost-attribution report.
 
     Builds the tiny local MoE model if missing, starts the embedded stack, runs vLLM with the
     plugin under a workload that exercises every token status, checks the report against what
-    the engine returned, writes an HTML dashboard, and stops the stack.
+    the engine returned, writes an HTML dashboard, and stops the stack. ``--engine sglang`` runs
+    the same workload on SGLang (the tiny Llama) and checks against SGLang's own answers.
     """
     from sparseety.stack.demo import run_demo
 
@@ -121,6 +141,8 @@ def demo(
         quick=quick,
         keep_running=keep_running,
         engine_args=json.loads(engine_args) if engine_args else None,
+        engine=engine,
+        sglang_python=sglang_python,
         say=_say,
     )
     sys.exit(1 if result.problems else 0)

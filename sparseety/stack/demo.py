@@ -10,6 +10,11 @@
    and the current sparsity regressions ("regressions: none") — and check it: per-tenant
    totals equal the sum over requests, and request and token counts equal what vLLM returned;
 6. write the HTML dashboard and stop the stack.
+
+``--engine sglang`` runs step 3 on a real SGLang server instead (``sparseety.stack.sglang_engine``:
+the same workload, the tiny Llama, SGLang's own venv) and checks the report against SGLang's
+``meta_info`` and ``/metrics``; the vLLM-only counters (drafts, preemptions, reasoning parser,
+MoE routing) are not part of that check (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -102,10 +107,15 @@ class Api:
         return r.json() if "json" in r.headers.get("content-type", "") else r.text
 
 
-def _model(cfg: Config, model: Path | None, say: Say) -> tuple[Path, str]:
+def _model(cfg: Config, model: Path | None, say: Say, engine: str = "vllm") -> tuple[Path, str]:
     if model is not None:
         return model, model.name
     from sparseety.stack.tiny_models import build_tiny_model
+
+    if engine == "sglang":  # SGLang's CPU path serves a plain Llama (docs/sglang.md)
+        path = cfg.data_path / "models" / "llama"
+        say(f"model: building the tiny Llama under {path} (once)")
+        return build_tiny_model("llama", path), "tiny-llama"
 
     path = cfg.data_path / "models" / "mixtral-sw-think"
     say(f"model: building the tiny MoE model with a sliding window under {path} (once)")
@@ -137,14 +147,7 @@ def _run_engine(
     say: Say,
 ) -> dict[str, Any]:
     out = run_dir / "engine.json"
-    cfg = stack.cfg.replace(
-        producer={
-            **stack.cfg.producer.model_dump(),
-            "engine_name": "demo-engine",
-            "routing_capture": True,
-            "heartbeat_interval_s": 1.0,
-        },
-    )
+    cfg = _engine_config(stack)
     args = {**(engine_args or TINY_ENGINE), "served_model_name": model_name}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
     env.update(to_env(cfg))
@@ -188,6 +191,44 @@ def _run_engine(
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+def _engine_config(stack: Stack) -> Config:
+    return stack.cfg.replace(
+        producer={
+            **stack.cfg.producer.model_dump(),
+            "engine_name": "demo-engine",
+            "routing_capture": True,
+            "heartbeat_interval_s": 1.0,
+        },
+    )
+
+
+def _run_sglang(
+    stack: Stack,
+    python: Path,
+    model: Path,
+    model_name: str,
+    run_dir: Path,
+    sessions: int,
+    quick: bool,
+    say: Say,
+) -> dict[str, Any]:
+    from sparseety.stack import sglang_engine
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env.update(to_env(_engine_config(stack)))
+    try:
+        result = sglang_engine.run(python, model, model_name, env, run_dir, sessions, quick, say)
+    except (OSError, RuntimeError) as exc:
+        raise DemoError(f"the SGLang engine failed: {exc}") from exc
+    (run_dir / "engine.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def default_sglang_python() -> Path:
+    """``.venv-sglang/bin/python`` beside this checkout (scripts/setup_sglang.sh makes it)."""
+    return Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+
+
 def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     seen = -1
@@ -212,6 +253,8 @@ def build_report(
     api: Api, engine: dict[str, Any], stored: list[dict[str, Any]]
 ) -> tuple[str, dict[str, Any], list[str]]:
     """The report text, per-tenant totals, and any mismatch against the engine's own answers."""
+    kind = engine.get("kind", "vllm")
+    label = ENGINE_LABELS[kind]
     tenants: dict[str, dict[str, Any]] = {}
     for r in stored:
         t = tenants.setdefault(
@@ -256,17 +299,26 @@ def build_report(
     if len(stored) != len(eng):
         problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
     details = _details(api, stored)
-    problems += check_engine_counters(details, engine, by_tenant_engine)
+    problems += check_engine_counters(details, engine, by_tenant_engine, kind)
     for name, count in reasoning_by_tenant(details).items():
         tenants[name]["reasoning"] = "not observed" if count is None else count
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
-    lines.append(f"engine: {len(eng)} requests served by vLLM; {len(stored)} accounted in ClickHouse")
-    m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
-    lines.append(
-        f"engine metrics: prompt {m.get('prompt_tokens', '?')}, generated {m.get('generation_tokens', '?')}, "
-        f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
-        f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
-    )
+    lines.append(f"engine: {len(eng)} requests served by {label}; {len(stored)} accounted in ClickHouse")
+    if kind == "sglang":
+        m = {k.rsplit("=", 1)[-1]: v for k, v in engine.get("metrics", {}).items()}
+        lines.append(
+            "engine metrics (sglang:realtime_tokens_total): prefill computed "
+            f"{m.get('prefill_compute', '?')}, prefill from cache {m.get('prefill_cache', '?')}, "
+            f"decode {m.get('decode', '?')}"
+        )
+    else:
+        m = {k.removeprefix("vllm:"): v for k, v in engine.get("metrics", {}).items()}
+        lines.append(
+            f"engine metrics: prompt {m.get('prompt_tokens', '?')}, "
+            f"generated {m.get('generation_tokens', '?')}, "
+            f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
+            f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
+        )
     lines += [
         "",
         "Tokens per tenant. Compute: computed + re_preempt + re_evict + drafts_ok + drafts_rej + drafts_cut",
@@ -308,6 +360,10 @@ def build_report(
         ),
         ("Speculative decoding", "/api/v1/spec", None),
     ):
+        if kind == "sglang" and path == "/api/v1/spec":
+            # not 0 drafts: SGLang's CPU path runs no speculative decoding (docs/sglang.md)
+            lines += ["", f"{title}: not observed (SGLang's CPU path runs none; docs/sglang.md)"]
+            continue
         try:
             data = api.get(path, group_by="tenant", since="1d")["rows"]
         except DemoError as exc:
@@ -332,7 +388,7 @@ def build_report(
     problems += mismatch
     lines += [
         "",
-        f"{CHECK_LINE}: " + ("OK" if not problems else "MISMATCH"),
+        f"{CHECK_LINES[kind]}: " + ("OK" if not problems else "MISMATCH"),
     ]
     lines += [f"  - {p}" for p in problems]
     return "\n".join(lines), tenants, problems
@@ -372,6 +428,15 @@ CHECK_LINE = (
     "KV memory-time observed for every request (checked against vLLM's KV-cache manager in "
     "tests/e2e/test_engine_truth.py)"
 )
+#: The check line of ``--engine sglang``: SGLang's meta_info per request, summed per tenant, and
+#: its /metrics (drafts, preemptions and reasoning are not observed there: docs/sglang.md).
+CHECK_LINE_SGLANG = (
+    "Check: per-tenant totals = sum over requests; prompt, output and cached (per tenant) = what "
+    "SGLang returned (meta_info); cached (engine) = sglang:realtime_tokens_total{mode=prefill_cache}; "
+    "the restored request's output ids and text = SGLang's"
+)
+CHECK_LINES = {"vllm": CHECK_LINE, "sglang": CHECK_LINE_SGLANG}
+ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def restored_request(
@@ -409,7 +474,9 @@ def restored_request(
     ]
     lines += ["", _table(rows, list(rows[0])) if rows else "  (no positions)"]
     lines.append(f"  output text: {got['output_text']!r}"[:200])
-    engine_rid = uid.split("/", 1)[1].rsplit("-", 1)[0]
+    rid = uid.split("/", 1)[1]
+    # vLLM's request ids carry a suffix its RequestOutput does not; SGLang's are the client's rid
+    engine_rid = rid if engine.get("kind") == "sglang" else rid.rsplit("-", 1)[0]
     theirs = next((r for r in engine["requests"] if str(r["request_id"]) == engine_rid), None)
     problems = []
     if theirs is None or "output_token_ids" not in theirs:
@@ -436,13 +503,17 @@ def run_demo(
     quick: bool = False,
     keep_running: bool = False,
     engine_args: dict[str, Any] | None = None,
+    engine: str = "vllm",
+    sglang_python: Path | None = None,
     say: Say = print,
 ) -> DemoResult:
     """Run the demo on the stack of ``cfg`` (its data dir); see the module docstring."""
     run_dir = cfg.data_path / "demo" / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     say(f"demo: working in {run_dir}")
-    model_path, model_name = _model(cfg, model, say)
+    if engine not in ENGINE_LABELS:
+        raise DemoError(f"unknown engine {engine!r}: one of {', '.join(ENGINE_LABELS)}")
+    model_path, model_name = _model(cfg, model, say, engine)
     # the served name is not a path: tell the API where its tokenizer is (token records' text)
     cfg = cfg.replace(api={**cfg.api.model_dump(), "tokenizers": {model_name: str(model_path)}})
     stack = Stack(cfg)
@@ -454,19 +525,23 @@ def run_demo(
     try:
         for row in stack.up(progress=say):
             say(f"  {row.name:<10} {row.state:<9} {row.endpoint}")
-        if model is None and engine_args is None:
-            # the tiny model's tokenizer has think tokens: the engine runs vLLM's reasoning parser
-            engine_args = {**TINY_ENGINE, "reasoning_parser": TINY_REASONING_PARSER}
-        engine = _run_engine(stack, model_path, model_name, run_dir, sessions, quick, engine_args, say)
+        if engine == "sglang":
+            python = sglang_python or default_sglang_python()
+            answers = _run_sglang(stack, python, model_path, model_name, run_dir, sessions, quick, say)
+        else:
+            if model is None and engine_args is None:
+                # the tiny model's tokenizer has think tokens: the engine runs vLLM's reasoning parser
+                engine_args = {**TINY_ENGINE, "reasoning_parser": TINY_REASONING_PARSER}
+            answers = _run_engine(stack, model_path, model_name, run_dir, sessions, quick, engine_args, say)
         api = Api(stack.api_url)
-        stored = _wait_visible(api, len(engine["requests"]), say)
-        report, tenants, problems = build_report(api, engine, stored)
+        stored = _wait_visible(api, len(answers["requests"]), say)
+        report, tenants, problems = build_report(api, answers, stored)
         dashboard = run_dir / "dashboard.html"
         dashboard.write_text(api.get("/dashboard", inline=1))
         (run_dir / "report.txt").write_text(report + "\n")
         say(report)
         say(f"\ndashboard: {dashboard}\nreport:    {run_dir / 'report.txt'}")
-        return DemoResult(run_dir, engine, stored, tenants, report, dashboard, problems)
+        return DemoResult(run_dir, answers, stored, tenants, report, dashboard, problems)
     finally:
         if keep_running:
             say(f"stack left running: API {stack.api_url}; `sparseety down` stops it")

@@ -1,5 +1,6 @@
 """The demo's checks against the engine's own answers: what vLLM returned (``RequestOutput``) and
-counted (its Prometheus metrics), compared with what SparSEEty stored. Pure functions over plain
+counted (its Prometheus metrics), or what SGLang returned (``meta_info``) and counted
+(``/metrics``), compared with what SparSEEty stored. Pure functions over plain
 rows, shared by ``sparseety demo`` (``sparseety/stack/demo.py``) and the end-to-end tests."""
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def reasoning_by_tenant(stored: list[dict[str, Any]]) -> dict[str, int | None]:
 
 
 def check_engine_counters(
-    stored: list[dict[str, Any]], engine: dict[str, Any], by_tenant_engine: dict[str, dict[str, int]]
+    stored: list[dict[str, Any]],
+    engine: dict[str, Any],
+    by_tenant_engine: dict[str, dict[str, int]],
+    kind: str = "vllm",
 ) -> list[str]:
     """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
 
@@ -34,6 +38,11 @@ def check_engine_counters(
     Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
     cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
     from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
+
+    SGLang (``kind`` sglang): per tenant the same, against ``meta_info`` (``prompt_tokens``,
+    ``completion_tokens``, ``cached_tokens``); engine-wide the cached prompt tokens against
+    ``sglang:realtime_tokens_total{mode="prefill_cache"}``. Drafts do not run on its CPU path and
+    it has no reasoning parser here: those are not observed, not compared.
     """
     problems: list[str] = []
     tenants: dict[str, dict[str, int]] = {}
@@ -67,6 +76,17 @@ def check_engine_counters(
 
     def total(*keys: str) -> int:
         return sum(int(r.get(k, 0) or 0) for r in stored for k in keys)
+
+    if kind == "sglang":
+        metric = "sglang:realtime_tokens_total|mode=prefill_cache"
+        if metric not in m:
+            problems.append(f"cached: the engine did not report {metric}")
+        elif total("engine_cached_tokens") != int(m[metric]):
+            problems.append(
+                f"cached: {total('engine_cached_tokens')} stored, {int(m[metric])} counted by SGLang "
+                '(sglang:realtime_tokens_total{mode="prefill_cache"})'
+            )
+        return problems
 
     pairs = [
         (

@@ -55,3 +55,37 @@ def test_demo(tmp_path: Path) -> None:
     assert any("progress" in line or "visible in SQL" in line for line in lines)
     # The demo shuts the stack down cleanly.
     assert all(row.state == "stopped" for row in Stack(cfg).status())
+
+
+def test_demo_sglang(tmp_path: Path) -> None:
+    """``sparseety demo --engine sglang --quick``: the same stack and report on a real SGLang
+    server (its own venv, .venv-sglang); the check line compares prompt, output and cached tokens
+    per tenant with SGLang's meta_info and the engine's cached total with its /metrics, and says
+    OK. Its server is the one SGLang start this test pays for (about a minute)."""
+    from sparseety.stack.demo import CHECK_LINE_SGLANG, default_sglang_python
+
+    assert default_sglang_python().exists(), "scripts/setup_sglang.sh (scripts/setup.sh) builds .venv-sglang"
+    cfg = load_config(
+        data_dir=str(tmp_path / "data"),
+        broker={"port": free_port()},
+        api={"port": free_port()},
+    )
+    result = run_demo(cfg, quick=True, engine="sglang", say=lambda _: None)
+    assert not result.problems, result.report
+    assert f"{CHECK_LINE_SGLANG}: OK" in result.report
+    assert "requests served by SGLang" in result.report
+    assert "Speculative decoding: not observed" in result.report  # not a table of zeros
+    # the small radix cache evicts, and the producer's KV events make that recompute visible
+    assert sum(int(r["recomputed_eviction_tokens"]) for r in result.requests) > 0
+    engine = result.engine["requests"]
+    assert len(result.requests) == len(engine) > 0
+    # the workload's shared prompts do hit SGLang's radix cache, and the report is checked on them
+    assert sum(r["num_cached_tokens"] for r in engine) > 0
+    for tenant, totals in result.by_tenant.items():
+        mine = [r for r in engine if r["tenant"] == tenant]
+        assert totals["requests"] == len(mine)
+        assert totals["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
+        assert totals["output_tokens"] == sum(r["output_tokens"] for r in mine)
+    # the restored request's output ids were compared with SGLang's (CHECK_LINE_SGLANG)
+    assert "Restored request" in result.report and "content ids" in result.report
+    assert all(row.state == "stopped" for row in Stack(cfg).status())

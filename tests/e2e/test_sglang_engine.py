@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import Config
+from sparseety.stack.sglang_engine import generate, realtime_tokens
 from tests.e2e.conftest import ServerEngine, engine_config, tiny_model
 from tests.e2e.engine_events import engine_events
 from tests.helpers import read_topic
@@ -88,28 +88,11 @@ class SglangServer(ServerEngine):
         super().__init__(cfg, args, workdir / "sglang.log", timeout_s, env=env, cwd=ROOT)
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int = 8) -> dict[str, Any]:
-        body = {
-            "rid": rid,
-            "input_ids": ids,
-            "sampling_params": {
-                "max_new_tokens": max_new,
-                "temperature": 0,
-                "ignore_eos": True,
-                "custom_params": {"tenant": tenant},
-            },
-        }
-        r = httpx.post(f"{self.url}/generate", json=body, timeout=300)
-        r.raise_for_status()
-        return r.json()  # type: ignore[no-any-return]
+        return generate(self.url, rid, tenant, ids, max_new)
 
     def metrics(self) -> dict[str, float]:
-        """``sglang:realtime_tokens_total`` by mode, plus retracted requests."""
-        out: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            m = re.match(r'sglang:realtime_tokens_total\{.*mode="([a-z_]+)".*\} ([0-9.e+]+)$', line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
+        """``sglang:realtime_tokens_total`` by mode."""
+        return realtime_tokens(self.url)
 
 
 def _abort_one(server: SglangServer) -> dict[str, Any]:
@@ -175,5 +158,7 @@ def test_sglang_engine_identity(sglang_run: dict[str, Any]) -> None:
     assert started[0]["engine_kind"] == "sglang"
     assert started[0]["engine_version"] == "0.5.23"
     assert started[0]["block_size"] == 16 and started[0]["enable_prefix_caching"]
+    # the server runs the Python TreeCore: the producer read that from the cache SGLang built
+    assert started[0]["kv_events_observed"] is True
     seqs = sorted(e["seq"] for e in sglang_run["events"] if e["stream"] == ev.CORE_STREAM)
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))

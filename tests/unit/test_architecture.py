@@ -150,3 +150,35 @@ def test_rule_checker_catches_a_violation(tmp_path: Path) -> None:
 
 # Replay loading no Faust is checked at run time:
 # tests/topology/test_sink_replay.py::test_a_replay_run_loads_no_faust.
+
+
+def _absolute_self_imports(room: str, folder: Path) -> list[str]:
+    """``from sparseety.<room>... import`` lines inside ``folder`` (its own package)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                if node.module == room or node.module.startswith(room + "."):
+                    found.append(f"{path.relative_to(folder.parent)}:{node.lineno}: from {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [
+                    f"{path.relative_to(folder.parent)}:{node.lineno}: import {a.name}"
+                    for a in node.names
+                    if a.name == room or a.name.startswith(room + ".")
+                ]
+    return found
+
+
+def test_rooms_import_their_own_modules_relatively() -> None:
+    # producers/, streams/ and sinks/ install under other names (package-dir): relative imports
+    # inside a folder keep its structure visible to readers and to tools that follow paths.
+    for room in ("sparseety.producers", "sparseety.streams", "sparseety.sinks"):
+        assert _absolute_self_imports(room, FOLDERS[room]) == []
+
+
+def test_self_import_check_flags_an_absolute_import(tmp_path: Path) -> None:
+    folder = tmp_path / "streams"
+    folder.mkdir()
+    (folder / "a.py").write_text("from . import b\nfrom sparseety.sinks import x\n")
+    (folder / "b.py").write_text("def f():\n    from sparseety.streams.a import y\n")
+    assert _absolute_self_imports("sparseety.streams", folder) == ["streams/b.py:2: from sparseety.streams.a"]

