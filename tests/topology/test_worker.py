@@ -60,7 +60,11 @@ def fields_apart(got: dict[bytes, Any], want: dict[bytes, Any]) -> list[tuple[An
             if g != w and isinstance(g, list) and isinstance(w, list) and len(g) == len(w):
                 for i, (gi, wi) in enumerate(zip(g, w, strict=True)):
                     if isinstance(gi, dict) and isinstance(wi, dict):
-                        apart += [(k, f"{name}[{i}].{n}", gi.get(n), wi.get(n)) for n in wi if gi.get(n) != wi.get(n)]
+                        apart += [
+                            (k, f"{name}[{i}].{n}", gi.get(n), wi.get(n))
+                            for n in wi
+                            if gi.get(n) != wi.get(n)
+                        ]
                     elif gi != wi:
                         apart.append((k, f"{name}[{i}]", gi, wi))
             elif g != w:
