@@ -181,7 +181,7 @@ def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path) -> None
             time.sleep(2)
             started = time.monotonic()
             EmbeddedBroker(broker.cfg).start()  # the configured topics again, empty; no changelog
-            assert worker.proc.wait(60) == EXIT_LOG_LOST, worker.tail()
+            assert worker.proc.wait(180) == EXIT_LOG_LOST, worker.tail()
             print(f"the worker ended {time.monotonic() - started:.1f} s after the broker restarted")
             assert worker.tail().count("the broker lost this worker's topics and offsets") == 1
             assert not ready_file(cfg.data_path, "worker", pid).exists()
@@ -265,7 +265,7 @@ def test_a_store_that_outlived_a_broker_restart_stores_the_new_log_exactly_once(
             if frozen:
                 stale_commit(cfg, 10_000)
                 os.killpg(store.proc.pid, signal.SIGCONT)
-            assert worker.proc.wait(60) == EXIT_LOG_LOST, worker.tail()
+            assert worker.proc.wait(180) == EXIT_LOG_LOST, worker.tail()
             fresh.start()
             assert fresh.proc is not None
             wait_for(lambda: ready_file(ready, "worker", fresh.proc.pid).exists(), 120, 0.5, "worker")
