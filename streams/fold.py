@@ -233,8 +233,8 @@ class PositionFold:
             if kv_on:
                 basis = req.release_basis if req.release_basis >= 0 else computed_before
                 kv_memory.on_step(kv_shape, req, step, kv_ts, optimistic, n, basis)
-                if req.kv_shared:
-                    kv_memory.release_window(req, kv_shape, self.store, step, kv_ts, self.kv_holder(epoch))
+                if req.kv_shared and kv_shape.releases:
+                    kv_memory.release_window(req, kv_shape, self.store, step, kv_ts)
             if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
@@ -328,7 +328,7 @@ class PositionFold:
         if not req.kv_since or req.kv_since[0] < 0:
             return
         if req.kv_shared:
-            kv_memory.leave(req, self.store, step, ts, self.kv_holder(epoch))
+            kv_memory.leave(req, self.store, step, ts)
         kv_memory.drop(req, step, ts)
 
     def kv_close(self, epoch: EpochState, r: RequestState, finish: dict[str, Any] | None, ts: int) -> None:

@@ -16,14 +16,17 @@ Per group the request accumulates (integers; ``KV_*`` index the per-group list):
   the *held* view), the peak blocks, token slots used and allocated (the gap is fragmentation);
 * the deltas that turn the held view into the two attribution modes for blocks it shares through
   the prefix cache with other running requests: a physical block is held once, so its time is
-  split among its holders (``amortized``: ``floor(dt / n)`` each, the first ``dt mod n`` holders
-  one more) or charged to its first holder (``actual``: the request that computed it while it
-  holds it, else the holder that joined first). Σ amortized = Σ actual = physical block-time.
+  split among its holders (``amortized``: each holder ``dt / n`` of every interval it holds the
+  block with ``n - 1`` others, rounded to integers as holders leave, the rounding carried to the
+  next leaver so nothing is lost) or charged to its first holder (``actual``: the request that
+  computed it while it holds it, else the holder that joined first). Σ amortized = Σ actual =
+  physical block-time once every holder has left.
 
-Sharing is tracked per (group, block hash, cache lifetime) in a state entry ``k|<engine>|...``
-listing the holders in the order they joined; entries change only when a holder joins (a
-prefix-cache hit at admission or resume), leaves (preemption, end, window release), never per
-step, so the per-step cost is a few integer operations per request.
+Sharing is tracked per (group, block hash, cache lifetime) in a state entry ``k|<engine>|...``:
+the holders in the order they joined and running integrals (:func:`settle_entry`). A holder keeps
+a snapshot of those integrals from when it joined and settles its own share when it leaves, so a
+join or a leave costs the same whether 2 or 2,000 requests share the block (a fleet's system
+prompt), and the per-step cost stays a few integer operations per request.
 """
 
 from __future__ import annotations
@@ -91,7 +94,19 @@ def bytes_per_block(config: dict[str, Any], group: dict[str, Any]) -> int:
 class KvShape:
     """What the fold needs of an engine's KV-cache groups (one per epoch, cached by the fold)."""
 
-    __slots__ = ("block_size", "bytes", "groups", "hash_block", "kinds", "lookahead", "max_len", "raw")
+    __slots__ = (
+        "block_size",
+        "bytes",
+        "count",
+        "groups",
+        "hash_block",
+        "kinds",
+        "lookahead",
+        "max_len",
+        "raw",
+        "releases",
+        "releasing",
+    )
 
     def __init__(self, config: dict[str, Any] | None) -> None:
         cfg = config or {}
@@ -103,6 +118,10 @@ class KvShape:
         self.lookahead = int(cfg.get("num_lookahead_tokens") or 0)
         self.max_len = int(cfg.get("max_model_len") or 0) or (1 << 62)
         self.hash_block = int(cfg.get("block_size") or 0)
+        #: Some group frees blocks while the request runs (sliding window, chunked attention).
+        self.releasing = [g if g.frees and g.limited else None for g in self.groups]
+        self.releases = any(g is not None for g in self.releasing)
+        self.count = len(self.groups)
 
     @property
     def observed(self) -> bool:
@@ -131,29 +150,50 @@ def settle(r: Any, step: int, ts: int) -> None:
 
 def on_step(shape: KvShape, r: Any, step: int, ts: int, computed: int, n: int, basis: int) -> None:
     """The request's holding after vLLM allocated for this step (``computed`` = c, ``basis`` =
-    the tokens vLLM had processed, what it frees window blocks on)."""
-    kv = _ensure(r, len(shape.groups))
-    settle(r, step, ts)
-    if not r.kv_since or r.kv_since[0] < 0:
+    the tokens vLLM had processed, what it frees window blocks on).
+
+    Once per request per engine step: :func:`settle` and the per-group update are inlined, with
+    the group constants zipped from the shape (half the worker's fold time went here before).
+    """
+    kv = r.kv
+    if len(kv) != shape.count:
+        kv = _ensure(r, shape.count)
+    since = r.kv_since
+    ds = dt = 0
+    if since and since[0] >= 0:
+        ds, dt = step - since[0], ts - since[1]
+        ds, dt = (ds if ds > 0 else 0), (dt if dt > 0 else 0)
+        since[0], since[1] = step, ts
+    else:
         r.kv_since = [step, ts]
-    end = min(computed + n + shape.lookahead, shape.max_len)
+    end = computed + n + shape.lookahead
+    if end > shape.max_len:
+        end = shape.max_len
     written = computed + n
     total_bytes = 0
-    for gi, grp in enumerate(shape.groups):
-        g = kv[gi]
-        bs = grp.block_size
-        table = max(g[KV_TABLE], -(-end // bs))
-        null = g[KV_NULL]
-        if grp.frees and grp.limited:
-            null = max(null, min(grp.released_end(basis) // bs, table))
-        g[KV_TABLE], g[KV_NULL] = table, null
+    for g, bs, releasing, nbytes in zip(kv, shape.block_size, shape.releasing, shape.bytes, strict=True):
+        table, null = g[KV_TABLE], g[KV_NULL]
+        if ds or dt:  # what it held since its last change (settle, inlined)
+            held = table - null
+            g[KV_STEPS] += held * ds
+            g[KV_NS] += held * dt
+            g[KV_USED] += g[KV_USED_NOW] * ds
+        grown = -(-end // bs)
+        if grown > table:
+            table = g[KV_TABLE] = grown
+        if releasing is not None:
+            freed = releasing.released_end(basis) // bs
+            freed = freed if freed < table else table
+            if freed > null:
+                null = g[KV_NULL] = freed
         if g[KV_NEVER] < 0:
             g[KV_NEVER] = null
         held = table - null
         if held > g[KV_PEAK]:
             g[KV_PEAK] = held
-        g[KV_USED_NOW] = max(0, min(written, table * bs) - null * bs)
-        total_bytes += held * shape.bytes[gi]
+        used = (written if written < table * bs else table * bs) - null * bs
+        g[KV_USED_NOW] = used if used > 0 else 0
+        total_bytes += held * nbytes
     if total_bytes > r.kv_peak_bytes:
         r.kv_peak_bytes = total_bytes
 
@@ -177,24 +217,75 @@ def holds(r: Any, group: int, index: int) -> bool:
 # --- shared blocks -------------------------------------------------------------------------------
 
 
-def settle_entry(entry: dict[str, Any], step: int, ts: int, holder: Any) -> None:
-    """Charge the entry's sharing since its last change: each holder's delta from its held view."""
-    holders = entry["h"]
-    n = len(holders)
+#: Fixed-point scale of an entry's per-holder share (``dt / n`` kept to 2^-32 of a unit).
+_SCALE = 1 << 32
+
+
+def new_entry(group: int, step: int, ts: int) -> dict[str, Any]:
+    """A shared-block entry: group, holders, last settled (step, ts), and per unit (block-steps,
+    block-ns) the running integrals: ``S`` Σ dt/n (scaled by ``_SCALE``, what one holder held),
+    ``D`` Σ dt (the physical block-time), ``c`` the rounding not yet handed out (scaled) and ``f``
+    the ``D`` at which the current first holder became first."""
+    return {"g": group, "h": [], "s": step, "t": ts, "S": [0, 0], "D": [0, 0], "c": [0, 0], "f": [0, 0]}
+
+
+def _integrals(entry: dict[str, Any]) -> None:
+    # Entries written before the integrals existed were settled eagerly up to (s, t): their
+    # holders' snapshots read as zeros (items of length 3), so starting the integrals at zero
+    # here continues them exactly.
+    if "S" not in entry:
+        entry.update(S=[0, 0], D=[0, 0], c=[0, 0], f=[0, 0])
+
+
+def settle_entry(entry: dict[str, Any], step: int, ts: int) -> None:
+    """Advance the entry's integrals to (``step``, ``ts``) for its current holders."""
+    _integrals(entry)
+    n = len(entry["h"])
     ds, dt = max(0, step - entry["s"]), max(0, ts - entry["t"])
     entry["s"], entry["t"] = step, ts
-    if n < 2 or not (ds or dt):
+    if not n or not (ds or dt):
         return
+    share, total, carry = entry["S"], entry["D"], entry["c"]
+    for u, d in ((0, ds), (1, dt)):
+        if d:
+            scaled = d * _SCALE
+            each = scaled // n
+            share[u] += each
+            carry[u] += scaled - each * n  # what flooring lost, handed out with the next leaver
+            total[u] += d
+
+
+def snapshot(entry: dict[str, Any]) -> list[int]:
+    """What a holder joining now keeps: ``S`` and ``D`` per unit."""
+    return [entry["S"][0], entry["S"][1], entry["D"][0], entry["D"][1]]
+
+
+def settle_holder(entry: dict[str, Any], r: Any, item: list[Any]) -> None:
+    """The holder leaves the (settled) entry: add its amortized and actual deltas to its row."""
+    rid = r.request_id
+    holders = entry["h"]
+    if rid not in holders:
+        return
+    snap = item[3:7] if len(item) >= 7 else [0, 0, 0, 0]
+    first = holders[0] == rid
+    deltas = []
+    for u in (0, 1):
+        held = entry["D"][u] - snap[2 + u]
+        pool = entry["c"][u] + entry["S"][u] - snap[u]
+        mine = pool // _SCALE
+        entry["c"][u] = pool - mine * _SCALE
+        owned = entry["D"][u] - entry["f"][u] if first else 0
+        deltas.append((mine - held, owned - held))
     g = entry["g"]
-    for i, rid in enumerate(holders):
-        r = holder(rid)
-        if r is None or len(r.kv) <= g:
-            continue
+    if len(r.kv) > g:
         row = r.kv[g]
-        row[KV_AM_STEPS] += ds // n + (1 if i < ds % n else 0) - ds
-        row[KV_AM_NS] += dt // n + (1 if i < dt % n else 0) - dt
-        row[KV_AC_STEPS] += (ds if i == 0 else 0) - ds
-        row[KV_AC_NS] += (dt if i == 0 else 0) - dt
+        row[KV_AM_STEPS] += deltas[0][0]
+        row[KV_AM_NS] += deltas[1][0]
+        row[KV_AC_STEPS] += deltas[0][1]
+        row[KV_AC_NS] += deltas[1][1]
+    holders.remove(rid)
+    if first:
+        entry["f"] = [entry["D"][0], entry["D"][1]]
 
 
 def hit_blocks(
@@ -220,20 +311,19 @@ def hit_blocks(
     return out
 
 
-def leave(r: Any, store: Any, step: int, ts: int, holder: Any, *, group: int = -1, below: int = 0) -> None:
+def leave(r: Any, store: Any, step: int, ts: int, *, group: int = -1, below: int = 0) -> None:
     """The request stops holding its shared blocks (all, or those of ``group`` below ``below``)."""
     keep = []
     for item in r.kv_shared:
-        g, key, index = item
+        g, key, index = item[0], item[1], item[2]
         if group >= 0 and (g != group or index >= below):
             keep.append(item)
             continue
         entry = store.get(key)
         if entry is None:
             continue
-        settle_entry(entry, step, ts, holder)
-        if r.request_id in entry["h"]:
-            entry["h"].remove(r.request_id)
+        settle_entry(entry, step, ts)
+        settle_holder(entry, r, item)
         if entry["h"]:
             store.put(key, entry)
         else:
@@ -259,27 +349,27 @@ def join(
             key = kv_share_key(engine_id, g, hexh, lifetime)
             entry = store.get(key)
             if entry is None:
-                entry = {"g": g, "h": [], "s": step, "t": ts}
+                entry = new_entry(g, step, ts)
                 owner = holder(computer) if computer and computer != r.request_id else None
                 if owner is not None and holds(owner, g, i):
                     entry["h"].append(owner.request_id)
-                    owner.kv_shared.append([g, key, i])
+                    owner.kv_shared.append([g, key, i, *snapshot(entry)])
                     store.touch(request_key(engine_id, owner.request_id))
-            settle_entry(entry, step, ts, holder)
+            settle_entry(entry, step, ts)
             if r.request_id not in entry["h"]:
                 entry["h"].append(r.request_id)
-                r.kv_shared.append([g, key, i])
+                r.kv_shared.append([g, key, i, *snapshot(entry)])
             store.put(key, entry)
 
 
-def release_window(r: Any, shape: KvShape, store: Any, step: int, ts: int, holder: Any) -> None:
+def release_window(r: Any, shape: KvShape, store: Any, step: int, ts: int) -> None:
     """Shared blocks a sliding window or chunk released this step end their hold."""
-    if not r.kv_shared:
+    if not r.kv_shared or not shape.releases:
         return
     for g, grp in enumerate(shape.groups):
         null = r.kv[g][KV_NULL] if grp.frees and grp.limited and len(r.kv) > g else 0
         if null and any(item[0] == g and item[2] < null for item in r.kv_shared):
-            leave(r, store, step, ts, holder, group=g, below=null)
+            leave(r, store, step, ts, group=g, below=null)
 
 
 def record(shape: KvShape, r: Any) -> list[dict[str, Any]]:

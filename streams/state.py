@@ -188,7 +188,8 @@ class RequestState(_Record):
     # Added with KV memory-time (appended; streams/kv_memory.py has the per-group layout):
     # per KV-cache group the block table, null blocks, peak and the integrals; the (step, ts) of
     # the last change of the holding ([-1, 0]: holds nothing); the shared-block entries it is in
-    # ([group, key, block index]); the peak bytes held over all groups (-1: not observed).
+    # ([group, key, block index, then the entry's S and D when it joined]); the peak bytes held
+    # over all groups (-1: not observed).
     kv: list[list[int]] = field(default_factory=list)
     kv_since: list[int] = field(default_factory=list)
     kv_shared: list[list[Any]] = field(default_factory=list)
