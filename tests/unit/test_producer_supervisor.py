@@ -68,3 +68,20 @@ def test_a_supervisor_runs_from_its_parts_without_an_emitter(tmp_path: Path) -> 
     assert {(e["engine_name"], e["engine_id"], e["stream"]) for e in events} == {("e", "e@1", "core")}
     assert [e["payload"][1]["request_id"] for e in events] == [f"r{i}" for i in range(8)]
     assert supervisor.link.key == b"e" and supervisor.ledger.stats.produced == 8
+
+
+def test_no_part_of_the_emitter_imports_it() -> None:
+    """The parts get what they need from the emitter; none reaches back into it (its users, the
+    engine-side producers, are the only importers of ``producers/emitter.py``)."""
+    import ast
+
+    import sparseety.producers as producers
+
+    root = Path(producers.__file__).parent
+    parts = ("handoff", "supervisor", "ledger", "kafka_client", "reporting", "journal", "metrics")
+    importers = []
+    for name in parts:
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "emitter":
+                importers.append(name)
+    assert importers == []
