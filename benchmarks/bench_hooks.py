@@ -220,10 +220,10 @@ def measure(shape: str, batch: int, steps: int, tmp: str) -> tuple[float, float,
     # A stopped emitter of its own (no spill left by the loop above, no thread competing).
     bg_emitter = Emitter(cfg, engine_name="bench-bg", epoch="1", producer_factory=_Instant)
     supervisor = bg_emitter._supervisor
-    while supervisor._encoder is None or supervisor._producer is None:
+    while supervisor._encoder is None or not supervisor.link.connected:
         time.sleep(0.01)
     bg_emitter.close()
-    producer = supervisor._producer
+    link = supervisor.link
     so, mro, outs, requests = pool[0]
     spec = session.before_update(so, mro)
     session._in_update = False
@@ -238,7 +238,7 @@ def measure(shape: str, batch: int, steps: int, tmp: str) -> tuple[float, float,
         supervisor._yield_before_next = False  # the emitter keeps up: it waits between steps
         t0 = time.thread_time_ns()
         supervisor._handle_batch(items)
-        producer.poll(0)
+        link.poll(0)
         bg.append(time.thread_time_ns() - t0)
     return statistics.median(costs) / 1000, costs[int(len(costs) * 0.9)] / 1000, statistics.median(bg) / 1000
 

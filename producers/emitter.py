@@ -1,36 +1,49 @@
 """The engine-side publisher every producer shares: a cheap hand-off on the hot path, and a
 background thread that builds, encodes and produces the events.
 
-Hot path (:meth:`Emitter.emit`, :mod:`.handoff`): take the next ``seq``, read the wall and
-monotonic clocks, and append one :data:`~.handoff.Item` ``(first seq, count, ts_ns, mono_ns,
-builder, args)`` to a bounded deque (``count`` is 0, or how many seqs one ``emit_many`` took).
-Nothing is built, encoded or sent there, nothing blocks (the lock only orders seq assignment with
-the append), nothing raises. When the deque is full, or the hand-off is not open yet or closed
-again, the event is dropped: its seq is skipped, a gap the assembler detects, and it is counted.
+This module's docstring is the design; the parts' docstrings point here. :class:`Emitter` is
+the composition root: it makes the parts, hands each what it needs and nothing more, and is
+the only one the engine-side producers (vLLM, SGLang, the proxy) talk to::
 
-Background thread (:mod:`.supervisor`): ``builder(*args)`` turns the references into a payload,
-the envelope and the Avro encoding follow, then confluent-kafka produces it (idempotent,
-compressed, batched; key = engine name, so one engine's streams share a partition). Delivery
-outcomes are counted.
+    engine thread --emit()--> Handoff --take()--> Supervisor --route()--> Ledger --produce()--> KafkaLink
+                                                      |                     |
+                                                      +-- Reporter          +-- Journal (disk)
 
-Kafka away (:mod:`.ledger`): librdkafka keeps messages (never timing out) while their bytes stay
-under ``producer.memory_limit_bytes``; beyond that, events are appended to a disk journal
-(``producer.spill_dir``/engine/stream, bounded by ``spill_max_bytes``). While the journal holds
-anything, new events go behind it, and it drains in order as Kafka acknowledges again, so the
-partition sees each stream's seqs in order. A client that makes no progress for a while (a
-broker that lost its producer state, a fatal idempotence error) is purged and recreated; its
-unacknowledged messages go back to the head of the line. At shutdown whatever Kafka did not
-take within ``flush_timeout_s`` is written to the journal, which the next start drains first.
+* :mod:`.handoff` (hot path, :meth:`Emitter.emit`): take the next ``seq``, read the wall and
+  monotonic clocks, and append one :data:`~.handoff.Item` ``(first seq, count, ts_ns, mono_ns,
+  builder, args)`` to a bounded deque (``count`` is 0 for ``emit``, or how many seqs one
+  ``emit_many`` took). Nothing is built, encoded or sent there, nothing blocks (the lock only
+  orders seq assignment with the append), nothing raises. When the deque is full, or the
+  hand-off is not open yet or closed again, the event is dropped: its seq is skipped, a gap the
+  assembler detects, and it is counted.
+* :mod:`.supervisor` (the background thread; gets the hand-off, the ledger, the link, a frozen
+  :class:`~.supervisor.StreamSettings` and, once the engine is named, a
+  :class:`~.supervisor.StreamIdentity`): ``builder(*args)`` turns the references into a
+  payload, the envelope and the Avro encoding follow, and the encoded value goes to the ledger.
+  It polls the link, recreates a link that makes no progress for a while (a broker that lost
+  its producer state, a fatal idempotence error), emits heartbeats and exports metrics
+  (:mod:`.reporting`).
+* :mod:`.ledger` (what is owed to Kafka): librdkafka keeps messages (never timing out) while
+  their bytes stay under ``producer.memory_limit_bytes``; beyond that, events are appended to a
+  disk journal (:mod:`.journal`, ``producer.spill_dir``/engine/stream, bounded by
+  ``spill_max_bytes``). While the journal holds anything, new events go behind it, and it
+  drains in order as Kafka acknowledges again, so the partition sees each stream's seqs in
+  order. Failed deliveries, and the unacknowledged messages of a purged link, go back to the
+  head of the line. At shutdown whatever Kafka did not take within ``flush_timeout_s`` is
+  written to the journal, which the next start drains first.
+* :mod:`.kafka_client` (:class:`~.kafka_client.KafkaLink`): the confluent-kafka producer
+  (idempotent, compressed, batched; key = engine name, so one engine's streams share a
+  partition), its (re)creation, ``produce(value, on_delivery)``, ``poll``, ``flush`` and its
+  fatal errors. The supervisor owns its life; the ledger only produces on it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from sparseety import events as ev
@@ -38,9 +51,10 @@ from sparseety.config import Config
 from sparseety.errors import SparseetyError
 
 from .handoff import Builder, Handoff
-from .kafka_client import confluent_producer
-from .ledger import EmitterStats
-from .supervisor import Supervisor
+from .kafka_client import KafkaLink, ProducerFactory, WarnOnce, confluent_producer, producer_settings
+from .ledger import EmitterStats, Ledger
+from .reporting import counters
+from .supervisor import StreamIdentity, StreamSettings, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +94,42 @@ class Emitter:
         engine_name: str | None,
         epoch: str | None,
         stream: str = ev.CORE_STREAM,
-        producer_factory: Callable[[dict[str, Any]], Any] | None = None,
+        producer_factory: ProducerFactory | None = None,
         stall_s: float = 10.0,
     ) -> None:
+        from sparseety.kafka import make_encoder
+
         self.cfg = cfg
         self.engine_name = ""
         self.epoch = ""
         self.engine_id = ""
         self.stream = stream
         self.topic = cfg.topics.engine_events
-        self.bound_event = threading.Event()
-        self.handoff = Handoff(cfg.producer.queue_max_events)
+        pc = cfg.producer
+        self.handoff = Handoff(pc.queue_max_events)
+        warn_once = WarnOnce(stream)
+        link = KafkaLink(
+            producer_settings(cfg, memory_limit_bytes=pc.memory_limit_bytes, stream=stream),
+            topic=self.topic,
+            factory=producer_factory or confluent_producer,
+            warn_once=warn_once,
+        )
+        ledger = Ledger(
+            link,
+            limit_bytes=pc.memory_limit_bytes,
+            journal_dir=cfg.spill_path / "_unbound" / _safe(stream),
+            journal_max_bytes=pc.spill_max_bytes,
+            stream=stream,
+            warn_once=warn_once,
+            bootstrap=cfg.kafka.bootstrap,
+        )
         self._supervisor = Supervisor(
-            self,
-            producer_factory=producer_factory or confluent_producer,
-            stall_s=stall_s,
-            unbound_journal_dir=cfg.spill_path / "_unbound" / _safe(stream),
+            StreamSettings(stream=stream, producer=pc, stall_s=stall_s),
+            handoff=self.handoff,
+            ledger=ledger,
+            link=link,
+            new_encoder=functools.partial(make_encoder, cfg, "EngineEvent", self.topic),
+            warn_once=warn_once,
         )
         if engine_name is not None and epoch is not None:
             self.bind(engine_name, epoch)
@@ -103,13 +137,13 @@ class Emitter:
 
     def bind(self, engine_name: str, epoch: str) -> None:
         """Name the stream (once, before the first event)."""
-        if self.bound_event.is_set():
+        if self.bound:
             raise SparseetyError(f"emitter already bound to {self.engine_id}", stream=self.stream)
         self.engine_name = engine_name
         self.epoch = epoch
         self.engine_id = ev.engine_id(engine_name, epoch)
         journal = self.cfg.spill_path / _safe(engine_name) / _safe(self.stream)
-        self._supervisor.ledger.bind(engine_name.encode(), journal)
+        self._supervisor.bind(StreamIdentity(engine_name, self.engine_id), journal)
         # where events wait if Kafka is away: under the stack's data dir when SPARSEETY_DATA_DIR
         # names it, so that `sparseety status` finds an engine that cannot deliver
         log.info(
@@ -120,11 +154,10 @@ class Emitter:
             journal,
         )
         self.handoff.open()
-        self.bound_event.set()
 
     @property
     def bound(self) -> bool:
-        return self.bound_event.is_set()
+        return self._supervisor.bound.is_set()
 
     @property
     def stats(self) -> EmitterStats:
@@ -179,27 +212,15 @@ class Emitter:
                 not acknowledged by then goes to the journal. Returns early once Kafka makes no
                 progress for 2 s.
         """
-        supervisor = self._supervisor
-        if timeout is not None:
-            supervisor.flush_timeout = timeout
         self.handoff.close()
-        supervisor.stopping.set()
-        supervisor.thread.join(supervisor.flush_timeout + 10.0)
+        self._supervisor.stop(timeout)
         return self.stats
 
     # --- reporting ---------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
         """produced / dropped / spilled / drained / queued / restarts totals."""
-        stats = self.stats
-        return {
-            "produced": stats.produced,
-            "dropped": stats.dropped + self.handoff.dropped,
-            "spilled": stats.spilled,
-            "drained": stats.drained,
-            "queued": self.handoff.queued,
-            "restarts": stats.restarts,
-        }
+        return counters(self.stats, self.handoff)
 
 
 __all__ = ["Emitter", "EmitterStats", "SparseetyError", "new_epoch", "record"]

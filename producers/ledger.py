@@ -1,13 +1,10 @@
 """What the emitter owes Kafka: the memory budget, the backlog, the messages in flight, the
-failed ones to retry, and the disk journal that takes over when Kafka is away.
+failed ones to retry, and the disk journal that takes over when Kafka is away (the design:
+:mod:`.emitter`'s docstring).
 
-librdkafka keeps messages (never timing out) while their bytes stay under the memory budget;
-beyond that, events are appended to the journal. While the journal holds anything, new events go
-behind it, and it drains in order as Kafka acknowledges again, so the partition sees each
-stream's seqs in order. Failed deliveries go back to the head of the line.
-
-The Kafka produce call is a plain function ``produce(value, on_delivery) -> bool`` (False: not
-taken now); ``on_delivery(err, msg)`` is called later with ``err`` None once acknowledged.
+It produces through a :class:`Link` (the stream's :class:`~.kafka_client.KafkaLink`):
+``produce(value, on_delivery) -> bool`` (False: not taken now); ``on_delivery(err, msg)`` is
+called later with ``err`` None once acknowledged.
 """
 
 from __future__ import annotations
@@ -16,12 +13,12 @@ import functools
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .journal import Journal, JournalError, JournalFullError
+from .kafka_client import OnDelivery, WarnOnce
 
 log = logging.getLogger("sparseety.producer")
 
@@ -31,8 +28,14 @@ MSG_OVERHEAD = 512
 
 NEW, BACKLOG, JOURNAL = 0, 1, 2
 
-OnDelivery = Callable[[Any, Any], None]
-Produce = Callable[[bytes, OnDelivery], bool]
+
+class Link(Protocol):
+    """What the ledger needs of the Kafka client: the stream's key (journaled beside each value)
+    and a produce call that says whether the client took the value."""
+
+    key: bytes
+
+    def produce(self, value: bytes, on_delivery: OnDelivery) -> bool: ...
 
 
 @dataclass
@@ -50,20 +53,6 @@ class EmitterStats:
         return sum(self.dropped_by.values())
 
 
-class WarnOnce:
-    """Logs each kind of problem once per stream (a broken builder fails on every event)."""
-
-    def __init__(self, stream: str) -> None:
-        self.stream = stream
-        self._seen: set[str] = set()
-
-    def __call__(self, key: str, msg: str, *args: Any) -> None:
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        log.warning("sparseety producer %s: " + msg, self.stream, *args)
-
-
 def _cost(value: bytes) -> int:
     return len(value) + MSG_OVERHEAD
 
@@ -72,35 +61,31 @@ class Ledger:
     """Admits encoded events within the memory budget, spills the rest, drains in order.
 
     Args:
-        produce: Hands one value to Kafka; False when it cannot take it now.
+        link: The stream's Kafka client (:class:`Link`).
         limit_bytes: Memory budget for messages in flight plus the backlog.
         journal_dir: Where to spill (see :meth:`bind`).
         journal_max_bytes: The journal's bound; beyond it events are dropped.
         stream: For log lines.
-        on_progress: Called on every acknowledged message (stall detection).
         warn_once: Logs each kind of warning once.
         bootstrap: The Kafka bootstrap the producer uses (named in the spill warning).
     """
 
     def __init__(
         self,
-        produce: Produce,
+        link: Link,
         *,
         limit_bytes: int,
         journal_dir: Path,
         journal_max_bytes: int,
         stream: str,
-        on_progress: Callable[[], None] = lambda: None,
         warn_once: WarnOnce | None = None,
         bootstrap: str = "",
     ) -> None:
-        self.produce = produce
+        self.link = link
         self.limit_bytes = limit_bytes
         self.journal_dir = journal_dir
         self.journal_max_bytes = journal_max_bytes
         self.stream = stream
-        self.key = b""
-        self.on_progress = on_progress
         self.bootstrap = bootstrap  # named when Kafka does not take events: the setting to check
         self.warn_once = warn_once or WarnOnce(stream)
         self.stats = EmitterStats()
@@ -114,9 +99,8 @@ class Ledger:
         self.failed: list[tuple[int, bytes, int]] = []
         self._order = itertools.count()
 
-    def bind(self, key: bytes, journal_dir: Path) -> None:
-        """The stream's Kafka key and journal folder (known once the engine is named)."""
-        self.key = key
+    def bind(self, journal_dir: Path) -> None:
+        """The stream's journal folder (known once the engine is named)."""
         self.journal_dir = journal_dir
 
     @property
@@ -154,7 +138,7 @@ class Ledger:
     def try_produce(self, value: bytes, origin: int) -> bool:
         size = _cost(value)
         order = next(self._order)
-        if not self.produce(value, functools.partial(self._on_delivery, order, origin, size)):
+        if not self.link.produce(value, functools.partial(self._on_delivery, order, origin, size)):
             return False
         self.inflight += 1
         self.inflight_bytes += size
@@ -167,7 +151,6 @@ class Ledger:
             self.stats.produced += 1
             if origin == JOURNAL:
                 self.stats.drained += 1
-            self.on_progress()
             return
         self.failed.append((order, msg.value(), origin))
         if "PURGE" not in err.name():
@@ -180,7 +163,7 @@ class Ledger:
             return
         assert self.journal is not None
         try:
-            self.journal.append(self.key, value)
+            self.journal.append(self.link.key, value)
         except JournalFullError:
             self.drop("journal_full")
             return
@@ -283,7 +266,7 @@ class Ledger:
         """At shutdown: put the backlog in front of the journal for the next start."""
         if not self.backlog:
             return
-        left = [(self.key, value) for _, value, _ in self.backlog]
+        left = [(self.link.key, value) for _, value, _ in self.backlog]
         if self.journal is None:
             self.open_journal()
         written = self.journal.prepend(left) if self.journal is not None else 0

@@ -1,32 +1,45 @@
-"""An emitter's totals, as Prometheus metrics (exported as deltas, once a second) and as the
-log line it writes when it stops."""
+"""An emitter's totals: the counters its heartbeats carry, Prometheus metrics (exported as
+deltas, once a second) and the log line it writes when it stops (the design: :mod:`.emitter`'s
+docstring)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from . import metrics
-from .ledger import Ledger
-
-if TYPE_CHECKING:
-    from .emitter import Emitter
+from .handoff import Handoff
+from .ledger import EmitterStats, Ledger
 
 log = logging.getLogger("sparseety.producer")
 
 
-class Reporter:
-    """Exports one emitter's counters; remembers what it exported so far."""
+def counters(stats: EmitterStats, handoff: Handoff) -> dict[str, int]:
+    """produced / dropped / spilled / drained / queued / restarts totals (drops at the hand-off
+    included)."""
+    return {
+        "produced": stats.produced,
+        "dropped": stats.dropped + handoff.dropped,
+        "spilled": stats.spilled,
+        "drained": stats.drained,
+        "queued": handoff.queued,
+        "restarts": stats.restarts,
+    }
 
-    def __init__(self, owner: Emitter, ledger: Ledger) -> None:
-        self.owner = owner
+
+class Reporter:
+    """Exports one stream's counters; remembers what it exported so far."""
+
+    def __init__(self, handoff: Handoff, ledger: Ledger, stream: str) -> None:
+        self.handoff = handoff
         self.ledger = ledger
+        self.stream = stream
         self._exported: dict[str, int] = {}
 
-    def sync_metrics(self) -> None:
-        owner, stats = self.owner, self.ledger.stats
-        labels = (owner.engine_name, owner.stream)
-        queue_full = owner.handoff.dropped
+    def sync_metrics(self, engine_name: str) -> None:
+        """Export what changed since the last call (``engine_name``: "" until the stream is named)."""
+        handoff, stats = self.handoff, self.ledger.stats
+        labels = (engine_name, self.stream)
+        queue_full = handoff.dropped
         now = {
             "produced": stats.produced,
             "spilled": stats.spilled,
@@ -46,25 +59,24 @@ class Reporter:
         if delta > 0:
             metrics.RESTARTS.labels(*labels).inc(delta)
         self._exported.update(now, restarts=stats.restarts)
-        metrics.QUEUE.labels(*labels).set(owner.handoff.queued)
+        metrics.QUEUE.labels(*labels).set(handoff.queued)
         metrics.MEMORY.labels(*labels).set(self.ledger.memory_bytes)
         metrics.JOURNAL.labels(*labels).set(self.ledger.journal_bytes)
 
-    def log_totals(self) -> None:
-        owner = self.owner
-        counters = owner.counters()
+    def log_totals(self, engine_id: str) -> None:
+        totals = counters(self.ledger.stats, self.handoff)
         log.info(
             "sparseety producer %s/%s stopped: produced=%d dropped=%d spilled=%d drained=%d "
             "restarts=%d journal_bytes_left=%d%s",
-            owner.engine_id,
-            owner.stream,
-            counters["produced"],
-            counters["dropped"],
-            counters["spilled"],
-            counters["drained"],
-            counters["restarts"],
+            engine_id,
+            self.stream,
+            totals["produced"],
+            totals["dropped"],
+            totals["spilled"],
+            totals["drained"],
+            totals["restarts"],
             self.ledger.journal_bytes,
-            f" (dropped by reason: {dict(self.ledger.stats.dropped_by, queue_full=owner.handoff.dropped)})"
-            if counters["dropped"]
+            f" (dropped by reason: {dict(self.ledger.stats.dropped_by, queue_full=self.handoff.dropped)})"
+            if totals["dropped"]
             else "",
         )

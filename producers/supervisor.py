@@ -1,5 +1,5 @@
 """The emitter's background thread: takes items from the hand-off, builds and encodes them,
-produces them through the ledger, restarts a stalled Kafka client, emits heartbeats, exports
+routes them through the ledger, recreates a stalled Kafka link, emits heartbeats, exports
 metrics (:mod:`.reporting`) and journals at shutdown (the design: :mod:`.emitter`'s docstring)."""
 
 from __future__ import annotations
@@ -9,157 +9,160 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety import events as ev
+from sparseety.config import ProducerConfig
 from sparseety.lifecycle import name_os_thread
+from sparseety.serde import Encoder
 
-from .handoff import Item
-from .kafka_client import producer_settings, rdkafka_log
-from .ledger import Ledger, OnDelivery, WarnOnce
-from .reporting import Reporter
-
-if TYPE_CHECKING:
-    from .emitter import Emitter
+from .handoff import Handoff, Item
+from .kafka_client import KafkaLink, WarnOnce
+from .ledger import Ledger
+from .reporting import Reporter, counters
 
 log = logging.getLogger("sparseety.producer")
 
 
+@dataclass(frozen=True)
+class StreamSettings:
+    """What the background thread knows of its stream from the start.
+
+    Args:
+        stream: ``core`` or ``worker-<rank>`` (thread name, log lines, metric labels).
+        producer: The ``producer`` config section (flush timeout, heartbeat interval).
+        stall_s: A link with unacknowledged messages and no progress for this long is
+            recreated (doubling while Kafka stays away, up to 30 s).
+    """
+
+    stream: str
+    producer: ProducerConfig
+    stall_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class StreamIdentity:
+    """Who the stream belongs to, known once the engine is named (:meth:`Supervisor.bind`)."""
+
+    engine_name: str
+    engine_id: str
+
+
 class Supervisor:
-    """Runs one emitter's background thread (see the module docstring)."""
+    """Runs one stream's background thread (see the module docstring).
+
+    Args:
+        settings: The stream's settings.
+        handoff: Where the engine thread's items wait.
+        ledger: Admits, spills and drains encoded events; produces through ``link``.
+        link: The stream's Kafka client (made and recreated here; the ledger produces on it).
+        new_encoder: Makes the Avro encoder (retried every 5 s while the registry is away).
+        warn_once: Logs each kind of problem once (shared with the ledger and the link).
+    """
 
     def __init__(
         self,
-        owner: Emitter,
+        settings: StreamSettings,
         *,
-        producer_factory: Callable[[dict[str, Any]], Any],
-        stall_s: float,
-        unbound_journal_dir: Path,
+        handoff: Handoff,
+        ledger: Ledger,
+        link: KafkaLink,
+        new_encoder: Callable[[], Encoder],
+        warn_once: WarnOnce,
     ) -> None:
-        pc = owner.cfg.producer
-        self.owner = owner
-        self.flush_timeout = pc.flush_timeout_s
-        self._hb_interval = pc.heartbeat_interval_s
-        self._factory = producer_factory
-        self._stall_base = self._stall_s = stall_s
-        self._warn_once = WarnOnce(owner.stream)
-        self.ledger = Ledger(
-            self._produce,
-            limit_bytes=pc.memory_limit_bytes,
-            journal_dir=unbound_journal_dir,
-            journal_max_bytes=pc.spill_max_bytes,
-            stream=owner.stream,
-            on_progress=self._on_progress,
-            warn_once=self._warn_once,
-            bootstrap=owner.cfg.kafka.bootstrap,
-        )
+        self.settings = settings
+        self.handoff = handoff
+        self.ledger = ledger
+        self.link = link
+        self.identity = StreamIdentity("", "")
+        self.flush_timeout = settings.producer.flush_timeout_s
+        self._hb_interval = settings.producer.heartbeat_interval_s
+        self._new_encoder = new_encoder
+        self._stall_s = settings.stall_s
+        self._warn_once = warn_once
         self.handling = False
         # An event follows another without an idle wait between them: yield the GIL first.
         self._yield_before_next = False
-        self._producer: Any = None
-        self._encoder: Any = None
-        self._fatal = False
-        self._born = self._last_progress = time.monotonic()
+        self._encoder: Encoder | None = None
+        self._last_progress = time.monotonic()
+        self._produced_seen = 0  # ledger.stats.produced at the last check: progress when it grows
         self._next_hb = time.monotonic() + self._hb_interval
         self._next_metrics = 0.0
-        self._report = Reporter(owner, self.ledger)
+        self._report = Reporter(handoff, ledger, settings.stream)
+        self.bound = threading.Event()
         self.stopping = threading.Event()
         self.done = threading.Event()
         self.thread = threading.Thread(
-            target=self._run, name=f"sparseety-emitter-{owner.stream}", daemon=True
+            target=self._run, name=f"sparseety-emitter-{settings.stream}", daemon=True
         )
 
+    def bind(self, identity: StreamIdentity, journal_dir: Path) -> None:
+        """Name the stream: its Kafka key and journal folder; the thread may go on from here."""
+        self.identity = identity
+        self.link.key = identity.engine_name.encode()
+        self.ledger.bind(journal_dir)
+        self.bound.set()
+
+    def stop(self, timeout: float | None) -> None:
+        """Let the thread deliver or journal what is left (Kafka gets ``timeout``, default
+        ``producer.flush_timeout_s``) and wait for it to end."""
+        if timeout is not None:
+            self.flush_timeout = timeout
+        self.stopping.set()
+        self.thread.join(self.flush_timeout + 10.0)
+
     def _run(self) -> None:
-        owner = self.owner
         name_os_thread(self.thread.name)  # sparseety-emitter-<stream>, as top -H shows it
+        handoff = self.handoff
         try:
             self._setup()
             while True:
                 self.handling = True
-                batch = owner.handoff.take(1024)
+                batch = handoff.take(1024)
                 self._handle_batch(batch)
                 self.handling = False
                 self._service(idle=not batch)
-                if self.stopping.is_set() and not owner.handoff:
+                if self.stopping.is_set() and not handoff:
                     break
             self._final_flush()
         except Exception:  # the thread must never die silently; events would pile up
-            log.exception("sparseety producer %s/%s: background thread failed", owner.engine_id, owner.stream)
+            log.exception(
+                "sparseety producer %s/%s: background thread failed",
+                self.identity.engine_id,
+                self.settings.stream,
+            )
         finally:
-            self._report.sync_metrics()
-            self._report.log_totals()
+            self._report.sync_metrics(self.identity.engine_name)
+            self._report.log_totals(self.identity.engine_id)
             with contextlib.suppress(Exception):
                 self.ledger.close_journal()
             self.done.set()
 
     def _setup(self) -> None:
-        from sparseety.kafka import make_encoder
-
-        owner = self.owner
         while self._encoder is None:
             try:
-                self._encoder = make_encoder(owner.cfg, "EngineEvent", owner.topic)
+                self._encoder = self._new_encoder()
             except Exception as exc:  # registry unreachable: events wait in the queue meanwhile
                 self._warn_once("encoder", "cannot create the Avro encoder (retrying every 5 s): %s", exc)
                 if self.stopping.wait(5.0):
                     return
-        self._new_producer()
+        self.link.connect()
         # The Kafka client connects meanwhile; the journal and the key need the stream's name.
-        while not owner.bound_event.wait(0.05):
+        while not self.bound.wait(0.05):
             if self.stopping.is_set():
                 return
-            if self._producer is not None:
-                self._producer.poll(0)
+            self.link.poll(0)
         ledger = self.ledger
         leftovers = ledger.journal_dir.is_dir() and any(ledger.journal_dir.glob("*.seg"))
         if leftovers and ledger.open_journal() and ledger.journal:
             log.info(
                 "sparseety producer %s: %d bytes left in journal %s from an earlier run; draining first",
-                owner.stream,
+                self.settings.stream,
                 ledger.journal_bytes,
                 ledger.journal_dir,
             )
-
-    def _new_producer(self) -> None:
-        conf = producer_settings(
-            self.owner.cfg,
-            memory_limit_bytes=self.ledger.limit_bytes,
-            stream=self.owner.stream,
-            error_cb=self._on_error,
-        )
-        try:
-            self._producer = self._factory(conf)
-        except Exception as exc:
-            self._producer = None
-            self._warn_once("producer", "cannot create the Kafka producer: %s", exc)
-        self._born = time.monotonic()
-
-    def _produce(self, value: bytes, on_delivery: OnDelivery) -> bool:
-        """The ledger's produce call: False when there is no client or it cannot take more."""
-        producer = self._producer
-        if producer is None:
-            return False
-        try:
-            producer.produce(self.owner.topic, value=value, key=self.ledger.key, on_delivery=on_delivery)
-        except BufferError:
-            return False
-        except Exception as exc:  # KafkaException: fatal state, closed client
-            self._warn_once("produce", "produce() failed: %s", exc)
-            self._fatal = True
-            return False
-        return True
-
-    def _on_progress(self) -> None:
-        self._last_progress = time.monotonic()
-        self._stall_s = self._stall_base
-
-    def _on_error(self, err: Any) -> None:
-        if err.fatal():
-            self._fatal = True
-            log.warning("sparseety producer %s: fatal Kafka client error: %s", self.owner.stream, err)
-        else:
-            rdkafka_log.info("kafka client: %s", err)
 
     def _handle_batch(self, batch: list[Item]) -> None:
         """Build, encode and route every event of the hand-offs taken in one go."""
@@ -183,15 +186,15 @@ class Supervisor:
     def _handle_one(
         self, seq: int, ts_ns: int, mono_ns: int, built: tuple[str, dict[str, Any]] | None
     ) -> None:
-        owner = self.owner
+        identity = self.identity
         try:
             if built is None:
                 raise ValueError("the builder failed or returned fewer events than announced")
             payload_type, payload = built
             event = ev.envelope(
-                engine_name=owner.engine_name,
-                engine_id_=owner.engine_id,
-                stream=owner.stream,
+                engine_name=identity.engine_name,
+                engine_id_=identity.engine_id,
+                stream=self.settings.stream,
                 seq=seq,
                 ts_ns=ts_ns,
                 mono_ns=mono_ns,
@@ -199,6 +202,7 @@ class Supervisor:
                 payload=payload,
             )
             ev.validate_engine_event(event)
+            assert self._encoder is not None  # made in _setup, before the first item
             value = self._encoder.encode(event)
         except Exception as exc:
             self.ledger.drop("unencodable")
@@ -212,47 +216,45 @@ class Supervisor:
         self.ledger.route(value)
 
     def _service(self, *, idle: bool) -> None:
-        producer = self._producer
-        if producer is not None:
-            producer.poll(0.005 if idle else 0)
-        elif idle:
-            time.sleep(0.005)
+        link, ledger = self.link, self.ledger
+        link.poll(0.005 if idle else 0)
         if idle:
             self._yield_before_next = False  # the wait left the GIL to the engine thread
-        ledger = self.ledger
         ledger.requeue_failed()
         now = time.monotonic()
-        if self._fatal or (ledger.inflight and now - max(self._last_progress, self._born) > self._stall_s):
-            self._restart_producer()
+        if ledger.stats.produced != self._produced_seen:  # acknowledged since the last check
+            self._produced_seen = ledger.stats.produced
+            self._last_progress = now
+            self._stall_s = self.settings.stall_s
+        if link.fatal or (ledger.inflight and now - max(self._last_progress, link.born) > self._stall_s):
+            self._restart_link()
         ledger.pump()
         ledger.flush_journal()
         if now >= self._next_hb and not self.stopping.is_set():
             self._next_hb = now + self._hb_interval
-            self.owner.emit(self._build_heartbeat)
+            self.handoff.emit(self._build_heartbeat)
         if now >= self._next_metrics:
             self._next_metrics = now + 1.0
-            self._report.sync_metrics()
+            self._report.sync_metrics(self.identity.engine_name)
 
-    def _restart_producer(self) -> None:
-        old = self._producer
-        ledger = self.ledger
-        why = "fatal error" if self._fatal else f"no delivery progress for {self._stall_s:.0f} s"
-        self._fatal = False
+    def _restart_link(self) -> None:
+        link, ledger = self.link, self.ledger
+        why = "fatal error" if link.fatal else f"no delivery progress for {self._stall_s:.0f} s"
         ledger.stats.restarts += 1
         self._stall_s = min(self._stall_s * 2, 30.0)
         (log.warning if ledger.stats.restarts <= 3 else log.debug)(
             "sparseety producer %s: recreating the Kafka client (%s, %d messages unacknowledged)",
-            self.owner.stream,
+            self.settings.stream,
             why,
             ledger.inflight,
         )
-        if old is not None:
-            self._producer = None
-            _purge(old, 5.0)
+        had_client = link.connected
+        link.discard(5.0)  # its messages come back as failed deliveries: first in line again
+        if had_client:
             if ledger.inflight:
                 ledger.forget_inflight()
             ledger.requeue_failed()
-        self._new_producer()
+        link.connect()
 
     def _final_flush(self) -> None:
         ledger = self.ledger
@@ -266,20 +268,16 @@ class Supervisor:
                 progress_mark = (ledger.stats.produced, now)
             elif now - progress_mark[1] > 2.0:
                 break  # Kafka makes no progress: journal the rest now, before a SIGKILL comes
-        producer = self._producer
-        if producer is not None and ledger.inflight:
-            _purge(producer, 3.0)
+        if ledger.inflight:
+            self.link.purge(3.0)
         ledger.requeue_failed()
         ledger.spill_backlog()
-        if producer is not None:
-            with contextlib.suppress(Exception):
-                producer.flush(0)
+        self.link.flush(0)
 
     def _build_heartbeat(self) -> tuple[str, dict[str, Any]]:
-        counters = self.owner.counters()
-        return ev.HEARTBEAT, {
-            name: counters[name] for name in ("queued", "produced", "dropped", "spilled", "drained")
-        }
+        totals = counters(self.ledger.stats, self.handoff)
+        names = ("queued", "produced", "dropped", "spilled", "drained")
+        return ev.HEARTBEAT, {name: totals[name] for name in names}
 
 
 def _yield_gil() -> None:
@@ -293,13 +291,3 @@ def _yield_gil() -> None:
     quiet machine the engine thread waited out the switch interval at p90.
     """
     time.sleep(0)
-
-
-def _purge(producer: Any, wait_s: float) -> None:
-    """Purge a client and poll until its messages came back as failed (or ``wait_s`` passed)."""
-    with contextlib.suppress(Exception):
-        producer.purge()
-    deadline = time.monotonic() + wait_s
-    with contextlib.suppress(Exception):
-        while len(producer) > 0 and time.monotonic() < deadline:
-            producer.poll(0.05)

@@ -11,6 +11,8 @@ from typing import Any
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.stack.engine_checks import check_engine_counters
+from sparseety.stack.sglang_engine import answer_row, metric_keys
 
 
 def fold(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -80,6 +82,15 @@ def check_run(
             s for s in accounts[rid]["timeline"]["segments"] if s["status"] == "cached" and s["end"] <= 48
         ]
         assert {s["source_request_uid"] for s in head} == {accounts["sys-a1"]["request_uid"]}, rid
+
+    # Per tenant and engine-wide, the demo's check (sparseety/stack/engine_checks.py) on the fold:
+    # prompt, output and cached tokens per tenant = SGLang's meta_info summed, reasoning not
+    # observed on either side, and the stored cached total = sglang:realtime_tokens_total{mode=
+    # prefill_cache}.
+    answers = [answer_row(rid, tenants[rid], info) for rid, info in meta.items()]
+    stored = [accounts[rid] for rid in meta]
+    engine = {"requests": answers, "metrics": metric_keys(metrics)}
+    assert check_engine_counters(stored, engine, "sglang") == []
 
     # Engine totals: SGLang's /metrics (sglang:realtime_tokens_total by mode, scheduler counters).
     # prefill_cache: the radix hits of all admissions; decode: every output token after the first

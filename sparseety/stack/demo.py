@@ -30,8 +30,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from sparseety.api.client import RemoteApiError, RemoteQueries
+from sparseety.api.params import scope
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
+from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from sparseety.sinks.output import render
 from sparseety.stack.engine import TINY_ENGINE, TINY_REASONING_PARSER
 from sparseety.stack.engine_checks import check_engine_counters, reasoning_by_tenant, same_text
@@ -92,19 +95,9 @@ class DemoResult:
     problems: list[str] = field(default_factory=list)
 
 
-class Api:
-    """The store process's HTTP API (the demo's configuration has no tokens: loopback, open)."""
-
-    def __init__(self, base: str) -> None:
-        import httpx
-
-        self.client = httpx.Client(base_url=base, timeout=30.0)
-
-    def get(self, path: str, **params: Any) -> Any:
-        r = self.client.get(path, params={k: v for k, v in params.items() if v is not None})
-        if r.status_code >= 400:
-            raise DemoError(f"GET {path} -> {r.status_code}: {r.text[:300]}")
-        return r.json() if "json" in r.headers.get("content-type", "") else r.text
+def last_day() -> Scope:
+    """What the report reads: requests finished in the last day (the demo's store is fresh)."""
+    return scope(None, since="1d", now_ns=time.time_ns())
 
 
 def _model(cfg: Config, model: Path | None, say: Say, engine: str = "vllm") -> tuple[Path, str]:
@@ -229,16 +222,18 @@ def default_sglang_python() -> Path:
     return Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
 
 
-def _wait_visible(api: Api, expected: int, say: Say, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def _wait_visible(
+    api: RemoteQueries, expected: int, say: Say, timeout_s: float = 120.0
+) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     seen = -1
     while True:
-        rows = api.get("/api/v1/requests", limit=10_000, since="1d")["rows"]
+        rows = api.requests(limit=10_000, scope=last_day())
         if len(rows) != seen:
             say(f"pipeline: {len(rows)}/{expected} requests visible in SQL")
             seen = len(rows)
         if len(rows) >= expected:
-            return rows  # type: ignore[no-any-return]
+            return rows
         if time.monotonic() > deadline:
             raise DemoError(f"only {len(rows)} of {expected} requests reached the store in {timeout_s:.0f} s")
         time.sleep(1.0)
@@ -250,7 +245,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def build_report(
-    api: Api, engine: dict[str, Any], stored: list[dict[str, Any]]
+    api: RemoteQueries, engine: dict[str, Any], stored: list[dict[str, Any]]
 ) -> tuple[str, dict[str, Any], list[str]]:
     """The report text, per-tenant totals, and any mismatch against the engine's own answers."""
     kind = engine.get("kind", "vllm")
@@ -265,7 +260,7 @@ def build_report(
             t[k] += int(r[k])
     costs: dict[str, dict[str, Any]] = {}
     for mode in ("list", "actual", "amortized", "gpu"):
-        for row in api.get("/api/v1/cost", group_by="tenant", mode=mode, since="1d")["rows"]:
+        for row in api.cost(by=["tenant"], mode=mode, scope=last_day()):
             costs.setdefault(row["tenant"], {})[mode] = row
     problems = []
     for name, t in tenants.items():
@@ -287,19 +282,10 @@ def build_report(
         if amortized and (kv is None or int(amortized.get("kv_not_observed", 0)) or int(kv) <= 0):
             problems.append(f"tenant {name}: KV memory-time not observed for every request")
     eng = engine["requests"]
-    by_tenant_engine: dict[str, dict[str, int]] = {}
-    for r in eng:
-        e = by_tenant_engine.setdefault(
-            r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0}
-        )
-        e["requests"] += 1
-        e["prompt_tokens"] += r["prompt_tokens"]
-        e["output_tokens"] += r["output_tokens"]
-        e["cached"] += r["num_cached_tokens"]
     if len(stored) != len(eng):
         problems.append(f"{len(stored)} requests stored, the engine served {len(eng)}")
     details = _details(api, stored)
-    problems += check_engine_counters(details, engine, by_tenant_engine, kind)
+    problems += check_engine_counters(details, engine, kind)
     for name, count in reasoning_by_tenant(details).items():
         tenants[name]["reasoning"] = "not observed" if count is None else count
     lines = ["", "SparSEEty demo report", "=" * 21, ""]
@@ -351,28 +337,28 @@ def build_report(
     ]
     lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu", "kv_GiB_s"]))
     lines.append("  kv_GiB_s: KV cache held x time, amortized (docs/cost-model.md, kv); not priced here")
-    for title, path, cols in (
-        ("Prefix-cache savings", "/api/v1/savings", None),
+    for title, ask, drafts in (
+        ("Prefix-cache savings", api.savings, False),
         (
             "Waste (re-prefill after preemption + rejected and cut drafts; re_evict apart as evictable)",
-            "/api/v1/waste",
-            None,
+            api.waste,
+            False,
         ),
-        ("Speculative decoding", "/api/v1/spec", None),
+        ("Speculative decoding", api.spec_efficiency, True),
     ):
-        if kind == "sglang" and path == "/api/v1/spec":
+        if kind == "sglang" and drafts:
             # not 0 drafts: SGLang's CPU path runs no speculative decoding (docs/sglang.md)
             lines += ["", f"{title}: not observed (SGLang's CPU path runs none; docs/sglang.md)"]
             continue
         try:
-            data = api.get(path, group_by="tenant", since="1d")["rows"]
-        except DemoError as exc:
+            data = ask(by=["tenant"], scope=last_day())
+        except (RemoteApiError, QueryError) as exc:
             data = [{"error": str(exc)}]
         if data:
-            lines += ["", f"{title}:", "", _table(data, cols or list(data[0]))]
+            lines += ["", f"{title}:", "", _table(data, list(data[0]))]
     try:
-        experts = api.get("/api/v1/experts", since="1d")["rows"]
-    except DemoError:
+        experts = api.expert_load(scope=last_day())
+    except (RemoteApiError, QueryError):
         experts = []
     if experts:
         by_layer: dict[Any, list[dict[str, Any]]] = {}
@@ -394,14 +380,14 @@ def build_report(
     return "\n".join(lines), tenants, problems
 
 
-def _whatif_and_regressions(api: Api) -> list[str]:
+def _whatif_and_regressions(api: RemoteQueries) -> list[str]:
     """The report's "what if" (modelled, docs/cost-model.md) and "regressions" lines."""
     lines = ["", "What if (modelled; docs/cost-model.md, What if):", ""]
     rows = []
     for scenario in ("no-cache", "kv-x2", "no-spec"):
         try:
-            got = api.get("/api/v1/whatif", scenario=scenario, group_by="model", since="1d")["rows"]
-        except DemoError as exc:
+            got = api.whatif(scenario=scenario, by=["model"], scope=last_day())
+        except (RemoteApiError, QueryError) as exc:
             got = [{"scenario": scenario, "error": str(exc)}]
         rows += [
             {
@@ -413,10 +399,10 @@ def _whatif_and_regressions(api: Api) -> list[str]:
     errors = ["error"] if any(r["error"] for r in rows) else []
     lines.append(_table(rows, ["scenario", "model", "delta_computed_tokens", "delta_cost_usd", *errors]))
     try:
-        found = api.get("/api/v1/regressions")["rows"]
+        found = api.regressions()
         lines += ["", "regressions: none" if not found else "regressions:"]
         lines += [f"  {r['engine']} {r['signal']}: {r['baseline']:.3g} -> {r['current']:.3g}" for r in found]
-    except DemoError as exc:
+    except (RemoteApiError, QueryError) as exc:
         lines += ["", f"regressions: not known ({exc})"]
     return lines
 
@@ -440,17 +426,17 @@ ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def restored_request(
-    api: Api, engine: dict[str, Any], stored: list[dict[str, Any]], shown: int = 4
+    api: RemoteQueries, engine: dict[str, Any], stored: list[dict[str, Any]], shown: int = 4
 ) -> tuple[list[str], list[str]]:
     """One request restored from its token records (the one with the most cached positions), a
     few of its tokens with their status, and whether its output equals what vLLM returned."""
-    from urllib.parse import quote
-
     if not stored:
         return [], []
     pick = max(stored, key=lambda r: (int(r["cache_read_tokens"]), int(r["draft_accepted_tokens"])))
     uid = pick["request_uid"]
-    got = api.get(f"/api/v1/requests/{quote(uid, safe='')}/tokens", per_position="true")
+    got = api.token_records(uid, per_position=True)
+    if got is None:
+        return [], [f"restored request {uid}: the API has no token records of it"]
     lines = ["", f"Restored request {uid} (privacy {got['privacy']}, content {got['content']}):"]
     if got["content"] != "ids":
         return [*lines, f"  {got['note']}"], []
@@ -488,11 +474,10 @@ def restored_request(
     return lines, problems
 
 
-def _details(api: Api, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _details(api: RemoteQueries, stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every stored count of each request (the list rows omit engine_cached_tokens, preemptions)."""
-    from urllib.parse import quote
-
-    return [api.get(f"/api/v1/requests/{quote(r['request_uid'], safe='')}") for r in stored]
+    found = api.requests_by_uid([r["request_uid"] for r in stored])
+    return [found[r["request_uid"]] for r in stored if r["request_uid"] in found]
 
 
 def run_demo(
@@ -533,11 +518,15 @@ def run_demo(
                 # the tiny model's tokenizer has think tokens: the engine runs vLLM's reasoning parser
                 engine_args = {**TINY_ENGINE, "reasoning_parser": TINY_REASONING_PARSER}
             answers = _run_engine(stack, model_path, model_name, run_dir, sessions, quick, engine_args, say)
-        api = Api(stack.api_url)
-        stored = _wait_visible(api, len(answers["requests"]), say)
-        report, tenants, problems = build_report(api, answers, stored)
-        dashboard = run_dir / "dashboard.html"
-        dashboard.write_text(api.get("/dashboard", inline=1))
+        from sparseety.api.dashboard import render_dashboard
+
+        with RemoteQueries(stack.api_url, timeout_s=30.0) as api:
+            stored = _wait_visible(api, len(answers["requests"]), say)
+            report, tenants, problems = build_report(api, answers, stored)
+            # the CLI's `sparseety dashboard`: drawn here from the API's answers, plotly inlined
+            dashboard = render_dashboard(
+                api, run_dir / "dashboard.html", scope=last_day(), pipeline=api.pipeline()
+            )
         (run_dir / "report.txt").write_text(report + "\n")
         say(report)
         say(f"\ndashboard: {dashboard}\nreport:    {run_dir / 'report.txt'}")

@@ -24,13 +24,28 @@ def reasoning_by_tenant(stored: list[dict[str, Any]]) -> dict[str, int | None]:
     return out
 
 
+def engine_by_tenant(requests: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per tenant, what the engine answered: requests, and the sums of ``prompt_tokens``,
+    ``output_tokens`` and ``num_cached_tokens`` (``cached``) over its answers."""
+    out: dict[str, dict[str, int]] = {}
+    for r in requests:
+        t = out.setdefault(r["tenant"], {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "cached": 0})
+        t["requests"] += 1
+        t["prompt_tokens"] += int(r["prompt_tokens"])
+        t["output_tokens"] += int(r["output_tokens"])
+        t["cached"] += int(r["num_cached_tokens"])
+    return out
+
+
 def check_engine_counters(
-    stored: list[dict[str, Any]],
-    engine: dict[str, Any],
-    by_tenant_engine: dict[str, dict[str, int]],
-    kind: str = "vllm",
+    stored: list[dict[str, Any]], engine: dict[str, Any], kind: str = "vllm"
 ) -> list[str]:
     """Every engine counter the report prints, stored vs what vLLM itself returned or counted.
+
+    ``stored``: accounting rows (``RequestAccounting`` fields); ``engine``: ``{"requests": [...],
+    "metrics": {...}}``, per request the engine's answer (``tenant``, ``prompt_tokens``,
+    ``output_tokens``, ``num_cached_tokens``, ``reasoning_tokens``) and its counters keyed
+    ``name|label=value``. Returns one line per mismatch (empty: all equal).
 
     Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
     ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
@@ -54,7 +69,7 @@ def check_engine_counters(
         t["prompt_tokens"] += int(r["prompt_tokens"])
         t["output_tokens"] += int(r["output_tokens"])
         t["cached"] += int(r.get("engine_cached_tokens", -1))
-    for name, e in sorted(by_tenant_engine.items()):
+    for name, e in sorted(engine_by_tenant(engine["requests"]).items()):
         t = tenants.get(name, {})
         for k in ("requests", "prompt_tokens", "output_tokens", "cached"):
             if t.get(k) != e[k]:

@@ -15,12 +15,7 @@ Python radix-tree core, whose inserts and evictions the producer sees (docs/sgla
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,20 +25,25 @@ from typing import Any
 import httpx
 
 from sparseety.stack.engine import fit_tokens, phases
+from sparseety.stack.server_process import ServerProcess
 
-#: Server arguments of the demo on this CPU; ``--max-total-tokens`` is small on purpose: the
-#: radix cache evicts (recompute after eviction) and long batches may retract.
+#: Server arguments on this CPU (the demo's and the e2e tests'; ``--max-total-tokens`` is
+#: :class:`SglangServer`'s to set).
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
     "--disable-overlap-schedule", "--skip-server-warmup", "--enable-metrics",
-    "--mem-fraction-static", "0.1", "--max-total-tokens", "1024", "--random-seed", "0",
+    "--mem-fraction-static", "0.1", "--random-seed", "0",
 )  # fmt: skip
 CPU_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
-    # the Python TreeCore: the producer sees its radix inserts and evictions (docs/sglang.md)
+    # the Python TreeCore: the producer sees its radix inserts and evictions (the Rust TreeCore,
+    # SGLang's Linux default, keeps them in Rust: docs/sglang.md)
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
     "TOKENIZERS_PARALLELISM": "false",
 }
+#: The demo's KV pool: small on purpose, so the radix cache evicts (recompute after eviction)
+#: and long batches may retract.
+DEMO_MAX_TOTAL_TOKENS = 1024
 #: Longest prompt + output the demo sends (the vLLM demo's max_model_len).
 MAX_LEN = 512
 
@@ -76,55 +76,67 @@ def realtime_tokens(url: str) -> dict[str, float]:
     return out
 
 
-class SglangServer:
-    """``<python> -m sglang.launch_server`` in its own process group, ready when /health is."""
+def metric_keys(by_mode: dict[str, float]) -> dict[str, float]:
+    """:func:`realtime_tokens` keyed as the engine checks read counters (``name|label=value``,
+    :mod:`sparseety.stack.engine_checks`)."""
+    return {f"sglang:realtime_tokens_total|mode={k}": v for k, v in by_mode.items()}
+
+
+def answer_row(rid: str, tenant: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """One request as SGLang answered it (its ``meta_info``), in the shape the engine checks
+    read (:func:`sparseety.stack.engine_checks.check_engine_counters`)."""
+    return {
+        "request_id": rid,
+        "tenant": tenant,
+        "prompt_tokens": int(meta["prompt_tokens"]),
+        "output_tokens": int(meta["completion_tokens"]),
+        "num_cached_tokens": int(meta["cached_tokens"]),
+        "finish_reason": meta.get("finish_reason"),
+        "reasoning_tokens": None,  # no reasoning parser on this server
+    }
+
+
+class SglangServer(ServerProcess):
+    """An SGLang HTTP server on this CPU (:class:`~.server_process.ServerProcess`).
+
+    Args:
+        python: SGLang's environment's Python (``.venv-sglang/bin/python``).
+        model: The checkpoint.
+        env: The server's environment (the ``SPARSEETY_*`` variables the plugin reads);
+            :data:`CPU_ENV` is added.
+        log: Where its output goes (appended).
+        served: ``--served-model-name`` (None: SGLang names the model by its path).
+        max_total_tokens: The KV pool in tokens (``--max-total-tokens``).
+        module: What ``python -m`` runs: SGLang's launcher, or one that wraps it and takes
+            ``sglang.launch_server``'s arguments (the e2e tests' ground-truth recorder).
+        cwd: The server's working directory (where ``module`` is importable from).
+        timeout_s: How long it may take to answer /health.
+    """
 
     def __init__(
-        self, python: Path, model: Path, served: str, env: dict[str, str], log: Path, timeout_s: float = 600.0
+        self,
+        python: Path,
+        model: Path,
+        env: dict[str, str],
+        log: Path,
+        *,
+        served: str | None = None,
+        max_total_tokens: int = DEMO_MAX_TOTAL_TOKENS,
+        module: str = "sglang.launch_server",
+        cwd: Path | None = None,
+        timeout_s: float = 600.0,
     ) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
-        cmd += ["--served-model-name", served, *CPU_ARGS]
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the SGLang server exited with {self.proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the SGLang server was not ready after {timeout_s:.0f} s; see {log}")
-            time.sleep(1.0)
+        cmd = [str(python), "-m", module, "--model-path", str(model)]
+        cmd += [*(("--served-model-name", served) if served else ()), *CPU_ARGS]
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+        super().__init__(cmd, {**env, **CPU_ENV}, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
         return generate(self.url, rid, tenant, ids, max_new)
 
     def metrics(self) -> dict[str, float]:
         """SGLang's own counters the report compares: ``sglang:realtime_tokens_total`` by mode."""
-        return {f"sglang:realtime_tokens_total|mode={k}": v for k, v in realtime_tokens(self.url).items()}
-
-    def close(self, timeout_s: float = 40.0) -> None:
-        """SIGINT (SGLang shuts its scheduler down; the producer sends EngineStopped and flushes),
-        then the process group is killed."""
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        return metric_keys(realtime_tokens(self.url))
 
 
 def run_workload(
@@ -147,18 +159,11 @@ def run_workload(
             outs = [(rid, tenant, job.result()) for rid, tenant, job in jobs]
             answers = [str(o.get("text", ""))[:200] for _, _, o in outs]
             for rid, tenant, o in outs:
-                meta = o.get("meta_info", {})
                 results.append(
                     {
-                        "request_id": rid,
-                        "tenant": tenant,
-                        "prompt_tokens": int(meta["prompt_tokens"]),
-                        "output_tokens": int(meta["completion_tokens"]),
-                        "num_cached_tokens": int(meta["cached_tokens"]),
-                        "finish_reason": meta.get("finish_reason"),
+                        **answer_row(rid, tenant, o.get("meta_info", {})),
                         "output_token_ids": list(o.get("output_ids") or []),
                         "output_text": o.get("text", ""),
-                        "reasoning_tokens": None,  # no reasoning parser on this server
                     }
                 )
             say(f"engine: turn {n}/{len(all_phases)}: {len(outs)} requests in {time.time() - t0:.1f} s")
@@ -183,7 +188,7 @@ def run(
     log = run_dir / "engine.log"
     say(f"engine: starting SGLang with the SparSEEty plugin (log {log})")
     started = time.time()
-    server = SglangServer(python, model, served, {**env, **CPU_ENV}, log)
+    server = SglangServer(python, model, env, log, served=served)
     try:
         say(f"engine: ready in {time.time() - started:.0f} s")
         tokenizer = AutoTokenizer.from_pretrained(str(model))

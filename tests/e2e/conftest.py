@@ -12,22 +12,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from sparseety.config import Config, to_env
 from sparseety.kafka import ensure_topics
-from tests.helpers import free_port
+from sparseety.stack.server_process import ServerProcess
 
 MODEL_CACHE = Path(os.environ.get("TINY_MODEL_CACHE", "~/.cache/sparseety-tiny-models")).expanduser()
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -151,69 +148,16 @@ def run_driver(code: str, cfg: Config, args: list[str], workdir: Path, timeout: 
     return run.stdout + run.stderr
 
 
-class ServerEngine:
-    """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
+class ServerEngine(ServerProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin configured by ``cfg``
+    (the product's launcher, :class:`~sparseety.stack.server_process.ServerProcess`)."""
 
-    #: The engine's server module and its name in messages (the SGLang server overrides them).
-    command: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
-    what = "vLLM server"
-
-    def __init__(
-        self,
-        cfg: Config,
-        args: list[str],
-        log: Path,
-        timeout_s: float = 240.0,
-        *,
-        env: dict[str, str] | None = None,
-        cwd: Path | None = None,
-    ) -> None:
+    def __init__(self, cfg: Config, args: list[str], log: Path, timeout_s: float = 240.0) -> None:
         self.cfg = cfg
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-        child_env.update(ENGINE_ENV)
-        child_env.update(to_env(cfg))
-        child_env.update(env or {})
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(
-                [*self.command, "--port", str(self.port), *args],
-                env=child_env,
-                cwd=cwd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"{self.what} not ready after {timeout_s:.0f} s:\n{self.tail()}")
-            time.sleep(1.0)
-
-    def tail(self, n: int = 60) -> str:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return "\n".join(lines[-n:])
-
-    def close(self, timeout_s: float = 40.0) -> None:
-        """SIGINT (a drain with --shutdown-timeout), then the process group is killed."""
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+        env.update({**ENGINE_ENV, **to_env(cfg)})
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+        super().__init__(command, env, log, what="the vLLM server", timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")

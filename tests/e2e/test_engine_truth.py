@@ -22,6 +22,7 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import Config, WorkerConfig
+from sparseety.stack.engine_checks import check_engine_counters
 from tests.e2e.conftest import MODEL_CACHE, engine_config, run_driver, tiny_model
 from tests.e2e.engine_events import engine_events
 from tests.e2e.ground_truth import CLASSES, kv_mismatches, majority_end, unattended_end
@@ -123,6 +124,27 @@ def test_ground_truth_equals_vllm_counters(kind: str, broker: Config, workdir: P
         assert run.total("draft_accepted_tokens") > 0 and run.total("draft_rejected_tokens") > 0
     else:
         assert run.total("window_released_tokens") > 0
+
+
+def test_folded_counts_pass_the_demos_engine_check(broker: Config, workdir: Path) -> None:
+    """The fold's records through the demo's own check (``sparseety/stack/engine_checks.py``):
+    per tenant prompt, output and cached tokens = vLLM's RequestOutputs summed; accepted drafts
+    (+ cut), preemptions and cached prompt tokens = vLLM's counters. The spec-decoding engine
+    only: the hybrid one runs no drafts, so vLLM has no draft counter to compare."""
+    run = engine_run("llama", broker, workdir)
+    answers = [
+        {
+            "tenant": r["tenant"],
+            "prompt_tokens": len(r["prompt_token_ids"]),
+            "output_tokens": len(r["output_token_ids"]),
+            "num_cached_tokens": r["num_cached_tokens"],
+            "reasoning_tokens": None,  # no reasoning parser in this engine
+        }
+        for r in run.requests
+    ]
+    stored = [run.accounts[r["engine_request_id"]] for r in run.requests]
+    engine = {"requests": answers, "metrics": run.result["metrics"]}
+    assert check_engine_counters(stored, engine) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)

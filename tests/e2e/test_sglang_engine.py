@@ -30,9 +30,9 @@ import httpx
 import pytest
 
 from sparseety import events as ev
-from sparseety.config import Config
-from sparseety.stack.sglang_engine import generate, realtime_tokens
-from tests.e2e.conftest import ServerEngine, engine_config, tiny_model
+from sparseety.config import Config, to_env
+from sparseety.stack.sglang_engine import SglangServer, realtime_tokens
+from tests.e2e.conftest import engine_config, tiny_model
 from tests.e2e.engine_events import engine_events
 from tests.helpers import read_topic
 from tests.sglang_checks import check_run
@@ -42,6 +42,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 MAX_TOTAL_TOKENS = 640
+MAX_NEW = 8  # output tokens per workload request
 DATA = ROOT / "tests" / "data" / "sglang_radix"
 
 
@@ -64,35 +65,23 @@ WORKLOAD: list[tuple[str, str, list[int]]] = [
 ]
 
 
-class SglangServer(ServerEngine):
-    """``python -m tests.e2e.sglang_launch`` (SGLang's HTTP server) in its own process group."""
-
-    command = (str(SGLANG_PYTHON), "-m", "tests.e2e.sglang_launch")
-    what = "SGLang server"
-
-    def __init__(self, cfg: Config, model: Path, workdir: Path, timeout_s: float = 600.0) -> None:
-        self.truth_path = workdir / "truth.jsonl"
-        env = {
-            "SGLANG_USE_CPU_ENGINE": "1",
-            # The Python TreeCore: the producer sees its radix inserts and evictions (the Rust
-            # TreeCore, SGLang's Linux default, keeps them in Rust: docs/sglang.md).
-            "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
-            "E2E_SGLANG_TRUTH": str(self.truth_path),
-        }
-        args = [
-            "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
-            "--disable-cuda-graph", "--disable-overlap-schedule", "--skip-server-warmup",
-            "--enable-metrics", "--mem-fraction-static", "0.1",
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--random-seed", "0",
-        ]  # fmt: skip
-        super().__init__(cfg, args, workdir / "sglang.log", timeout_s, env=env, cwd=ROOT)
-
-    def generate(self, rid: str, tenant: str, ids: list[int], max_new: int = 8) -> dict[str, Any]:
-        return generate(self.url, rid, tenant, ids, max_new)
-
-    def metrics(self) -> dict[str, float]:
-        """``sglang:realtime_tokens_total`` by mode."""
-        return realtime_tokens(self.url)
+def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
+    """The product's launcher (``sparseety.stack.sglang_engine.SglangServer``) running
+    ``tests/e2e/sglang_launch.py`` (SGLang's server plus the radix-cache truth recorder) on the
+    tiny Llama with this module's KV pool; returns the server and where its truth goes."""
+    truth_path = workdir / "truth.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env.update({**to_env(cfg), "E2E_SGLANG_TRUTH": str(truth_path)})
+    server = SglangServer(
+        SGLANG_PYTHON,
+        tiny_model("llama"),
+        env,
+        workdir / "sglang.log",
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        module="tests.e2e.sglang_launch",
+        cwd=ROOT,
+    )
+    return server, truth_path
 
 
 def _abort_one(server: SglangServer) -> dict[str, Any]:
@@ -101,7 +90,7 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
 
     def run() -> None:
         with contextlib.suppress(httpx.HTTPError):
-            result.update(server.generate("abort-1", "globex", _ids(9, 30), max_new=400))
+            result.update(server.generate("abort-1", "globex", _ids(9, 30), 400))
 
     t = threading.Thread(target=run)
     t.start()
@@ -118,18 +107,18 @@ def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
     workdir = e2e_dir / "sglang"
     workdir.mkdir(exist_ok=True)
     cfg = engine_config(broker, workdir, "sglang")
-    server = SglangServer(cfg, tiny_model("llama"), workdir)
+    server, truth_path = start_server(cfg, workdir)
     try:
-        answers = {rid: {"tenant": t, **server.generate(rid, t, ids)} for rid, t, ids in WORKLOAD}
+        answers = {rid: {"tenant": t, **server.generate(rid, t, ids, MAX_NEW)} for rid, t, ids in WORKLOAD}
         answers["abort-1"] = {"tenant": "globex", **_abort_one(server)}
-        metrics = server.metrics()
+        metrics = realtime_tokens(server.url)
     finally:
         server.close()
     n = len(answers)
     events = engine_events(
         cfg, lambda es: sum(ev.payload_type(e) == ev.REQUEST_FINISHED for e in es) >= n, timeout=60
     )
-    truth = {t["rid"]: t for t in map(json.loads, server.truth_path.read_text().splitlines())}
+    truth = {t["rid"]: t for t in map(json.loads, truth_path.read_text().splitlines())}
     if os.environ.get("RECORD_SGLANG_FIXTURE") == "1":
         from tests.recorded import pack
 

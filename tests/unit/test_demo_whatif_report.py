@@ -13,11 +13,12 @@ from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
+from sparseety.api.client import RemoteQueries
 from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
-from sparseety.stack.demo import Api, _whatif_and_regressions
+from sparseety.stack.demo import _whatif_and_regressions
 from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_regressions import MIN, _req
 
@@ -27,7 +28,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
     return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("demo-whatif")))
 
 
-def _api(cfg: Config, store: Store, records: list[dict[str, Any]]) -> Iterator[Api]:
+def _api(cfg: Config, store: Store, records: list[dict[str, Any]]) -> Iterator[RemoteQueries]:
     migrate(store)
     sink = ClickHouseSink(store)
     for i, rec in enumerate(records):
@@ -36,9 +37,7 @@ def _api(cfg: Config, store: Store, records: list[dict[str, Any]]) -> Iterator[A
     b = Backend(cfg, store, tokens=TokenTable({}, admin_token="tok-process-admin"))
     try:
         with TestClient(create_api(b)) as client:
-            api = Api.__new__(Api)
-            api.client = client
-            yield api
+            yield RemoteQueries("http://testserver", client=client)
     finally:
         b.close()
 

@@ -325,7 +325,7 @@ def test_the_emitter_yields_the_gil_between_back_to_back_events_only(
     sup._handle_batch([(5, 0, 0, 0, _payload, (5,))])
     sup._service(idle=False)
     assert len(yields) == 4
-    sup._producer.poll(0)
+    sup.link.poll(0)
     assert _seqs(cfg, world.delivered) == list(range(6))
 
 

@@ -29,6 +29,7 @@ class Kafka:
     """Takes messages while ``up``; :meth:`ack` and :meth:`fail` play the delivery reports."""
 
     def __init__(self) -> None:
+        self.key = b"engine"
         self.up = True
         self.sent: list[tuple[bytes, OnDelivery]] = []
         self.acked: list[bytes] = []
@@ -57,13 +58,13 @@ def _values(count: int, start: int = 0) -> list[bytes]:
 
 def _ledger(kafka: Kafka, tmp_path: Path, *, messages: int = 100, journal_max: int = 1 << 20) -> Ledger:
     ledger = Ledger(
-        kafka.produce,
+        kafka,
         limit_bytes=messages * (len(_values(1)[0]) + MSG_OVERHEAD),
         journal_dir=tmp_path / "journal",
         journal_max_bytes=journal_max,
         stream="core",
     )
-    ledger.bind(b"engine", tmp_path / "journal")
+    ledger.bind(tmp_path / "journal")
     return ledger
 
 
@@ -151,9 +152,7 @@ def test_counts_drops_by_reason(tmp_path: Path) -> None:
 
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
-    broken = Ledger(
-        kafka.produce, limit_bytes=0, journal_dir=blocked, journal_max_bytes=1 << 20, stream="core"
-    )
+    broken = Ledger(kafka, limit_bytes=0, journal_dir=blocked, journal_max_bytes=1 << 20, stream="core")
     broken.route(b"x")
     broken.route(b"y")
     assert broken.stats.dropped_by == {"journal_error": 2}

@@ -1,0 +1,92 @@
+"""A model server as a child process: ``<python> -m <module> --port N ...`` in its own process
+group, ready when its ``/health`` answers 200, stopped with SIGINT (the engine drains and the
+SparSEEty producer flushes) and then its whole group killed. The SGLang server of
+``sparseety demo --engine sglang`` (:mod:`.sglang_engine`) is one; the e2e tests start vLLM's
+and SGLang's servers through it too."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    """A TCP port nothing on loopback listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """Start ``command`` with ``--port <free port>`` appended and wait until it is healthy.
+
+    Args:
+        command: The server command (its arguments may follow ``--port``).
+        env: The child's whole environment.
+        log: Where its output goes (appended).
+        what: Its name in errors ("the SGLang server").
+        cwd: Its working directory.
+        timeout_s: How long it may take to answer ``/health``.
+
+    Raises:
+        RuntimeError: it exited, or was not healthy in time (the error ends with its log's tail).
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        log: Path,
+        *,
+        what: str,
+        cwd: Path | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.what = what
+        cmd = [*command, "--port", str(self.port)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}; see {log}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{what} was not ready after {timeout_s:.0f} s; see {log}:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of its log."""
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])
+
+    def close(self, timeout_s: float = 40.0) -> None:
+        """SIGINT (the server shuts its engine down; the producer sends EngineStopped and
+        flushes), then the process group is killed."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
