@@ -76,6 +76,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (``VmHWM``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
     """User + system CPU seconds of each thread of ``pid`` (by thread id)."""
     out: dict[int, float] = {}
@@ -258,6 +266,7 @@ def run_worker(
         cpu1 = cpu_seconds(worker.proc.pid)
         threads1, stages1 = thread_cpu(worker.proc.pid), stage_cpu(port)
         pid = worker.proc.pid
+        print(f"  worker peak RSS {peak_rss_mib(pid):.0f} MiB", flush=True)
         split = {k: stages1[k] - stages0[k] for k in STAGES}
         # The batch thread is the main one; Faust's consumer thread and the rest are "others".
         split["rest"] = threads1.get(pid, 0.0) - threads0.get(pid, 0.0) - sum(split.values())
