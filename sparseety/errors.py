@@ -112,6 +112,12 @@ class KafkaUnavailableError(SparseetyError):
     """Kafka could not be reached within the allowed time."""
 
 
+class ModelServerError(SparseetyError):
+    """A model server the stack started (SGLang's, or vLLM's in the tests) exited or never became
+    healthy. Fields: ``what``, ``log`` (its log file), ``returncode`` (None: it was still running
+    and was stopped)."""
+
+
 class StoreError(SparseetyError):
     """The ClickHouse store failed (connection, DDL, insert or query)."""
 

@@ -211,7 +211,7 @@ def _run_sglang(
     env.update(to_env(_engine_config(stack)))
     try:
         result = sglang_engine.run(python, model, model_name, env, run_dir, sessions, quick, say)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, SparseetyError) as exc:
         raise DemoError(f"the SGLang engine failed: {exc}") from exc
     (run_dir / "engine.json").write_text(json.dumps(result, indent=1))
     return result

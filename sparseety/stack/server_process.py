@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from sparseety.errors import ModelServerError
+
 
 def _free_port() -> int:
     """A TCP port nothing on loopback listens on now."""
@@ -37,7 +39,8 @@ class ServerProcess:
         timeout_s: How long it may take to answer ``/health``.
 
     Raises:
-        RuntimeError: it exited, or was not healthy in time (the error ends with its log's tail).
+        ModelServerError: it exited, or was not healthy in time (the message ends with its log's
+            tail).
     """
 
     def __init__(
@@ -63,13 +66,23 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}; see {log}:\n{self.tail()}")
+                raise ModelServerError(
+                    f"{what} exited with {self.proc.returncode}; see {log}:\n{self.tail()}",
+                    what=what,
+                    log=str(log),
+                    returncode=self.proc.returncode,
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"{what} was not ready after {timeout_s:.0f} s; see {log}:\n{self.tail()}")
+                raise ModelServerError(
+                    f"{what} was not ready after {timeout_s:.0f} s; see {log}:\n{self.tail()}",
+                    what=what,
+                    log=str(log),
+                    returncode=None,
+                )
             time.sleep(1.0)
 
     def tail(self, n: int = 60) -> str:
