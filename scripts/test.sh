@@ -10,8 +10,7 @@ echo "[test] ruff"
 echo "[test] mypy"
 .venv/bin/mypy sparseety producers streams sinks
 echo "[test] pytest (all tiers, ${SPARSEETY_TEST_WORKERS:-2} processes)"
-# Two pytest-xdist workers: files are the unit of distribution, and the real-engine tests that share
-# the session's engines all run in one of them (tests/conftest.py schedules them together), so
-# engines start once and the other worker runs the demo's own stacks and the broker-, Faust- and
-# chDB-bound tiers meanwhile. SPARSEETY_TEST_WORKERS=0 runs serially.
+# Two pytest-xdist workers: files are the unit of distribution, and the real-engine tests all run
+# in one of them (tests/conftest.py schedules them together), so engines start once and the other worker
+# runs the broker-, Faust- and chDB-bound tiers meanwhile. SPARSEETY_TEST_WORKERS=0 runs serially.
 exec .venv/bin/python -m pytest -ra -n "${SPARSEETY_TEST_WORKERS:-2}" --durations=30 "$@"

@@ -24,24 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
 
 
-#: Real-engine test files that use none of tests/e2e/conftest.py's shared engines.
-OWN_ENGINES = ("tests/e2e/test_demo.py",)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """scripts/test.sh runs pytest-xdist workers: a file runs in one worker (its module fixtures
-    start once), and every real-engine test that uses the session's shared engines runs in the
-    same worker, so each engine kind still starts once per session (tests/e2e/conftest.py). The
-    demo's tests (``OWN_ENGINES``) start their own stack and engine, so they run beside that
-    worker, which holds most of the suite's real-engine time. (``--dist loadgroup`` would say
-    this with markers, but it groups nothing under pytest 9.)"""
+    start once), and every real-engine test runs in the same worker, so each engine kind still
+    starts once per session and at most two engines are alive at a time (tests/e2e/conftest.py).
+    (``--dist loadgroup`` would say this with markers, but it groups nothing under pytest 9.)"""
     from xdist.scheduler import LoadFileScheduling
 
     class EnginesTogether(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith("tests/e2e/") and not nodeid.startswith(OWN_ENGINES):
-                return "tests/e2e"
-            return super()._split_scope(nodeid)
+            return "tests/e2e" if nodeid.startswith("tests/e2e/") else super()._split_scope(nodeid)
 
     return EnginesTogether(config, log)
 
