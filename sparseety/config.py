@@ -225,6 +225,56 @@ class ApiToken(_Section):
     token_ids: bool = False
 
 
+class QueryLimits(_Section):
+    """Limits on each store query of one kind of caller (``api.limits.tenant`` / ``.admin``).
+
+    They are ClickHouse's own settings, set by the store on every statement the caller's request
+    runs (the API's queries and your own SQL); a query cannot change them. A query past one of
+    them fails with ClickHouse's message, which names the limit.
+    """
+
+    #: Wall time of one statement (``max_execution_time``).
+    max_execution_time_s: float = Field(10.0, gt=0, le=3600)
+    #: Memory of one statement (``max_memory_usage``).
+    max_memory_bytes: int = Field(1 << 30, ge=1 << 20)
+    #: Rows of one answer of your own SQL (more are cut, ``result_overflow_mode = 'break'``).
+    max_result_rows: int = Field(100_000, ge=1)
+    #: Bytes one statement reads from tables (``max_bytes_to_read``).
+    max_bytes_to_read: int = Field(10 << 30, ge=1 << 20)
+    #: Requests of one token whose store queries run at once; one more is answered 429.
+    max_concurrent: int = Field(2, ge=1, le=64)
+
+    def settings(self) -> dict[str, Any]:
+        """The ClickHouse settings of every statement (the result-row cap is your own SQL's)."""
+        return {
+            "max_execution_time": self.max_execution_time_s,
+            "max_memory_usage": self.max_memory_bytes,
+            "max_bytes_to_read": self.max_bytes_to_read,
+        }
+
+    def sql_settings(self) -> dict[str, Any]:
+        """:meth:`settings` and the result-row cap, for your own SQL."""
+        return {**self.settings(), "max_result_rows": self.max_result_rows, "result_overflow_mode": "break"}
+
+
+class ApiLimits(_Section):
+    """What one API caller may cost the store (docs/operations.md, "Limits").
+
+    ``readers``: read-only store clients (one thread each) that serve the API's queries, apart
+    from the store's own thread (the sink's writes and ``/healthz``). ``max_body_bytes``: the
+    largest request body, refused (413) before authentication; ``max_sql_bytes``: the largest SQL
+    text (``/api/v1/sql``, ``/clickhouse``).
+    """
+
+    tenant: QueryLimits = QueryLimits()
+    admin: QueryLimits = QueryLimits(
+        max_execution_time_s=60.0, max_memory_bytes=4 << 30, max_bytes_to_read=100 << 30, max_concurrent=4
+    )
+    readers: int = Field(4, ge=1, le=64)
+    max_body_bytes: int = Field(1 << 20, ge=1 << 10)
+    max_sql_bytes: int = Field(256 << 10, ge=1 << 10)
+
+
 class ApiConfig(_Section):
     """HTTP API: bind address and bearer tokens scoped to tenants (``*`` = all tenants).
 
@@ -237,9 +287,15 @@ class ApiConfig(_Section):
     # served model name -> its tokenizer on this machine (a path), for token records' text; a
     # model not listed is tried by its own name (a path, or the local Hugging Face cache)
     tokenizers: dict[str, str] = Field(default_factory=dict)
+    limits: ApiLimits = ApiLimits()
 
     def __repr_args__(self) -> Any:
-        return [("host", self.host), ("port", self.port), ("tokens", f"<{len(self.tokens)} tokens>")]
+        return [
+            ("host", self.host),
+            ("port", self.port),
+            ("tokens", f"<{len(self.tokens)} tokens>"),
+            ("limits", self.limits),
+        ]
 
 
 class OtelConfig(_Section):

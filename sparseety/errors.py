@@ -187,5 +187,31 @@ class AmbiguousIdError(QueryError):
         self.candidates = candidates
 
 
+class SqlRefusedError(QueryError):
+    """A caller's own SQL is not one SELECT of what it may read (a table function, ``file()``,
+    ``SETTINGS``, a table outside its allow-list: the message names it)."""
+
+
+class QueryLimitError(QueryError):
+    """A store query reached one of its caller's limits (time, memory, bytes read:
+    ``api.limits``), and ClickHouse stopped it.
+
+    Attributes:
+        code: ClickHouse's error code (159 time, 241 memory, 307 bytes read).
+    """
+
+
+class TooManyQueriesError(SparseetyError):
+    """A token already has its ``api.limits.*.max_concurrent`` requests at the store (a 429).
+
+    Attributes:
+        limit: The cap it reached.
+    """
+
+    def __init__(self, message: str, *, limit: int, **fields: object) -> None:
+        super().__init__(message, limit=limit, **fields)
+        self.limit = limit
+
+
 class ReplayError(SparseetyError):
     """A replay range cannot be resolved, or the replay cannot run."""

@@ -1,6 +1,7 @@
 """Shared fixtures. Tiers follow folders: tests/unit (pure), tests/topology (real broker + Faust),
 tests/harness (vLLM's real engine core in its GPU-default modes, simulated executor, real broker),
-tests/e2e (real vLLM). Services start once per session and are shared; names are unique per test.
+tests/e2e (real vLLM), tests/security (the store's and the API's walls, on real chDB and uvicorn).
+Services start once per session and are shared; names are unique per test.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
-        if tier in ("unit", "topology", "chaos", "harness", "e2e"):
+        if tier in ("unit", "topology", "chaos", "security", "harness", "e2e"):
             item.add_marker(getattr(pytest.mark, tier))
 
 

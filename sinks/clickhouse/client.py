@@ -6,7 +6,9 @@
 * ``http(s)://host:port``: a ClickHouse server or cluster. Same DDL, same SQL.
 
 chDB sessions are not thread-safe, so every call on an :class:`Engine` runs on one thread that it
-owns (a server's engine works the same way).
+owns (a server's engine works the same way). Reads that must not wait behind the sink's writes,
+or behind each other (the API's), run on a :class:`ReaderPool` of the same store: read-only
+clients, one thread each.
 
 Tables are always named with their database (``db.table``), so one client serves every database.
 The :class:`Store` is what a process that owns the embedded path shares between the sink and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -84,11 +87,27 @@ def error_code(exc: BaseException) -> int | None:
 
 
 class Engine:
-    """A clickhouse-connect client and the single thread every call on it runs on."""
+    """A clickhouse-connect client and the single thread every call on it runs on.
 
-    def __init__(self, target: Target, connect: Callable[[], Any], owner: str) -> None:
+    Args:
+        target: Where the store is.
+        connect: Opens the engine's client.
+        owner: What this process is.
+        reader: Opens one more client of the same store, for a :class:`ReaderPool` (default
+            ``connect``).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        connect: Callable[[], Any],
+        owner: str,
+        reader: Callable[[], Any] | None = None,
+    ) -> None:
         self.target = target
         self.owner = owner
+        self.open_client = reader or connect
+        self.pools: list[ReaderPool] = []  # closed with the engine: no reader outlives it
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseety-store")
         self._thread: threading.Thread | None = None
         try:
@@ -114,6 +133,8 @@ class Engine:
         self.close()
 
     def close(self) -> None:
+        for pool in list(self.pools):
+            pool.close()
         with contextlib.suppress(Exception):
             self.executor.submit(self.client.close).result()
         self.executor.shutdown(wait=True)
@@ -143,6 +164,82 @@ def _open_engine(target: Target, cfg: Config, owner: str) -> Engine:
     return Engine(target, connect_http, owner)
 
 
+#: A reader's read-only mode: no statement writes, and none can lift it (``readonly = 1`` would
+#: also refuse the per-query limits the reader sets; 2 allows them, never ``readonly`` itself).
+READ_ONLY = 2
+
+
+class ReaderPool:
+    """``size`` read-only clients of one store, each used by one thread at a time.
+
+    The API's reads run here, never on the store's own thread, which serves the sink's writes
+    and ``/healthz``: a slow query delays its own caller only (a chDB path serves any number of
+    clients in its one process, concurrently). Each client is read-only for its whole life: on
+    chDB its handle runs ``SET readonly = 2`` once, which no later statement can undo; on a
+    server every query carries ``readonly = 2``.
+
+    Use :meth:`store` for a :class:`Store` whose calls run on a pooled client, from any thread;
+    :attr:`executor` (``size`` threads) is where async callers run them.
+    """
+
+    def __init__(self, engine: Engine, size: int, database: str, cluster: str = "") -> None:
+        if size < 1:
+            raise StoreError(f"a reader pool needs at least one client (got {size})", size=size)
+        self.target = engine.target
+        self.database, self.cluster = database, cluster
+        self._engine = engine
+        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._clients: list[Any] = []
+        try:
+            for _ in range(size):
+                client = engine.open_client()
+                self._clients.append(client)
+                if self.target.kind == "chdb":
+                    client.command(f"SET readonly = {READ_ONLY}")
+                else:
+                    client.set_client_setting("readonly", str(READ_ONLY))
+                self._idle.put(client)
+        except BaseException:
+            self.close()
+            raise
+        self.executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="sparseety-read")
+        engine.pools.append(self)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(client, *args)`` on this thread with an idle client (waits for one)."""
+        client = self._idle.get()
+        try:
+            return fn(client, *args)
+        finally:
+            self._idle.put(client)
+
+    def store(self, settings: dict[str, Any] | None = None) -> Store:
+        """A store whose statements run on this pool's clients with ``settings`` (the caller's
+        limits) added to each."""
+        return Store(self, self.database, self.cluster, settings=settings)
+
+    def release(self) -> None:
+        """A store of the pool closed: the pool stays open (its owner closes it)."""
+
+    def close(self) -> None:
+        """Close every client (after the executor's threads have finished)."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
+        with contextlib.suppress(ValueError):
+            self._engine.pools.remove(self)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                client.close()
+        self._clients.clear()
+
+    def __enter__(self) -> ReaderPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _redact(dsn: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", dsn)
 
@@ -157,13 +254,22 @@ class Store:
         database: The database every table lives in.
         cluster: Cluster name for ``ON CLUSTER`` DDL ('' for none).
         target: Where the store is.
+        settings: ClickHouse settings added to every query it runs (a reader's limits).
     """
 
-    def __init__(self, engine: Engine, database: str, cluster: str) -> None:
-        self._engine: Engine | None = engine
+    def __init__(
+        self,
+        engine: Engine | ReaderPool,
+        database: str,
+        cluster: str,
+        *,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        self._engine: Engine | ReaderPool | None = engine
         self.database = database
         self.cluster = cluster
         self.target = engine.target
+        self.settings: dict[str, Any] = dict(settings or {})
 
     @classmethod
     def open(cls, cfg: Config, *, owner: str = "", database: str | None = None) -> Store:
@@ -183,10 +289,26 @@ class Store:
         return cls(engine, database or cfg.clickhouse.database, cfg.clickhouse.cluster)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | ReaderPool:
         if self._engine is None:
             raise StoreError("the store is closed")
         return self._engine
+
+    @property
+    def read_only(self) -> bool:
+        """Its statements run on read-only clients (a :class:`ReaderPool`'s)."""
+        return isinstance(self._engine, ReaderPool)
+
+    def readers(self, size: int) -> ReaderPool:
+        """A pool of ``size`` read-only clients of this store (the caller closes it)."""
+        engine = self.engine
+        if isinstance(engine, ReaderPool):
+            raise StoreError("a reader pool is opened from the store's own engine")
+        return ReaderPool(engine, size, self.database, self.cluster)
+
+    def _settings(self, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        merged = {**self.settings, **(extra or {})}
+        return merged or None
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Call ``fn(client, *args)`` on the store's thread and return its result."""
@@ -196,7 +318,7 @@ class Store:
         """:meth:`run` for async callers: the event loop is not blocked."""
         engine = self.engine
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(engine.executor, lambda: fn(engine.client, *args))
+        return await loop.run_in_executor(engine.executor, lambda: engine.call(fn, *args))
 
     def command(
         self, sql: str, parameters: dict[str, Any] | None = None, *, settings: dict[str, Any] | None = None
@@ -215,12 +337,17 @@ class Store:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def query_rows(
-        self, sql: str, parameters: dict[str, Any] | None = None
+        self,
+        sql: str,
+        parameters: dict[str, Any] | None = None,
+        *,
+        settings: dict[str, Any] | None = None,
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Column names and rows as tuples."""
+        """Column names and rows as tuples (``settings`` added to the store's own)."""
+        merged = self._settings(settings)
 
         def q(c: Any) -> tuple[list[str], list[tuple[Any, ...]]]:
-            result = c.query(sql, parameters=parameters)
+            result = c.query(sql, parameters=parameters, settings=merged)
             return list(result.column_names), [tuple(r) for r in result.result_rows]
 
         try:
@@ -234,9 +361,10 @@ class Store:
         self, sql: str, parameters: dict[str, Any] | None, fmt: str, settings: dict[str, Any] | None = None
     ) -> bytes:
         """The result in one of ClickHouse's own output formats (``Parquet``, ``CSVWithNames``)."""
+        merged = self._settings(settings)
         try:
             return self.run(
-                lambda c: bytes(c.raw_query(sql, parameters=parameters, fmt=fmt, settings=settings))
+                lambda c: bytes(c.raw_query(sql, parameters=parameters, fmt=fmt, settings=merged))
             )
         except StoreError:
             raise

@@ -96,7 +96,11 @@ class EmbeddedEngine(Engine):
                     raise locked_error(path, exc) from exc
                 raise StoreError(f"cannot open the embedded store at {path}: {exc}", path=str(path)) from exc
 
-        super().__init__(target, connect, owner)
+        def reader() -> Any:
+            # another handle of the engine this process already runs: no lock to check
+            return clickhouse_connect.get_client(dsn=f"chdb://{path}")
+
+        super().__init__(target, connect, owner, reader=reader)
 
     def release(self) -> None:
         """The last store of the path closes the engine and removes this process's owner record."""

@@ -179,7 +179,9 @@ DEAD_LETTERS = Table(
         "value",
         "ts_ns",
     ),
-    ("dlq_topic", "dlq_partition", "dlq_offset"),
+    # the input's identity, not the dlq message's (migration 014): a column ClickHouse derives
+    # from component, topic, partition and offset, so a re-sent dead letter replaces its copy
+    ("letter_key",),
 )
 
 #: Token ids (or keyed hashes) per request version, as the privacy mode allows (migration 005).

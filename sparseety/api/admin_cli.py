@@ -198,7 +198,10 @@ def sql_cmd(c: CliContext, query: str, token: str | None, fmt: str) -> None:
     else:
         with _store_or_api(c.cfg, "sparseety sql") as (store, api):
             if store is not None:
-                columns, rows = run_sql(store, query)
+                # the store opened here: an admin's query on a read-only client, admin limits
+                with store.readers(1) as readers:
+                    limits = c.cfg.api.limits.admin.sql_settings()
+                    columns, rows = run_sql(readers.store(), query, limits=limits)
             else:
                 columns, rows = api.sql(query)
     echo_rows([dict(zip(columns, r, strict=True)) for r in rows], fmt)

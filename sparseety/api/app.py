@@ -16,9 +16,10 @@ import html
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
@@ -38,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sparseety import __version__
 from sparseety.api import params
 from sparseety.api.auth import SESSION_COOKIE, AuthError, Principal, Sessions
-from sparseety.api.backend import JOB_KINDS, Backend
+from sparseety.api.backend import JOB_KINDS, Backend, ClientGone
 from sparseety.api.clickhouse_http import router as clickhouse_router
 from sparseety.api.collect import (
     COLLECT_KINDS,
@@ -52,15 +53,18 @@ from sparseety.api.dashboard import collect as collect_dashboard
 from sparseety.api.dashboard import plotly_js_path, render_html
 from sparseety.api.encode import jsonable
 from sparseety.api.endpoints import Endpoint, lookups, routes
+from sparseety.api.guard import BodyLimit
 from sparseety.api.jobs import JobCancelled
-from sparseety.api.queries import timeline_counts
+from sparseety.api.queries import ApiQueries, timeline_counts
 from sparseety.errors import (
     AmbiguousIdError,
     ConfigError,
     MigrationError,
     PluginLoadError,
+    QueryLimitError,
     ReplayError,
     StoreError,
+    TooManyQueriesError,
 )
 from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
@@ -70,6 +74,7 @@ from sparseety.sinks.clickhouse.queries import Param, QueryError, Scope
 from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
+T = TypeVar("T")
 
 _bearer = HTTPBearer(auto_error=False, description="A token from api.tokens, or the admin token.")
 
@@ -181,6 +186,26 @@ async def _login(request: Request) -> Response:
 Back = Annotated[Backend, Depends(backend_of)]
 
 
+@dataclass(frozen=True)
+class Call:
+    """One API request's caller, backend and connection: its reads run under the caller's
+    limits and stop when the client goes away (:meth:`Backend.read`)."""
+
+    who: Principal
+    back: Backend
+    request: Request
+
+    async def read(self, name: str, fn: Callable[[ApiQueries], T]) -> T:
+        return await self.back.read(self.who, name, fn, disconnected=self.request.is_disconnected)
+
+
+def _call(request: Request, who: Caller, back: Back) -> Call:
+    return Call(who, back, request)
+
+
+Called = Annotated[Call, Depends(_call)]
+
+
 class ScopeParams(BaseModel):
     """Time range and tenant filters every query takes: the query-parameter model every route's
     own model extends (FastAPI reads a route's query string into one model)."""
@@ -252,10 +277,10 @@ def _format_field() -> Any:
 CHUNK = 1 << 16
 
 
-async def _file(back: Backend, spec: Endpoint, fmt: str, **kwargs: Any) -> Response:
+async def _file(call: Call, spec: Endpoint, fmt: str, **kwargs: Any) -> Response:
     """A registry query's rows as a Parquet or CSV attachment, sent in chunks."""
     check_format(fmt)
-    data = await back.query(spec.label, back.queries.export, spec.query, fmt, **kwargs)
+    data = await call.read(spec.label, lambda q: q.export(spec.query, fmt, **kwargs))
     if data is None:
         raise NotFound(f"{spec.not_found} {kwargs.get('key')!r}")
 
@@ -304,21 +329,21 @@ def _registry_route(specs: list[Endpoint]) -> Any:
     fields["format"] = (str | None, _format_field())
     model = create_model(f"{plain.route.title()}Parameters", __base__=ScopeParams, **fields)
 
-    async def handler(who: Caller, back: Back, q: Any) -> Response:
-        scope = q.scope(who, back.clock())
+    async def handler(call: Called, q: Any) -> Response:
+        scope = q.scope(call.who, call.back.clock())
         given = q.model_dump()
         for name, spec in switches.items():
             (switch,) = (p for p in spec.params if p.name == name)
             if given[switch.wire]:
-                return await _answer(back, spec, scope, given)
-        return await _answer(back, plain, scope, given)
+                return await _answer(call, spec, scope, given)
+        return await _answer(call, plain, scope, given)
 
     handler.__doc__ = plain.query.doc.split("\n\n")[0]
     handler.__name__ = plain.route
     return _with_query(handler, model)
 
 
-async def _answer(back: Backend, spec: Endpoint, scope: Scope, given: dict[str, Any]) -> Response:
+async def _answer(call: Call, spec: Endpoint, scope: Scope, given: dict[str, Any]) -> Response:
     """Run one registry query with the route's parameters; the body echoes what it used (or, with
     ``format``, the rows as a Parquet or CSV file)."""
     query = spec.query
@@ -334,16 +359,10 @@ async def _answer(back: Backend, spec: Endpoint, scope: Scope, given: dict[str, 
     if given.get("format"):
         by_ = None if by is None else list(by)
         return await _file(
-            back, spec, given["format"], by=by_, bucket=params.bucket(bucket), scope=scope, **arguments
+            call, spec, given["format"], by=by_, bucket=params.bucket(bucket), scope=scope, **arguments
         )
-    rows = await back.query(
-        spec.label,
-        back.queries.ask,
-        query,
-        by=by,
-        bucket=params.bucket(bucket),
-        scope=scope,
-        **arguments,
+    rows = await call.read(
+        spec.label, lambda q: q.ask(query, by=by, bucket=params.bucket(bucket), scope=scope, **arguments)
     )
     return _rows(spec.label, scope, rows, **extra)
 
@@ -366,16 +385,14 @@ def _lookup_route(spec: Endpoint) -> Any:
     fields["format"] = (str | None, _format_field())
     model = create_model(f"{spec.name.title().replace('_', '')}Parameters", __base__=ScopeParams, **fields)
 
-    async def answer(
-        key: str, who: Principal, back: Backend, q: ScopeParams, given: dict[str, Any]
-    ) -> Response:
-        scope = q.scope(who, back.clock())
+    async def answer(key: str, call: Call, q: ScopeParams, given: dict[str, Any]) -> Response:
+        scope = q.scope(call.who, call.back.clock())
         arguments = {p.name: p.check(given[p.wire]) for p in query.params}
         if spec.permission:
-            arguments["allowed"] = who.allows(spec.permission)
+            arguments["allowed"] = call.who.allows(spec.permission)
         if given.get("format"):
-            return await _file(back, spec, given["format"], key=key, scope=scope, **arguments)
-        found = await back.query(spec.label, back.queries.fetch, query, key, scope=scope, **arguments)
+            return await _file(call, spec, given["format"], key=key, scope=scope, **arguments)
+        found = await call.read(spec.label, lambda q: q.fetch(query, key, scope=scope, **arguments))
         if found is None:
             raise NotFound(f"{spec.not_found} {key!r}")
         body = {key_name: key, **found} if spec.echo_key else found
@@ -385,23 +402,23 @@ def _lookup_route(spec: Endpoint) -> Any:
     if spec.key_in_path:
         path["key"] = Annotated[str, PathParam(alias=key_name)]
 
-        async def handler(key: str, who: Caller, back: Back, q: Any) -> Response:
-            return await answer(key, who, back, q, q.model_dump())
+        async def handler(key: str, call: Called, q: Any) -> Response:
+            return await answer(key, call, q, q.model_dump())
 
     else:
 
-        async def handler(who: Caller, back: Back, q: Any) -> Response:  # type: ignore[misc]
+        async def handler(call: Called, q: Any) -> Response:  # type: ignore[misc]
             given = q.model_dump()
-            return await answer(given.pop(key_name), who, back, q, given)
+            return await answer(given.pop(key_name), call, q, given)
 
     handler.__doc__ = query.doc.split("\n\n")[0]
     handler.__name__ = spec.name
     return _with_query(handler, model, **path)
 
 
-async def _request(back: Backend, request_id: str, scope: Scope) -> dict[str, Any]:
+async def _request(call: Call, request_id: str, scope: Scope) -> dict[str, Any]:
     """One request in ``scope``; another tenant's request is as unknown as a missing one (404)."""
-    found = await back.query("request", back.queries.request, request_id, scope=scope)
+    found = await call.read("request", lambda q: q.request(request_id, scope=scope))
     if found is None:
         raise NotFound(f"no request {request_id!r}")
     return found
@@ -433,18 +450,20 @@ def _router() -> APIRouter:
 
     # Before the lookups: "requests/batch" is never a request uid (uids are engine_id/request_id).
     @api.get("/requests/batch", tags=["requests"])
-    async def requests_batch(who: Caller, back: Back, s: Annotated[BatchParams, Query()]) -> JSONResponse:
+    async def requests_batch(call: Called, s: Annotated[BatchParams, Query()]) -> JSONResponse:
         """Several requests in full in one query (the dashboard's batch); unknown or out-of-scope
-        ones are left out."""
-        scope = s.scope(who, back.clock())
+        ones are left out. At least one ``request_id``."""
+        scope = s.scope(call.who, call.back.clock())
         uids = params.request_ids(s.request_id)
-        found = await back.query("requests_by_uid", back.queries.requests_by_uid, uids, scope=scope)
+        if not uids:
+            raise QueryError("give at least one request_id (repeatable)")
+        found = await call.read("requests_by_uid", lambda q: q.requests_by_uid(uids, scope=scope))
         return _rows("requests", scope, list(found.values()), request_id=uids)
 
     @api.get("/requests/{request_id:path}/timeline", tags=["requests"])
-    async def timeline(request_id: str, who: Caller, back: Back, s: Scoped) -> JSONResponse:
+    async def timeline(request_id: str, call: Called, s: Scoped) -> JSONResponse:
         """A request's token timeline: counts per status and the run-length segments."""
-        found = await _request(back, request_id, s.scope(who, back.clock()))
+        found = await _request(call, request_id, s.scope(call.who, call.back.clock()))
         counts = timeline_counts(found["segments"])
         counts["draft_rejected"] = int(found["draft_rejected_tokens"])
         return JSONResponse(
@@ -473,7 +492,7 @@ def _router() -> APIRouter:
     async def health(who: Caller, back: Back, s: Scoped) -> JSONResponse:
         """Freshness and stored-request health in scope; the pipeline's counters for admins."""
         scope = s.scope(who, back.clock())
-        body: dict[str, Any] = {"store": await back.health(scope)}
+        body: dict[str, Any] = {"store": await back.health(who, scope)}
         if who.admin:
             body["pipeline"] = back.pipeline()
         return JSONResponse(jsonable(body))
@@ -482,9 +501,9 @@ def _router() -> APIRouter:
     async def prices_list(
         who: Caller, back: Back, model: Annotated[str | None, Query(description="Only this model.")] = None
     ) -> JSONResponse:
-        """The stored prices (model, token_class, usd, unit, effective_from, note); admin only."""
-        who.require_admin("prices")
-        rows = await back.query("prices", list_prices, back.store, model)
+        """The stored prices (model, token_class, usd, unit, effective_from, note): the price list
+        every token reads (as its SQL reads ``prices``); setting them is an admin's."""
+        rows = await back.read(who, "prices", lambda q: list_prices(q.store, model))
         return JSONResponse(jsonable({"rows": rows}))
 
     @api.post("/prices", tags=["admin"])
@@ -506,7 +525,7 @@ def _router() -> APIRouter:
             ]
         except ConfigError as exc:
             raise QueryError(str(exc)) from None
-        n = await back.query("set_prices", set_prices, back.store, entries)
+        n = await back.write("set_prices", set_prices, back.store, entries)
         return JSONResponse({"set": n})
 
     @api.get("/dead-letters", tags=["operations"])
@@ -521,22 +540,32 @@ def _router() -> APIRouter:
         """The newest dead letters of the whole pipeline (when, which component, error type,
         reason, the input's topic/partition/offset; never its bytes); admin only."""
         who.require_admin("dead letters")
-        rows = await back.query("dead_letters", back.queries.dead_letters, limit=limit, component=component)
+        rows = await back.read(
+            who, "dead_letters", lambda q: q.dead_letters(limit=limit, component=component)
+        )
         return JSONResponse(jsonable({"rows": rows}))
 
     @api.get("/db/status", tags=["admin"])
     async def db_status(who: Caller, back: Back) -> JSONResponse:
         """The store's migrations: version, name, applied, applied_at, checksum_ok; admin only."""
         who.require_admin("the schema status")
-        rows = await back.query("db_status", status_rows, back.store)
+        rows = await back.read(who, "db_status", lambda q: status_rows(q.store))
         return JSONResponse({"rows": rows})
 
     @api.post("/sql", tags=["admin"])
-    async def own_sql(who: Caller, back: Back, body: Annotated[SqlBody, Body()]) -> JSONResponse:
-        """One read-only query of your own on the store (docs/clickhouse.md, Your own SQL): an
-        all-tenant token reads every row, a tenant's token only its tenants' rows. Answers
-        ``columns`` and ``rows`` (at most 100,000; add LIMIT for fewer)."""
-        columns, rows = await back.query("sql", run_sql, back.store, body.sql, tenants=who.tenants)
+    async def own_sql(call: Called, body: Annotated[SqlBody, Body()]) -> JSONResponse:
+        """One SELECT of your own on the store (docs/clickhouse.md, Your own SQL), parsed and
+        checked against the tables your token may read: an all-tenant token reads every row, a
+        tenant's token only its tenants' rows; token content needs ``token_ids``. Answers
+        ``columns`` and ``rows`` (at most ``api.limits.*.max_result_rows``; add LIMIT for fewer)."""
+        cap = call.back.limits.max_sql_bytes
+        if len(body.sql.encode()) > cap:
+            raise QueryError(f"the SQL is over {cap} bytes (api.limits.max_sql_bytes)")
+        limits = call.back.limits_for(call.who).sql_settings()
+        access = call.who.access
+        columns, rows = await call.read(
+            "sql", lambda q: run_sql(q.store, body.sql, access=access, limits=limits)
+        )
         return JSONResponse(jsonable({"columns": columns, "rows": [list(r) for r in rows]}))
 
     @api.post("/collect", status_code=202, tags=["jobs"])
@@ -594,7 +623,7 @@ def _ops(app: FastAPI) -> None:
     async def healthz(back: Back) -> JSONResponse:
         """Liveness: whether the store answers (no authentication; no data)."""
         try:
-            await back.query("ping", back.store.query, "SELECT 1 AS ok")
+            await back.ping()
         except StoreError:
             return _error(503, "store_unavailable", "the store does not answer")
         return JSONResponse({"status": "ok", "version": __version__})
@@ -604,7 +633,7 @@ def _ops(app: FastAPI) -> None:
         """Prometheus metrics (``sparseety:<noun>_<unit>``); needs an all-tenant token."""
         who.require_admin("metrics")
         try:
-            await back.health(Scope())
+            await back.health(who, Scope())
         except StoreError:
             log.warning("metrics: the store did not answer the health query")
         try:
@@ -642,20 +671,22 @@ def _ops(app: FastAPI) -> None:
         return response
 
     @app.get("/dashboard", response_class=HTMLResponse, tags=["dashboard"])
-    async def dashboard(who: Browser, back: Back, s: Annotated[DashboardParams, Query()]) -> Response:
+    async def dashboard(
+        request: Request, who: Browser, back: Back, s: Annotated[DashboardParams, Query()]
+    ) -> Response:
         """The dashboard, rendered now for the caller's tenants; a browser without a session is
         sent to ``/login``."""
         if who is None:
             return RedirectResponse("/login", status_code=303)
         scope = s.scope(who, back.clock())
-        data = await back.query(
+        uids = params.request_ids(s.request_id)
+        pipeline = back.pipeline() if who.admin else None
+        now = back.clock()
+        data = await back.read(
+            who,
             "dashboard",
-            collect_dashboard,
-            back.queries,
-            scope=scope,
-            request_uids=params.request_ids(s.request_id),
-            pipeline=back.pipeline() if who.admin else None,
-            now_ns=back.clock(),
+            lambda q: collect_dashboard(q, scope=scope, request_uids=uids, pipeline=pipeline, now_ns=now),
+            disconnected=request.is_disconnected,
         )
         return HTMLResponse(render_html(data, plotly_src=None if s.inline else "/dashboard/plotly.min.js"))
 
@@ -673,6 +704,18 @@ def _errors(app: FastAPI) -> None:
         if exc.status == 401:
             return _error(401, "unauthorized", str(exc), {"WWW-Authenticate": "Bearer"})
         return _error(exc.status, "forbidden", str(exc))
+
+    @app.exception_handler(TooManyQueriesError)
+    async def too_many(_: Request, exc: TooManyQueriesError) -> JSONResponse:
+        return _error(429, "too_many_queries", str(exc), {"Retry-After": "1"})
+
+    @app.exception_handler(QueryLimitError)
+    async def query_limit(_: Request, exc: QueryLimitError) -> JSONResponse:
+        return _error(400, "query_limit", str(exc))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the query was stopped
 
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
@@ -750,20 +793,36 @@ def _collect_problem(exc: RequestValidationError) -> str:
     return "; ".join(dict.fromkeys(problems)) or f"{kind}: invalid spec"
 
 
-def _metrics_middleware(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def count(request: Request, call_next: Any) -> Response:
+class _Metrics:
+    """ASGI middleware: each request counted and timed by route, method and status.
+
+    Plain ASGI, not ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` runs the app in
+    a task of its own and hides the client's disconnect from ``Request.is_disconnected``, which the
+    reads poll to stop a query nobody waits for (:meth:`Backend.read`)."""
+
+    def __init__(self, app: Any, backend: Backend) -> None:
+        self.app = app
+        self.backend = backend
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         started = time.perf_counter()
         status = 500
+
+        async def sent(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
         try:
-            response: Response = await call_next(request)
-            status = response.status_code
-            return response
+            await self.app(scope, receive, sent)
         finally:
-            route = request.scope.get("route")
-            label = getattr(route, "path", "unmatched")
-            m = backend_of(request).metrics
-            m.requests.labels(label, request.method, str(status)).inc()
+            label = getattr(scope.get("route"), "path", "unmatched")
+            m = self.backend.metrics
+            m.requests.labels(label, scope["method"], str(status)).inc()
             m.request_seconds.labels(label).observe(time.perf_counter() - started)
 
 
@@ -785,5 +844,6 @@ def create_api(backend: Backend) -> FastAPI:
     app.include_router(clickhouse_router(backend_of))
     _ops(app)
     _errors(app)
-    _metrics_middleware(app)
+    app.add_middleware(_Metrics, backend=backend)
+    app.add_middleware(BodyLimit, max_bytes=backend.limits.max_body_bytes)  # outermost: before auth
     return app

@@ -38,6 +38,7 @@ from typing import Any
 
 from sparseety.config import ApiToken
 from sparseety.errors import ConfigError, SparseetyError
+from sparseety.sinks.clickhouse.sql import Access
 
 ALL_TENANTS = "*"
 ADMIN_TOKEN_FILE = "admin-token"
@@ -68,6 +69,11 @@ class Principal:
     name: str
     tenants: tuple[str, ...] | None
     token_ids: bool = False
+
+    @property
+    def access(self) -> Access:
+        """What its own SQL may read: the same tenants and permissions as its API calls."""
+        return Access(self.tenants, token_ids=self.token_ids)
 
     def allows(self, permission: str) -> bool:
         """Whether it holds a per-token permission (``token_ids``)."""
@@ -102,6 +108,8 @@ class Principal:
 
 #: The open API (no token configured, loopback only) reads everything, token content included.
 OPEN = Principal("open", None, token_ids=True)
+#: The API's own reads (the regression gauges of ``/metrics``): admin limits, no token's cap.
+ADMIN_PRINCIPAL = Principal("sparseety", None, token_ids=True)
 
 
 def _digest(token: str) -> bytes:

@@ -9,12 +9,14 @@ it names none), credentials as Basic auth, ``X-ClickHouse-User``/``X-ClickHouse-
 as they do against a server: ``clickhouse_connect.get_client(host=..., port=<api port>,
 password=<token>, proxy_path="/clickhouse")``.
 
-The subset: one read-only query at a time (as ``sparseety sql``: ``readonly = 1``, at most
-100,000 rows), by an all-tenant token (the password; the user name is not checked). Settings
-sent by the client (``?date_time_input_format=...``) are not applied: a read-only query may not
-change them. A tenant-scoped token is refused (its clients read system tables, which its scope
-hides): it uses ``sparseety sql`` / ``POST /api/v1/sql``. No inserts, sessions or compression.
-Errors are ClickHouse's shape: ``Code: <n>. DB::Exception: <message>`` with the
+The subset: one SELECT at a time, parsed and checked as ``sparseety sql`` checks it
+(:mod:`sparseety.sinks.clickhouse.sql`: the store's tables and views and ClickHouse's metadata
+tables only, no table function, no ``file()``, no ``SETTINGS`` or ``INTO OUTFILE``), under the
+admin limits (``api.limits.admin``), by an all-tenant token (the password; the user name is not
+checked). Settings sent by the client (``?date_time_input_format=...``) are not applied: the
+store sets its own. A tenant-scoped token is refused (its clients read system tables, which its
+scope hides): it uses ``sparseety sql`` / ``POST /api/v1/sql``. No inserts, sessions or
+compression. Errors are ClickHouse's shape: ``Code: <n>. DB::Exception: <message>`` with the
 ``X-ClickHouse-Exception-Code`` header.
 """
 
@@ -29,12 +31,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from sparseety.api.auth import AuthError, Principal
-from sparseety.errors import QueryError
+from sparseety.errors import QueryError, QueryLimitError, SqlRefusedError, TooManyQueriesError
 from sparseety.sinks.clickhouse.sql import run_sql_raw
 
 PATH = "/clickhouse"
 #: ClickHouse's error codes for the answers this subset gives.
 READONLY, UNKNOWN_FORMAT, AUTH_FAILED, ACCESS_DENIED, SYNTAX = 164, 73, 516, 497, 62
+TOO_MANY, LIMIT = 202, 159
 _FORMAT = re.compile(r"\bFORMAT\s+(\w+)\s*;?\s*$", re.IGNORECASE)
 _WRITE = re.compile(
     r"^\s*(INSERT|CREATE|ALTER|DROP|TRUNCATE|RENAME|SET|USE|OPTIMIZE|KILL|SYSTEM|GRANT)\b", re.I
@@ -114,12 +117,28 @@ def router(backend_of: Any) -> APIRouter:
         sql = " ".join(p for p in (request.query_params.get("query", ""), body) if p.strip())
         if not sql.strip():
             return _error(SYNTAX, "empty query", 400)
+        cap = back.limits.max_sql_bytes
+        if len(sql.encode()) > cap:
+            return _error(SYNTAX, f"the query is over {cap} bytes (api.limits.max_sql_bytes)", 413)
         if _WRITE.match(sql):
             return _error(READONLY, "the embedded store's ClickHouse interface is read-only", 403)
         sql, fmt = split_format(sql)
         params = {k[6:]: ParamText(v) for k, v in request.query_params.items() if k.startswith("param_")}
+        limits = back.limits_for(who).sql_settings()
+        access = who.access
         try:
-            data = await back.query("clickhouse_http", run_sql_raw, back.store, sql, fmt, params)
+            data = await back.read(
+                who,
+                "clickhouse_http",
+                lambda q: run_sql_raw(q.store, sql, fmt, params, access=access, limits=limits),
+                disconnected=request.is_disconnected,
+            )
+        except TooManyQueriesError as exc:
+            return _error(TOO_MANY, str(exc), 429)
+        except QueryLimitError as exc:
+            return _error(LIMIT, str(exc), 400)
+        except SqlRefusedError as exc:
+            return _error(ACCESS_DENIED, str(exc), 403)
         except QueryError as exc:
             text = str(exc)
             if "readonly" in text.lower():

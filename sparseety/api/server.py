@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from sparseety.api.auth import api_dir, is_loopback
+from sparseety.api.guard import install_redaction
 from sparseety.errors import SparseetyError
 
 log = logging.getLogger("sparseety.api")
@@ -103,7 +104,8 @@ class ApiServer:
         host, port: Where to listen (port 0: any free port).
         data_path: Data directory for the endpoint record (None: write none).
         log_level: uvicorn's log level.
-        access_log: Log every request (paths and status; never headers).
+        access_log: Log every request (paths and status; never headers, and credentials in
+            the query string as ``***``).
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class ApiServer:
         self.host = host
         self.port = port
         self.data_path = data_path
+        if access_log:
+            install_redaction()  # paths carry ?password= for ClickHouse clients
         self.config = uvicorn.Config(
             app, lifespan="off", log_level=log_level, access_log=access_log, log_config=None
         )

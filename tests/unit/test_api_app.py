@@ -263,16 +263,18 @@ def test_metrics(client: TestClient) -> None:
     assert 'sparseety:jobs_active{kind="replay"} 0.0' in text
 
 
-def test_scrapes_evaluate_the_regression_signals_at_most_once_per_interval(cfg: Config, store: Store) -> None:
+def test_scrapes_evaluate_the_regression_signals_at_most_once_per_interval(
+    cfg: Config, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     b = Backend(cfg, store, tokens=TokenTable({}, admin_token="tok-process-admin"), clock=lambda: NOW)
     calls = []
-    evaluate = b.queries.regressions
+    evaluate = ApiQueries.regressions
 
-    def counted(**kwargs: Any) -> Any:
+    def counted(self: ApiQueries, **kwargs: Any) -> Any:
         calls.append(kwargs)
-        return evaluate(**kwargs)
+        return evaluate(self, **kwargs)
 
-    b.queries.regressions = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(ApiQueries, "regressions", counted)  # each read has its own ApiQueries
     try:
         with TestClient(create_api(b)) as c:
             for _ in range(3):
