@@ -7,9 +7,9 @@ out of the POST routes (a body that happened to be a valid spec would start a jo
 from __future__ import annotations
 
 import string
-from urllib.parse import quote
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
