@@ -558,6 +558,8 @@ def to_env(cfg: Config) -> dict[str, str]:
                     continue
                 if isinstance(v, SecretStr):
                     v = v.get_secret_value()
+                if isinstance(v, BaseModel):  # a section within a section (api.limits): JSON
+                    v = v.model_dump()
                 text = (
                     json.dumps(v, default=lambda o: o.model_dump())  # api.tokens may hold ApiTokens
                     if isinstance(v, (dict, list))
