@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: install, lint, type-check, then every test tier
-# (unit, topology with the real broker and Faust, e2e with real vLLM).
+# (unit, topology with the real broker and Faust, chaos, security, harness, e2e with real vLLM and SGLang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
