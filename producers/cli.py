@@ -9,6 +9,7 @@ import click
 
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.errors import ConfigError
+from sparseety.tenants import check_tenant
 
 
 def _load_keys(path: str | None) -> dict[str, str]:
@@ -27,6 +28,8 @@ def _load_keys(path: str | None) -> dict[str, str]:
         raise ConfigError(f"cannot read API key map {path}: {exc}", path=path) from None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise ConfigError(f"API key map {path} must map keys to tenant names", path=path)
+    for tenant in data.values():
+        check_tenant(tenant, where=f"API key map {path}")  # the key itself is never quoted
     return {str(k): v for k, v in data.items()}
 
 

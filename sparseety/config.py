@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from sparseety.errors import ConfigError
+from sparseety.tenants import shown, tenant_problem
 
 ENV_PREFIX = "SPARSEETY_"
 _SECRET_HINTS = ("password", "secret", "token", "key", "credentials")
@@ -214,6 +215,15 @@ class SinkConfig(_Section):
     retry_backoff_s: float = Field(0.5, ge=0)
 
 
+def _checked_tenants(tenants: list[str]) -> list[str]:
+    """Tenant names of a token (``*`` = all), each a tenant name (:mod:`sparseety.tenants`)."""
+    for t in tenants:
+        rule = None if t == "*" else tenant_problem(t)
+        if rule is not None:
+            raise ValueError(f"{shown(t)} is not a tenant name: {rule}")
+    return tenants
+
+
 class ApiToken(_Section):
     """One bearer token with permissions beyond its tenants (``api.tokens`` value as a table).
 
@@ -223,6 +233,11 @@ class ApiToken(_Section):
 
     tenants: list[str]
     token_ids: bool = False
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: list[str]) -> list[str]:
+        return _checked_tenants(tenants)
 
 
 class QueryLimits(_Section):
@@ -284,6 +299,15 @@ class ApiConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8765, ge=0, le=65535)
     tokens: dict[str, list[str] | ApiToken] = Field(default_factory=dict)
+
+    @field_validator("tokens")
+    @classmethod
+    def _token_tenants(cls, tokens: dict[str, list[str] | ApiToken]) -> dict[str, list[str] | ApiToken]:
+        for grant in tokens.values():
+            if isinstance(grant, list):
+                _checked_tenants(grant)
+        return tokens
+
     # served model name -> its tokenizer on this machine (a path), for token records' text; a
     # model not listed is tried by its own name (a path, or the local Hugging Face cache)
     tokenizers: dict[str, str] = Field(default_factory=dict)

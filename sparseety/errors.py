@@ -32,6 +32,19 @@ class ConfigError(SparseetyError):
     """Configuration is missing, malformed or invalid."""
 
 
+class InvalidTenantError(ConfigError):
+    """A tenant name breaks :func:`sparseety.tenants.tenant_problem`'s rule (too long, control
+    characters, surrounding space).
+
+    Attributes:
+        rule: The rule it breaks, in words.
+    """
+
+    def __init__(self, message: str, *, rule: str, **fields: Any) -> None:
+        super().__init__(message, rule=rule, **fields)
+        self.rule = rule
+
+
 # --- decoding and validation of events -----------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.deadletter_limits import MAX_DEAD_LETTER_BYTES
 from sparseety.kafka import make_decoder, make_encoder, make_producer
+from sparseety.tenants import check_tenant
 
 from .errors import BadTraceLineError, TraceError
 from .format import Format, detect_format, recording_events
@@ -332,7 +333,9 @@ def ingest(
     Raises:
         TraceError: unreadable file, unknown format, delivery failed.
         BadTraceLineError: ``strict`` and a bad line (the first; the message counts all).
+        InvalidTenantError: ``default_tenant`` is no tenant name (every line would be bad).
     """
+    check_tenant(default_tenant, where="the default tenant")
     p = Path(path)
     try:
         with p.open("rb") as fh:

@@ -45,6 +45,7 @@ from typing import Any
 
 from sparseety import __version__
 from sparseety import events as ev
+from sparseety.tenants import shown, tenant_problem
 from sparseety.validate import count_error
 
 from .errors import BadTraceLineError
@@ -139,6 +140,13 @@ def _text(obj: dict[str, Any], key: str, default: str, line: int) -> str:
     return value
 
 
+def _tenant(value: str, line: int) -> str:
+    rule = tenant_problem(value)
+    if rule is not None:
+        raise BadTraceLineError(line, f"tenant {shown(value)}: {rule}")
+    return value
+
+
 def _depth(obj: Any, limit: int) -> bool:
     """Whether ``obj`` nests deeper than ``limit`` (iterative: deep input must not recurse)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]
@@ -219,7 +227,7 @@ def parse_line(
     max_tokens = obj.get("max_tokens")
     req = TraceRequest(
         request_id=str(rid),
-        tenant=_text(obj, "tenant", default_tenant, line),
+        tenant=_tenant(_text(obj, "tenant", default_tenant, line), line),
         model=model,
         arrival_ns=arrival,
         first_token_ns=first,

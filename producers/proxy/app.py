@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sparseety import __version__
 from sparseety import events as ev
 from sparseety.config import Config
+from sparseety.tenants import shown, tenant_problem
 
 from ..emitter import Emitter, new_epoch
 from .accounting import (
@@ -254,6 +255,11 @@ class ProxyProducer:
         )
         if tenant is None:
             return error_response(401, *_UNAUTHORIZED)
+        rule = tenant_problem(tenant)
+        if rule is not None:  # a gateway (or a key's table) named a tenant no report could show
+            return error_response(
+                400, f"tenant {shown(tenant)}: {rule}", "invalid_request_error", "invalid_tenant"
+            )
         if not isinstance(parsed, dict):
             return await self._plain(request, body)
         exchange = Exchange(

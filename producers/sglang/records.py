@@ -17,6 +17,7 @@ from array import array
 from typing import Any
 
 from sparseety import events as ev
+from sparseety.tenants import engine_tenant
 
 from ..privacy import PromptPolicy
 from ..vllm.request_ids import request_identity
@@ -82,7 +83,7 @@ class RecordBuilder:
     ) -> tuple[str, dict[str, Any]]:
         ids, hashes = self.policy.fields(list(prompt))
         custom = custom if isinstance(custom, dict) else {}
-        tenant = custom.get("tenant") or ""
+        tenant = engine_tenant(custom.get("tenant"))
         session = custom.get("session") or ""
         return ev.REQUEST_STARTED, {
             "request_id": rid,

@@ -11,8 +11,10 @@ Enable it with::
         --middleware sparseety.producers.vllm.middleware.TenantHeaderMiddleware
 
 Put it behind a gateway that sets (or strips) the tenant header: a client that can set it can
-bill another tenant. The session header needs no such care: sessions are grouped within a tenant
-(docs/sessions.md), so a client naming a session only groups its own requests.
+bill another tenant. A tenant that is no tenant name (:mod:`sparseety.tenants`: at most 128
+printable characters) is answered 400 with the rule it breaks. The session header needs no such
+care: sessions are grouped within a tenant (docs/sessions.md), so a client naming a session only
+groups its own requests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from sparseety.tenants import shown, tenant_problem
 
 HEADER = b"x-sparseety-tenant"
 SESSION_HEADER = b"x-sparseety-session"
@@ -69,6 +73,10 @@ class TenantHeaderMiddleware:
         if not values:
             await self.app(scope, receive, send)
             return
+        rule = tenant_problem(values.get("tenant", ""))
+        if rule is not None:  # refused at the door, with the rule: no report could show it
+            await _refuse(send, f"{HEADER.decode()}: {shown(values['tenant'])}: {rule}")
+            return
         chunks = []
         while True:
             message = await receive()
@@ -85,6 +93,19 @@ class TenantHeaderMiddleware:
         await self.app(
             scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send
         )
+
+
+async def _refuse(send: Send, message: str) -> None:
+    """A 400 in the OpenAI error shape vLLM's server answers with."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": 400}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -17,6 +17,7 @@ from itertools import repeat
 from typing import Any
 
 from sparseety import events as ev
+from sparseety.tenants import engine_tenant
 
 from ..privacy import PromptPolicy
 from .reasoning import ReasoningSplit
@@ -102,7 +103,7 @@ class RecordBuilder:
         ids, hashes = self.policy.fields(req.prompt_token_ids)
         sampling = req.sampling_params
         extra = getattr(sampling, "extra_args", None) if sampling is not None else None
-        tenant = extra.get("tenant", "") if isinstance(extra, dict) else ""
+        tenant = engine_tenant(extra.get("tenant", "")) if isinstance(extra, dict) else ""
         # vLLM's own session id (body ``session_id``, ``X-Session-ID``, ``vllm_xargs.session_id``;
         # vLLM >= 0.32), else ours (``vllm_xargs.session``, the X-Sparseety-Session middleware)
         ours = extra.get("session") if isinstance(extra, dict) else ""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import time
 import tomllib
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from sparseety.errors import ConfigError
 from sparseety.times import to_ns
+
+from .migrate import on_cluster
 
 if TYPE_CHECKING:
     from .client import Store
@@ -73,20 +76,37 @@ class Price:
         return int(self.usd * MICRO)
 
 
+#: The largest price of one unit (1M tokens, a GPU-hour, a GiB-hour): far above any list price,
+#: and far below what the store's integer micro-USD and its cost sums can hold.
+MAX_USD = Decimal(1_000_000)
+_PLAIN_DECIMAL = re.compile(r"\d+(\.\d+)?")
+
+
 def parse_usd(value: Any, *, where: str = "price") -> Decimal:
-    """A non-negative USD amount with at most six decimals (floats go through their text).
+    """A non-negative USD amount written as a plain decimal (``0.15``, ``12``; floats go through
+    their text), with at most six decimals, at most :data:`MAX_USD`.
 
     Raises:
-        ConfigError: not a number, negative, or finer than a micro-dollar.
+        ConfigError: naming the rule broken: not a number, negative, not plain decimal text
+            (``1e3``), finer than a micro-dollar, or above the largest price.
     """
+    text = str(value).strip()
     try:
-        amount = Decimal(str(value).strip())
+        amount = Decimal(text)
     except InvalidOperation:
-        raise ConfigError(f"{where}: {value!r} is not an amount in USD", value=str(value)) from None
+        raise ConfigError(f"{where}: {value!r} is not an amount in USD", value=text) from None
     if not amount.is_finite() or amount < 0:
-        raise ConfigError(f"{where}: {value!r} must be a non-negative amount", value=str(value))
+        raise ConfigError(f"{where}: {value!r} must be a non-negative amount", value=text)
+    if not _PLAIN_DECIMAL.fullmatch(text):
+        raise ConfigError(
+            f"{where}: {value!r} is not a plain decimal: write digits and at most one point, "
+            f"e.g. 0.15 or 1000 (no exponent; quote it in TOML)",
+            value=text,
+        )
     if amount != amount.quantize(Decimal("0.000001")):
-        raise ConfigError(f"{where}: {value!r} has more than six decimals (micro-USD)", value=str(value))
+        raise ConfigError(f"{where}: {value!r} has more than six decimals (micro-USD)", value=text)
+    if amount > MAX_USD:
+        raise ConfigError(f"{where}: {value!r} is above the largest price, {MAX_USD} USD a unit", value=text)
     return amount
 
 
@@ -225,6 +245,52 @@ def set_prices(store: Store, prices: list[Price]) -> int:
         ["model", "token_class", "effective_from_ns", "price_micro", "note", "set_ns"],
     )
     return len(prices)
+
+
+def unseen_models(store: Store, models: list[str]) -> list[str]:
+    """The ones of ``models`` that no stored request has (a price for a mistyped model applies to
+    nothing: the caller warns)."""
+    wanted = sorted(set(models))
+    if not wanted:
+        return []
+    rows = store.query(
+        f"SELECT DISTINCT model FROM {store.table('requests')} WHERE has({{m:Array(String)}}, model)",
+        {"m": wanted},
+    )
+    seen = {str(r["model"]) for r in rows}
+    return [m for m in wanted if m not in seen]
+
+
+def delete_prices(
+    store: Store, model: str, token_class: str | None = None, effective_from_ns: int | None = None
+) -> int:
+    """Delete the prices of ``model`` (of one class, of one effective time); returns how many.
+
+    Raises:
+        ConfigError: an empty model or an unknown class.
+    """
+    if not model:
+        raise ConfigError("prices delete: the model is empty")
+    if token_class is not None and token_class not in PRICE_CLASSES:
+        raise ConfigError(
+            f"prices delete: token class {token_class!r} is not one of {', '.join(PRICE_CLASSES)}",
+            token_class=token_class,
+        )
+    where = ["model = {model:String}"]
+    params: dict[str, Any] = {"model": model}
+    if token_class is not None:
+        where.append("token_class = {cls:String}")
+        params["cls"] = token_class
+    if effective_from_ns is not None:
+        where.append("effective_from_ns = {eff:Int64}")
+        params["eff"] = effective_from_ns
+    cond = " AND ".join(where)
+    table = store.table("prices")
+    (row,) = store.query(f"SELECT count() AS n FROM {table} FINAL WHERE {cond}", params)
+    if int(row["n"]):
+        cluster = on_cluster(store.cluster)
+        store.command(f"ALTER TABLE {table}{cluster} DELETE WHERE {cond} SETTINGS mutations_sync = 2", params)
+    return int(row["n"])
 
 
 def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.config import Config
 from sparseety.errors import StoreLockedError
 from sparseety.sinks.cli import FORMAT, echo_rows
+from sparseety.sinks.clickhouse.prices import PRICE_CLASSES  # the CLI's choices: one list for set and delete
 
 
 @contextlib.contextmanager
@@ -117,31 +118,30 @@ def prices() -> None:
 
 @prices.command("set")
 @click.option("--model", required=True)
-@click.option(
-    "--class",
-    "token_class",
-    required=True,
-    type=click.Choice(["input", "cached_input", "output", "gpu_hour", "kv"]),
-)
+@click.option("--class", "token_class", required=True, type=click.Choice(PRICE_CLASSES))
 @click.option(
     "--usd",
     required=True,
-    help="USD per 1M tokens (per GPU-hour for gpu_hour, per GiB-hour for kv), e.g. 0.15.",
+    help="USD per 1M tokens (per GPU-hour for gpu_hour, per GiB-hour for kv) as a plain decimal, "
+    "e.g. 0.15; at most six decimals and 1000000.",
 )
 @click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
 @click.option("--note", default="")
 @pass_ctx
 def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_from: str, note: str) -> None:
     """Set one price."""
-    from sparseety.sinks.clickhouse.prices import checked_price, set_prices
+    from sparseety.sinks.clickhouse.prices import checked_price, set_prices, unseen_models
 
     price = checked_price(model, token_class, usd, effective_from, note, where="--usd/--effective-from")
     with _store_or_api(c.cfg, "sparseety prices") as (store, remote):
         if store is not None:
             set_prices(store, [price])
+            unseen = unseen_models(store, [model])
         else:
             remote.prices_set([price])
-    click.echo(f"{model} {token_class}: ${price.usd} from {effective_from or 'always'}")
+            unseen = remote.prices_unseen([model])
+    click.echo(f"{model} {token_class}: ${price.usd:f} from {effective_from or 'always'}")
+    _warn_unseen(unseen)
 
 
 @prices.command("load")
@@ -149,12 +149,49 @@ def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_
 @pass_ctx
 def prices_load(c: CliContext, path: str) -> None:
     """Set prices from a TOML or CSV file (docs/cost-model.md, "Price files")."""
-    from sparseety.sinks.clickhouse.prices import load_prices_file, set_prices
+    from sparseety.sinks.clickhouse.prices import load_prices_file, set_prices, unseen_models
 
     entries = load_prices_file(path)
+    models = [p.model for p in entries]
     with _store_or_api(c.cfg, "sparseety prices") as (store, remote):
-        n = set_prices(store, entries) if store is not None else remote.prices_set(entries)
+        if store is not None:
+            n, unseen = set_prices(store, entries), unseen_models(store, models)
+        else:
+            n, unseen = remote.prices_set(entries), remote.prices_unseen(models)
     click.echo(f"{n} prices set from {path}")
+    _warn_unseen(unseen)
+
+
+@prices.command("delete")
+@click.option("--model", required=True)
+@click.option(
+    "--class", "token_class", default=None, type=click.Choice(PRICE_CLASSES), help="Only this class."
+)
+@click.option("--effective-from", default=None, help="Only the price from this ISO-8601 time ('' = always).")
+@pass_ctx
+def prices_delete(c: CliContext, model: str, token_class: str | None, effective_from: str | None) -> None:
+    """Delete the stored prices of a model (of one class, of one effective time); exits 1 when
+    none matched."""
+    from sparseety.sinks.clickhouse.prices import delete_prices, parse_time
+
+    eff = None if effective_from is None else parse_time(effective_from, where="--effective-from")
+    with _store_or_api(c.cfg, "sparseety prices") as (store, remote):
+        if store is not None:
+            n = delete_prices(store, model, token_class, eff)
+        else:
+            n = remote.prices_delete(model, token_class, eff)
+    click.echo(f"{n} prices deleted")
+    if not n:
+        raise SystemExit(1)
+
+
+def _warn_unseen(models: list[str]) -> None:
+    for model in models:
+        click.echo(
+            f"warning: no stored request has model {model!r} (a typo?): its prices apply from the "
+            f"first one that does; `sparseety prices delete --model {model}` removes them",
+            err=True,
+        )
 
 
 @prices.command("list")

@@ -69,7 +69,13 @@ from sparseety.errors import (
 from sparseety.producers.logs.errors import TraceError
 from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
 from sparseety.sinks.clickhouse.migrate import status_rows
-from sparseety.sinks.clickhouse.prices import checked_price, list_prices, set_prices
+from sparseety.sinks.clickhouse.prices import (
+    checked_price,
+    delete_prices,
+    list_prices,
+    set_prices,
+    unseen_models,
+)
 from sparseety.sinks.clickhouse.queries import Param, QueryError, Scope
 from sparseety.sinks.clickhouse.sql import run_sql
 
@@ -527,6 +533,37 @@ def _router() -> APIRouter:
             raise QueryError(str(exc)) from None
         n = await back.write("set_prices", set_prices, back.store, entries)
         return JSONResponse({"set": n})
+
+    @api.get("/prices/unseen", tags=["admin"])
+    async def prices_unseen(
+        who: Caller, back: Back, model: Annotated[list[str], Query(description="Models to look for.")]
+    ) -> JSONResponse:
+        """Which of these models no stored request has (a price for one of them applies to
+        nothing yet: a typo?); admin only."""
+        who.require_admin("prices")
+        found = await back.read(who, "prices_unseen", lambda q: unseen_models(q.store, model))
+        return JSONResponse({"models": found})
+
+    @api.delete("/prices", tags=["admin"])
+    async def prices_delete(
+        who: Caller,
+        back: Back,
+        model: Annotated[str, Query(min_length=1, description="The model whose prices to delete.")],
+        token_class: Annotated[str | None, Query(description="Only this class.")] = None,
+        effective_from_ns: Annotated[
+            int | None, Query(description="Only the price from this time (ns).")
+        ] = None,
+    ) -> JSONResponse:
+        """Delete stored prices of a model (one class, one effective time); admin only. Answers
+        how many were deleted."""
+        who.require_admin("prices")
+        try:
+            n = await back.write(
+                "delete_prices", delete_prices, back.store, model, token_class, effective_from_ns
+            )
+        except ConfigError as exc:
+            raise QueryError(str(exc)) from None
+        return JSONResponse({"deleted": n})
 
     @api.get("/dead-letters", tags=["operations"])
     async def dead_letters(

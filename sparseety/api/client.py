@@ -183,6 +183,22 @@ class RemoteQueries(QueryMethods):
         ]
         return int(self._call("POST", "/api/v1/prices", json_body={"prices": entries})["set"])
 
+    def prices_unseen(self, models: Sequence[str]) -> list[str]:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.unseen_models`
+        (``GET /api/v1/prices/unseen``)."""
+        return list(self._get("/api/v1/prices/unseen", {"model": list(models)})["models"])
+
+    def prices_delete(
+        self, model: str, token_class: str | None = None, effective_from_ns: int | None = None
+    ) -> int:
+        """Like :func:`~sparseety.sinks.clickhouse.prices.delete_prices` (``DELETE /api/v1/prices``)."""
+        params: dict[str, Any] = {"model": model}
+        if token_class is not None:
+            params["token_class"] = token_class
+        if effective_from_ns is not None:
+            params["effective_from_ns"] = effective_from_ns
+        return int(self._call("DELETE", "/api/v1/prices", params=params)["deleted"])
+
     def db_status(self) -> list[dict[str, Any]]:
         """The migrations and whether each is applied (``GET /api/v1/db/status``)."""
         return list(self._get("/api/v1/db/status", {})["rows"])

@@ -151,6 +151,18 @@ def test_only_a_trusted_gateway_names_the_tenant(kafka_cfg: Config) -> None:
     assert tenants == {"cmpl-g1": "globex", "cmpl-g2": "initech"}
 
 
+def test_a_gateway_naming_no_tenant_name_is_answered_400(kafka_cfg: Config) -> None:
+    """Issue 31: a tenant of 5,000 characters or with a newline is refused at the door, with the
+    rule it breaks, in OpenAI's error shape; a good one goes on."""
+    with upstream() as up, proxy(kafka_cfg, up, trust_tenant_header=True) as url:
+        r = _chat(url, "m", {"X-Sparseety-Tenant": "x" * 5000})
+        _is_openai_error(r, 400, "invalid_tenant")
+        assert "at most 128 characters" in r.json()["error"]["message"] and len(r.text) < 500
+        for bad in ("acme\nglobex", "a\tb", " acme"):  # headers cannot carry these: the body can
+            _is_openai_error(_chat(url, "m", vllm_xargs={"tenant": bad}), 400, "invalid_tenant")
+        assert _chat(url, "m", {"X-Sparseety-Tenant": "acme"}).status_code == 200
+
+
 def test_unaccountable_answers_pass_through_and_are_dead_lettered(kafka_cfg: Config) -> None:
     with upstream() as up, proxy(kafka_cfg, up) as url:
         r = _chat(url, "abc")
