@@ -1,4 +1,5 @@
-"""Result rows -> text: an aligned table, JSON or CSV (pure)."""
+"""Result rows -> text: an aligned table, JSON or CSV (pure). Money (Decimal) is exact in every
+format: a table pads a column's amounts to the most decimals among them, never rounds."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def jsonable(value: Any) -> Any:
 
 
 def _cell(value: Any) -> str:
-    """A compact cell for the table view."""
+    """A compact cell for the table view (a Decimal exactly: money is never rounded)."""
     if value is None:
         return "-"
     if isinstance(value, Decimal):
-        return f"{value:.6f}"
+        return format(value.normalize(), "f")
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, bool):
@@ -83,7 +84,11 @@ def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
         raise ValueError(f"unknown format {fmt!r}: choose from {', '.join(FORMATS)}")
     if not rows:
         return "(no rows)"
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    places = {c: _decimal_places([r.get(c) for r in rows]) for c in columns}
+    cells = [
+        [_money(r.get(c), places[c]) if places[c] is not None else _cell(r.get(c)) for c in columns]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     numeric = [all(_is_number(r.get(c)) for r in rows) for c in columns]
 
@@ -95,6 +100,20 @@ def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
     out = [line(columns), line(["-" * w for w in widths])]
     out.extend(line(row) for row in cells)
     return "\n".join(out)
+
+
+def _decimal_places(values: Sequence[Any]) -> int | None:
+    """For a column of Decimals (money): the most decimals any of them has, so that every cell
+    is exact and the points line up; None for any other column."""
+    given = [v for v in values if v is not None]
+    if not given or not all(isinstance(v, Decimal) for v in given):
+        return None
+    return max(max(-int(v.normalize().as_tuple().exponent), 0) for v in given)
+
+
+def _money(value: Any, places: int) -> str:
+    """A Decimal exactly, with ``places`` decimals (never rounded: ``places`` is the column's most)."""
+    return "-" if value is None else f"{value:.{places}f}"
 
 
 def _is_number(value: Any) -> bool:

@@ -159,12 +159,24 @@ def _export(c: CliContext, output: str, call: Callable[[Any], bytes | None], mis
 
 
 def _run_query(
-    c: CliContext, fmt: str, call: Callable[[Any], Any], columns: tuple[str, ...] = (), wide: bool = True
+    c: CliContext,
+    fmt: str,
+    call: Callable[[Any], Any],
+    columns: tuple[str, ...] = (),
+    wide: bool = True,
+    tenants: tuple[str, ...] = (),
 ) -> None:
     from sparseety.api.client import open_queries
 
     with open_queries(c.cfg, "sparseety query") as q:
         rows = call(q)
+    if not rows and tenants:  # an empty answer must not look like a tenant that used nothing
+        named = ", ".join(repr(t) for t in tenants)
+        click.echo(
+            f"(no stored request of {named} in this range: check the name; "
+            f"`sparseety query cost --by tenant` lists the tenants that have requests)",
+            err=True,
+        )
     if fmt == "table" and columns and not wide and rows:
         hidden = [k for k in rows[0] if k not in columns]
         rows = [{k: r.get(k) for k in columns if k in r} for r in rows]
@@ -221,6 +233,7 @@ def _registry_command(specs: list[Endpoint]) -> click.Command:
             lambda q: q.ask(spec.query, scope=scope, **arguments),
             spec.table_columns,
             given.pop("wide", True),
+            tenants,
         )
 
     if plain.table_columns:

@@ -241,3 +241,15 @@ def test_a_config_token_with_a_bad_tenant_is_refused() -> None:
     with pytest.raises(ConfigError, match="not a tenant name"):
         load_config(api={"tokens": {"tok": {"tenants": ["x" * 200]}}})
     assert load_config(api={"tokens": {"tok": ["*"], "t2": ["acme"]}}).api.tokens
+
+
+def test_an_unknown_tenant_gets_a_hint_and_money_is_exact(cli_env: dict[str, str]) -> None:
+    code, out = run(cli_env, "query", "cost", "--tenant", "nosuch")
+    assert code == 0 and "(no rows)" in out and "no stored request of 'nosuch'" in out
+    code, out = run(cli_env, "query", "cost", "--tenant", "acme")  # the request's tenant: a row
+    assert code == 0 and "no stored request" not in out
+    assert run(cli_env, "prices", "set", "--model", "tiny", "--class", "input", "--usd", "0.123457")[0] == 0
+    code, out = run(cli_env, "query", "cost", "--by", "tenant", "--mode", "list")
+    # 10 prompt tokens (no cached price: p_cached = p_in) at 0.123457 USD per 1M, exactly; it was
+    # printed rounded to six decimals, 0.000001
+    assert "0.00000123457" in out.split(), out

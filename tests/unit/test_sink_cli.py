@@ -145,8 +145,9 @@ def test_render_formats() -> None:
     ]
     table = render(rows).splitlines()
     assert table[0].split() == ["tenant", "cost_usd", "share", "at", "hash"]
-    assert table[2].split()[:3] == ["a", "0.123457", "0.5000"]
-    assert table[2].index("0.123457") + len("0.123457") == table[3].index("12.000000") + len("12.000000")
+    # money exact (issue 31: it was rounded to six decimals), the points aligned
+    assert table[2].split()[:3] == ["a", "0.123456789", "0.5000"]
+    assert table[2].index("0.123456789") + 11 == table[3].index("12.000000000") + 12
     assert json.loads(render(rows, "json"))[0] == {
         "tenant": "a",
         "cost_usd": "0.123456789",
