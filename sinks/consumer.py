@@ -66,6 +66,7 @@ from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import Record, make_decoder, make_encoder, make_producer
 from sparseety.lifecycle import clear_ready, mark_ready, run_then_exit
+from sparseety.lograte import thin_kafka_client_logs
 
 from .base import FlushResult, Sink
 from .lost_log import TopicIds, say_log_lost
@@ -603,6 +604,7 @@ def run(
     """Run the sink loop until SIGTERM/SIGINT, then exit the process
     (:func:`sparseety.lifecycle.run_then_exit`: readiness file, bounded ``cleanup``)."""
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    thin_kafka_client_logs()
     run_then_exit(
         cfg.data_path,
         role,

@@ -85,10 +85,7 @@ def render(rows: Sequence[dict[str, Any]], fmt: str = "table") -> str:
     if not rows:
         return "(no rows)"
     places = {c: _decimal_places([r.get(c) for r in rows]) for c in columns}
-    cells = [
-        [_money(r.get(c), places[c]) if places[c] is not None else _cell(r.get(c)) for c in columns]
-        for r in rows
-    ]
+    cells = [[_money(r.get(c), places[c]) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     numeric = [all(_is_number(r.get(c)) for r in rows) for c in columns]
 
@@ -111,9 +108,12 @@ def _decimal_places(values: Sequence[Any]) -> int | None:
     return max(max(-int(v.normalize().as_tuple().exponent), 0) for v in given)
 
 
-def _money(value: Any, places: int) -> str:
-    """A Decimal exactly, with ``places`` decimals (never rounded: ``places`` is the column's most)."""
-    return "-" if value is None else f"{value:.{places}f}"
+def _money(value: Any, places: int | None) -> str:
+    """A cell; in a money column (``places`` not None) a Decimal exactly, with ``places``
+    decimals (never rounded: ``places`` is the column's most)."""
+    if places is None or value is None:
+        return _cell(value)
+    return f"{value:.{places}f}"
 
 
 def _is_number(value: Any) -> bool:

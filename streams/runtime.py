@@ -17,6 +17,7 @@ import faust
 from sparseety.config import Config
 from sparseety.kafka import client_security
 from sparseety.lifecycle import mark_ready, run_then_exit
+from sparseety.lograte import thin_kafka_client_logs
 
 from .compat import without_spinner
 
@@ -91,6 +92,7 @@ def run(
     (:func:`sparseety.lifecycle.run_then_exit`: readiness file, bounded ``cleanup``)."""
 
     def body(ready: Path) -> None:
+        thin_kafka_client_logs()  # a broker outage: one line per reconnect attempt otherwise
         worker = _ReadyWorker(app, *services, loglevel=loglevel, quiet=True)
         worker.ready_path = ready
         without_spinner(worker)
