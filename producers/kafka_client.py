@@ -108,6 +108,10 @@ class KafkaLink:
         self.key = b""
         self.fatal = False
         self.born = time.monotonic()
+        #: The client's last non-fatal error, and whether it said every broker is down (the
+        #: supervisor clears that once Kafka acknowledges again): :mod:`.delivery` reports them.
+        self.last_error = ""
+        self.brokers_down = False
         self._factory = factory
         self._warn_once = warn_once
         self._client: Any = None
@@ -172,7 +176,14 @@ class KafkaLink:
             self.fatal = True
             log.warning("sparseety producer %s: fatal Kafka client error: %s", self._warn_once.stream, err)
         else:
+            self.last_error = str(err)
+            if err.code() == _ALL_BROKERS_DOWN:
+                self.brokers_down = True
             rdkafka_log.info("kafka client: %s", err)
+
+
+#: librdkafka's ``RD_KAFKA_RESP_ERR__ALL_BROKERS_DOWN`` (``KafkaError._ALL_BROKERS_DOWN``).
+_ALL_BROKERS_DOWN = -187
 
 
 def _purge(producer: Any, wait_s: float) -> None:

@@ -18,6 +18,7 @@ from sparseety.config import ProducerConfig
 from sparseety.lifecycle import name_os_thread
 from sparseety.serde import Encoder
 
+from .delivery import DeliveryWatch
 from .handoff import Handoff, Item
 from .kafka_client import KafkaLink, WarnOnce
 from .ledger import Ledger
@@ -91,6 +92,8 @@ class Supervisor:
         self._next_hb = time.monotonic() + self._hb_interval
         self._next_metrics = 0.0
         self._report = Reporter(handoff, ledger, settings.stream)
+        self._watch = DeliveryWatch(settings.stream, str(link.settings.get("bootstrap.servers", "")))
+        self._acked = False  # acknowledged since the last delivery check
         self.bound = threading.Event()
         self.stopping = threading.Event()
         self.done = threading.Event()
@@ -138,6 +141,7 @@ class Supervisor:
             self._report.log_totals(self.identity.engine_id)
             with contextlib.suppress(Exception):
                 self.ledger.close_journal()
+            self._watch.close(self.ledger.journal_dir if self.bound.is_set() else None)
             self.done.set()
 
     def _setup(self) -> None:
@@ -226,6 +230,8 @@ class Supervisor:
             self._produced_seen = ledger.stats.produced
             self._last_progress = now
             self._stall_s = self.settings.stall_s
+            self._acked = True
+            link.brokers_down = False
         if link.fatal or (ledger.inflight and now - max(self._last_progress, link.born) > self._stall_s):
             self._restart_link()
         ledger.pump()
@@ -236,6 +242,16 @@ class Supervisor:
         if now >= self._next_metrics:
             self._next_metrics = now + 1.0
             self._report.sync_metrics(self.identity.engine_name)
+            self._watch.update(
+                engine=self.identity.engine_name,
+                journal_dir=ledger.journal_dir if self.bound.is_set() else None,
+                waiting=ledger.inflight + len(ledger.backlog),
+                last_progress=max(self._last_progress, link.born),
+                acked=self._acked,
+                error=link.last_error,
+                brokers_down=link.brokers_down,
+            )
+            self._acked = False
 
     def _restart_link(self) -> None:
         link, ledger = self.link, self.ledger

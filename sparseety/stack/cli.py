@@ -23,11 +23,13 @@ def _print_status(rows: list) -> None:  # type: ignore[type-arg]
     click.echo(f"logs: {rows[0].log.parent}")
 
 
-def _print_engines(c: CliContext, *, store_up: bool) -> None:
-    """The engines: undelivered spill journals under the data dir, and (while the store runs)
-    each engine's newest finished request (sparseety/stack/engines.py)."""
+def _print_engines(c: CliContext, *, store_up: bool) -> bool:
+    """The engines: their delivery states and undelivered spill journals under the data dir, and
+    (while the store runs) each engine's newest finished request (sparseety/stack/engines.py).
+    Returns whether an engine is not delivering."""
     import time
 
+    from sparseety.producers.delivery import read_states
     from sparseety.stack.engines import engine_rows, journals
 
     stored: list[dict[str, object]] = []
@@ -40,15 +42,20 @@ def _print_engines(c: CliContext, *, store_up: bool) -> None:
         except Exception as exc:  # status reports what it can
             click.echo(f"engines: the store did not answer ({exc})")
     rows = engine_rows(
-        journals(c.cfg.spill_path), stored, bootstrap=c.cfg.kafka.bootstrap, now_ns=time.time_ns()
+        journals(c.cfg.spill_path),
+        stored,
+        bootstrap=c.cfg.kafka.bootstrap,
+        now_ns=time.time_ns(),
+        deliveries=read_states(c.cfg.spill_path),
     )
     click.echo(f"\nengines (spill journals under {c.cfg.spill_path}; requests in the store):")
     if not rows:
         click.echo("  none seen")
-        return
+        return False
     from sparseety.sinks.output import render
 
     click.echo(render(rows, "table"))
+    return any(r["state"] == "silent: not delivering" for r in rows)
 
 
 @click.command("up")
@@ -82,14 +89,16 @@ def down(c: CliContext) -> None:
 @click.command("status")
 @pass_ctx
 def status(c: CliContext) -> None:
-    """Show what runs; exit 1 when a started part is unhealthy or missing."""
+    """Show what runs; exit 1 when a started part is unhealthy or missing, or an engine does not
+    deliver its events."""
     from sparseety.stack.supervisor import Stack
 
     rows = Stack(c.cfg).status()
     _print_status(rows)
-    _print_engines(c, store_up=any(r.name == "store" and r.state == "ready" for r in rows))
+    silent = _print_engines(c, store_up=any(r.name == "store" and r.state == "ready" for r in rows))
     states = {r.state for r in rows}
-    sys.exit(1 if "unhealthy" in states or (states - {"stopped"} and "stopped" in states) else 0)
+    broken = "unhealthy" in states or (states - {"stopped"} and "stopped" in states)
+    sys.exit(1 if broken or silent else 0)
 
 
 @click.command("demo")

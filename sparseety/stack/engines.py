@@ -2,7 +2,9 @@
 and the engines the store has requests of.
 
 An engine whose producer cannot reach Kafka (a wrong ``kafka.bootstrap``, a broker down) keeps
-serving and writes its events to its disk journal, ``<spill dir>/<engine>/<stream>/``; with
+serving; within seconds its producer says so in the state file of its stream
+(``delivery.json``, :mod:`sparseety.producers.delivery`), and past its memory budget it writes
+its events to its disk journal, ``<spill dir>/<engine>/<stream>/``; with
 ``SPARSEETY_DATA_DIR`` set to the stack's data dir (the default spill dir is ``<data_dir>/spill``)
 that journal is where ``sparseety status`` looks. A journal with undelivered segments is an engine
 that is not reporting, whatever the store says; its lock tells whether the engine process still
@@ -16,9 +18,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sparseety.lifecycle import pid_alive
+from sparseety.producers.delivery import DeliveryState
 
 #: A store-side engine whose newest request finished longer ago than this is listed as silent.
 SILENT_AFTER_S = 15 * 60.0
@@ -106,11 +112,14 @@ def engine_rows(
     bootstrap: str,
     now_ns: int,
     silent_after_s: float = SILENT_AFTER_S,
+    deliveries: Sequence[DeliveryState] = (),
 ) -> list[dict[str, str]]:
-    """The engines table of ``sparseety status``: one row per engine (journal problems first).
+    """The engines table of ``sparseety status``: one row per engine (delivery problems first:
+    journals, then the running engines' own states, then the store's view).
 
-    ``bootstrap`` is the stack's own broker (what an engine that does not deliver should name:
-    the journal does not record the address the engine tried; its log does).
+    ``bootstrap`` is the stack's own broker (what an engine that does not deliver should name).
+    ``deliveries``: the running engines' own delivery states (:mod:`sparseety.producers.delivery`):
+    one that is not delivering is listed as such within seconds, before anything spills.
     """
     rows: list[dict[str, str]] = []
     spilling = set()
@@ -124,6 +133,20 @@ def engine_rows(
                 "last seen": f"spilling since {_when(j.oldest_ns)} ({_ago(j.oldest_ns, now_ns)})",
                 "detail": f"{_size(j.pending_bytes)} undelivered in its {j.stream} journal; {alive}; "
                 f"check that its SPARSEETY_KAFKA_BOOTSTRAP is this stack's broker, {bootstrap}",
+            }
+        )
+    for d in deliveries:
+        if d.delivering or not pid_alive(d.pid) or d.engine in spilling:
+            continue  # a dead process's state is stale: its journal (below) says what is left
+        spilling.add(d.engine)
+        rows.append(
+            {
+                "engine": d.engine,
+                "state": "silent: not delivering",
+                "last seen": f"last acknowledged {_when(d.last_ack_ns)} ({_ago(d.last_ack_ns, now_ns)})",
+                "detail": f"{d.waiting} events waiting in its {d.stream} stream; Kafka at {d.bootstrap} "
+                f"takes none ({d.error or 'no answer'}); check that its SPARSEETY_KAFKA_BOOTSTRAP is "
+                f"this stack's broker, {bootstrap}",
             }
         )
     for e in stored:

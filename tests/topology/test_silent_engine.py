@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sparseety.config import load_config, to_env
+from sparseety.producers.delivery import STATE_FILE
 from sparseety.producers.emitter import Emitter
 from sparseety.stack.engines import engine_rows, journals
 from tests.helpers import VENV_BIN, free_port
@@ -67,6 +68,45 @@ def test_wrong_bootstrap_is_a_silent_engine_in_status(
     assert not j.process_alive
     row = engine_rows([j], [], bootstrap=wrong, now_ns=time.time_ns())[0]
     assert "drains at its next start" in row["detail"]
+
+
+def test_a_wrong_bootstrap_is_said_within_seconds_before_anything_spills(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31: with light traffic nothing spills (the events wait in memory), yet the engine's
+    log says within seconds that Kafka takes none, and ``sparseety status`` lists it as not
+    delivering and exits 1 (it said "reporting" with exit 0 for minutes)."""
+    wrong = f"127.0.0.1:{free_port()}"
+    data = tmp_path / "stack-data"
+    cfg = load_config(
+        env={"SPARSEETY_DATA_DIR": str(data), "SPARSEETY_KAFKA_BOOTSTRAP": wrong},
+        producer={"heartbeat_interval_s": 3600, "flush_timeout_s": 1},
+        topics={"engine_events": "silent.engine-events", "partitions": 1},
+    )
+    caplog.set_level(logging.WARNING, logger="sparseety")
+    em = Emitter(cfg, engine_name="light-traffic", epoch="1", stall_s=2.0)
+    started = time.monotonic()
+    try:
+        for i in range(10):
+            em.emit(_finished, i)
+        state = cfg.spill_path / "light-traffic" / "core" / STATE_FILE
+        while not (state.exists() and '"delivering": false' in state.read_text()):
+            assert time.monotonic() - started < 15, "no delivery state within 15 s"
+            time.sleep(0.2)
+        assert time.monotonic() - started < 12
+        assert f"Kafka at {wrong} takes no events" in caplog.text
+        assert not any((cfg.spill_path / "light-traffic" / "core").glob("*.seg"))  # nothing spilled
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+        env.update(to_env(load_config(data_dir=str(data), kafka={"bootstrap": f"127.0.0.1:{free_port()}"})))
+        out = subprocess.run(
+            [str(VENV_BIN / "sparseety"), "status"], env=env, capture_output=True, text=True, timeout=60
+        )
+        line = next(x for x in out.stdout.splitlines() if "light-traffic" in x)
+        assert "silent: not delivering" in line and "events waiting" in line, out.stdout
+        assert out.returncode == 1
+    finally:
+        em.close(timeout=1)
+    assert not state.exists()  # a stopped stream leaves its journal, not a stale state
 
 
 def test_store_side_engines_are_flagged_when_their_newest_request_is_old() -> None:
