@@ -25,7 +25,8 @@ from typing import Any
 
 from sparseety.config import load_config
 
-from ..vllm.plugin import _ensure_log_handler, after_import
+from ..plugin_log import ensure_log_handler
+from ..vllm.plugin import after_import
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -46,7 +47,7 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    _ensure_log_handler()
+    ensure_log_handler()
     after_import("sglang.srt.managers.scheduler", _on_scheduler_module)
     after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module)
     after_import("sglang.srt.mem_cache.events", _on_events_module)

@@ -32,6 +32,8 @@ from typing import Any
 
 from sparseety.config import is_configured, load_config
 
+from ..plugin_log import ensure_log_handler
+
 log = logging.getLogger("sparseety.producer.vllm")
 
 #: vLLM versions whose seams were checked against a running engine.
@@ -47,7 +49,7 @@ def register() -> None:
     try:
         if not is_configured(os.environ):
             return
-        _ensure_log_handler()
+        ensure_log_handler()
         install()
     except Exception as exc:
         log.warning("sparseety: vLLM plugin disabled, the engine runs without it: %s", exc)
@@ -125,20 +127,6 @@ def after_import(name: str, callback: Callable[[Any], Any]) -> None:
     import wrapt
 
     wrapt.register_post_import_hook(functools.partial(_run_callback, name, callback), name)
-
-
-def _ensure_log_handler() -> None:
-    """Show our INFO lines beside vLLM's when the application configured no logging."""
-    root = logging.getLogger("sparseety")
-    if root.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s %(name)s: %(message)s")
-    )
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False  # a root handler configured later would print every line twice
 
 
 def _version() -> str:

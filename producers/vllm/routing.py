@@ -18,7 +18,7 @@ Compiled models: a plain hook's Python runs once, at trace time. In eager mode
 (``enforce_eager=True``) the hook is plain Python; otherwise the hook calls a
 ``torch.library.custom_op`` that mutates a dummy buffer, which torch.compile keeps in the graph
 and runs every step. CUDA-graph replay runs no Python at all: with CUDA graphs on, capture is
-disabled (``routing_enabled`` in ``session.py``) and the log says so; use ``enforce_eager``.
+disabled (``routing_enabled`` in ``stamp.py``) and the log says so; use ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sparseety import events as ev
 from sparseety.config import Config, load_config
 
 from ..emitter import Emitter
-from .session import STEP_STAMP, routing_enabled
+from .stamp import STEP_STAMP, routing_enabled
 
 log = logging.getLogger("sparseety.producer.vllm")
 

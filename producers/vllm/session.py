@@ -38,15 +38,12 @@ from sparseety.config import Config
 
 from ..emitter import Emitter, new_epoch
 from ..privacy import PromptPolicy
-from . import facts
+from . import facts, routing
 from .reasoning import ReasoningSplit
 from .records import RecordBuilder
+from .stamp import STEP_STAMP, routing_enabled
 
 log = logging.getLogger("sparseety.producer.vllm")
-
-#: Attribute set on every SchedulerOutput: ``(engine_name, epoch, step)``. It is pickled to the
-#: worker processes with the output and joins worker-side captures (MoE routing) to the step.
-STEP_STAMP = "sparseety_step"
 
 
 def vllm_version() -> str:
@@ -56,30 +53,6 @@ def vllm_version() -> str:
         return str(vllm.__version__)
     except Exception:
         return ""
-
-
-def routing_enabled(cfg: Config, vllm_config: Any) -> bool:
-    """Whether MoE routing is captured for this engine (both processes decide the same way)."""
-    if not cfg.producer.routing_capture:
-        return False
-    model_config = vllm_config.model_config
-    try:
-        is_moe = bool(getattr(model_config, "is_moe", False)) or model_config.get_num_experts() > 0
-    except Exception:
-        is_moe = False
-    if not is_moe:
-        return False
-    if getattr(model_config, "enforce_eager", False):
-        return True
-    try:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            return True  # torch.compile without CUDA graphs: the custom-op hook runs per step
-    except Exception:
-        pass
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return mode is None or str(getattr(mode, "name", mode)).upper() == "NONE"
 
 
 def default_engine_name(cfg: Config, vllm_config: Any, served: str) -> str:
@@ -397,8 +370,6 @@ class EngineSession:
             self._flush_kv()
         if self._held:
             self._release_held(max(self._held))
-        from . import routing
-
         routing.flush_in_process(2.0)
         self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})
         t0 = time.monotonic()

@@ -27,7 +27,7 @@ from typing import Any
 from sparseety.errors import StoreError, StoreLockedError
 from sparseety.lifecycle import pid_alive
 
-from .client import Engine, Target
+from .engine import Engine, Target
 
 OWNER_FILE = "sparseety-owner.json"
 

@@ -182,3 +182,98 @@ def test_self_import_check_flags_an_absolute_import(tmp_path: Path) -> None:
     (folder / "a.py").write_text("from . import b\nfrom sparseety.sinks import x\n")
     (folder / "b.py").write_text("def f():\n    from sparseety.streams.a import y\n")
     assert _absolute_self_imports("sparseety.streams", folder) == ["streams/b.py:2: from sparseety.streams.a"]
+
+
+def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of ``graph``: its strongly connected components of more than one module
+    (an import of ``pkg.mod.Name`` is an edge to the longest module it names; TYPE_CHECKING and
+    function-level imports count, as everywhere in this file)."""
+    modules = set(graph)
+
+    def target(name: str) -> str | None:
+        parts = name.split(".")
+        return next(
+            (".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None
+        )
+
+    edges = {m: {t for n in names if (t := target(n)) is not None and t != m} for m, names in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):  # Tarjan's algorithm, iteratively (no recursion limit)
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+#: The one import loop left: the query library and its sub-queries import each other (Scope,
+#: QuerySpec and SQL helpers back from queries.py). Issue 34 gives the read side a package of its
+#: own with those names at the bottom; until then no other loop may appear.
+KNOWN_LOOP = sorted(
+    f"sparseety.sinks.clickhouse.{m}"
+    for m in (
+        "export",
+        "ids",
+        "listing",
+        "outliers",
+        "queries",
+        "regressions",
+        "routing",
+        "sessions",
+        "tokens",
+        "whatif",
+    )
+)
+
+
+def test_no_import_loop_but_the_known_one() -> None:
+    # routing <-> session (producers/vllm) and client <-> embedded (sinks/clickhouse) were loops:
+    # the shared names moved down (producers/vllm/stamp.py, sinks/clickhouse/engine.py)
+    assert _loops(_graph()) == [KNOWN_LOOP]
+
+
+def test_the_loop_finder_finds_a_loop(tmp_path: Path) -> None:
+    folders = {"sparseety.streams": tmp_path / "streams", "sparseety": tmp_path / "sparseety"}
+    files = {
+        "streams/a.py": "from . import b\n",
+        "streams/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import X\n",
+        "streams/c.py": "def f():\n    from .a import y\n",
+        "streams/d.py": "from . import a\n",  # into the loop, not part of it
+        "sparseety/e.py": "import sparseety.f\n",
+        "sparseety/f.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _loops(_graph(folders)) == [["sparseety.streams.a", "sparseety.streams.b", "sparseety.streams.c"]]

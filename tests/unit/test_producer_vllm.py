@@ -20,7 +20,8 @@ from sparseety.producers.vllm import kv, plugin
 from sparseety.producers.vllm.middleware import TenantHeaderMiddleware, with_tenant
 from sparseety.producers.vllm.reasoning import ReasoningSplit, think_spans
 from sparseety.producers.vllm.records import RecordBuilder, block_hash_bytes
-from sparseety.producers.vllm.session import STEP_STAMP, EngineSession
+from sparseety.producers.vllm.session import EngineSession
+from sparseety.producers.vllm.stamp import STEP_STAMP
 
 
 def _builder(**over: Any) -> RecordBuilder:
