@@ -310,21 +310,23 @@ def _check_table(name: str, access: Access, catalog: Catalog, allowed: frozenset
 
 
 def catalog(store: Store) -> Catalog:
-    """The store's tables and views, and the current database's tables."""
-    rows = store.query(
-        "SELECT database, name, engine = 'View' AS view, database = currentDatabase() AS current "
+    """The store's tables and views, and the current database's tables (one statement: an
+    aggregate without GROUP BY answers one row even when neither database has a table)."""
+    (row,) = store.query(
+        "SELECT currentDatabase() AS current, "
+        "groupArrayIf(name, database = {db:String} AND engine != 'View') AS tables, "
+        "groupArrayIf(name, database = {db:String} AND engine = 'View') AS views, "
+        "groupArrayIf(name, database = currentDatabase()) AS current_tables "
         "FROM system.tables WHERE (database = {db:String} OR database = currentDatabase()) "
         "AND NOT is_temporary",
         {"db": store.database},
     )
-    (cur,) = store.query("SELECT currentDatabase() AS d")
-    mine = [r for r in rows if r["database"] == store.database]
     return Catalog(
         database=store.database,
-        tables=tuple(sorted(str(r["name"]) for r in mine if not r["view"])),
-        views=tuple(sorted(str(r["name"]) for r in mine if r["view"])),
-        current=str(cur["d"]),
-        current_tables=frozenset(str(r["name"]) for r in rows if r["current"]),
+        tables=tuple(sorted(map(str, row["tables"]))),
+        views=tuple(sorted(map(str, row["views"]))),
+        current=str(row["current"]),
+        current_tables=frozenset(map(str, row["current_tables"])),
     )
 
 
