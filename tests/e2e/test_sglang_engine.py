@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,16 +84,36 @@ def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
 
 
 def _abort_one(server: SglangServer) -> dict[str, Any]:
-    """A long generation aborted while it decodes (SGLang's /abort_request)."""
+    """A long generation aborted while it decodes (SGLang's /abort_request).
+
+    The request streams, and the abort is sent once its first tokens arrived: a fixed sleep was
+    too long on a fast machine (all 400 tokens came before it, finish_reason ``length``)."""
     result: dict[str, Any] = {}
+    decoding = threading.Event()
+    body = {
+        "rid": "abort-1",
+        "input_ids": _ids(9, 30),
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {"tenant": "globex"},
+        },
+    }
 
     def run() -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            result.update(server.generate("abort-1", "globex", _ids(9, 30), 400))
+        url = f"{server.url}/generate"
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    result.update(json.loads(line[len("data: ") :]))
+                    decoding.set()
+        decoding.set()
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.5)
+    assert decoding.wait(120), "abort-1 never started decoding"
     httpx.post(f"{server.url}/abort_request", json={"rid": "abort-1"}, timeout=30).raise_for_status()
     t.join(120)
     return result
