@@ -1,4 +1,5 @@
-"""``sparseety proxy``: the OpenAI-compatible proxy producer."""
+"""``sparseety proxy`` (the OpenAI-compatible proxy producer) and ``sparseety relay`` (a sidecar
+relay, :mod:`.relay`)."""
 
 from __future__ import annotations
 
@@ -89,4 +90,31 @@ def proxy(
     uvicorn.run(create_app(producer), host=host, port=port, log_level="info")
 
 
-COMMANDS = [proxy]
+@click.command("relay")
+@click.option(
+    "--socket",
+    "socket_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Unix socket to serve; engines set producer.relay = unix:<this path>.",
+)
+@pass_ctx
+def relay(c: CliContext, socket_path: str) -> None:
+    """Encode and produce engines' events beside them (a sidecar relay).
+
+    Each engine stream that connects is relayed with this process's configuration (Kafka,
+    schema registry, spill dir). SIGTERM or SIGINT stops accepting, lets every stream
+    deliver or journal what it holds, and exits 0.
+    """
+    import signal
+    import threading
+
+    from .relay import serve_socket
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve_socket(Path(socket_path), c.cfg, stop)
+
+
+COMMANDS = [proxy, relay]

@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import time
 from typing import Any
 
@@ -51,9 +50,11 @@ from sparseety.config import Config
 from sparseety.errors import SparseetyError
 
 from .handoff import Builder, Handoff
+from .journal import journal_dir
 from .kafka_client import KafkaLink, ProducerFactory, WarnOnce, confluent_producer, producer_settings
 from .ledger import EmitterStats, Ledger
 from .reporting import counters
+from .shipper import Shipper, relay_factory
 from .supervisor import StreamIdentity, StreamSettings, Supervisor
 
 log = logging.getLogger(__name__)
@@ -69,20 +70,20 @@ def new_epoch() -> str:
     return f"{time.time_ns() // 1_000_000:x}-{os.urandom(3).hex()}"
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
-
-
 class Emitter:
     """Publishes one event stream (engine epoch + stream name) to the engine-events topic.
 
     Args:
         cfg: The configuration (kafka, topics, schema registry, producer sections).
-        engine_name: Stable engine name: the Kafka key. None: not known yet; the Kafka client
-            starts connecting anyway and :meth:`bind` names the stream before the first event.
+            ``producer.relay`` says where the events are encoded and produced: ``process`` (a
+            relay child process, the default), ``unix:<path>`` (a sidecar relay) or ``thread``
+            (a background thread of this process; see the module docstring).
+        engine_name: Stable engine name: the Kafka key. None: not known yet; :meth:`bind`
+            names the stream before the first event.
         epoch: This engine start's epoch (``engine_id = engine_name@epoch``).
         stream: ``core`` for the engine-core process, ``worker-<rank>`` for model runners.
-        producer_factory: Builds the Kafka client from librdkafka settings (tests pass fakes).
+        producer_factory: Builds the Kafka client from librdkafka settings (tests pass fakes;
+            implies ``thread``).
         stall_s: A client with unacknowledged messages and no progress for this long is
             recreated (doubling while Kafka stays away, up to 30 s).
     """
@@ -97,8 +98,6 @@ class Emitter:
         producer_factory: ProducerFactory | None = None,
         stall_s: float = 10.0,
     ) -> None:
-        from sparseety.kafka import make_encoder
-
         self.cfg = cfg
         self.engine_name = ""
         self.epoch = ""
@@ -107,33 +106,23 @@ class Emitter:
         self.topic = cfg.topics.engine_events
         pc = cfg.producer
         self.handoff = Handoff(pc.queue_max_events)
-        warn_once = WarnOnce(stream)
-        link = KafkaLink(
-            producer_settings(cfg, memory_limit_bytes=pc.memory_limit_bytes, stream=stream),
-            topic=self.topic,
-            factory=producer_factory or confluent_producer,
-            warn_once=warn_once,
-        )
-        ledger = Ledger(
-            link,
-            limit_bytes=pc.memory_limit_bytes,
-            journal_dir=cfg.spill_path / "_unbound" / _safe(stream),
-            journal_max_bytes=pc.spill_max_bytes,
-            stream=stream,
-            warn_once=warn_once,
-            bootstrap=cfg.kafka.bootstrap,
-        )
-        self._supervisor = Supervisor(
-            StreamSettings(stream=stream, producer=pc, stall_s=stall_s),
-            handoff=self.handoff,
-            ledger=ledger,
-            link=link,
-            new_encoder=functools.partial(make_encoder, cfg, "EngineEvent", self.topic),
-            warn_once=warn_once,
-        )
+        self.mode = "thread" if producer_factory is not None else pc.relay
+        self._supervisor: Supervisor | None = None
+        self._shipper: Shipper | None = None
+        if self.mode == "thread":
+            self._supervisor = _in_process(cfg, self.handoff, stream, producer_factory, stall_s)
+        else:
+            self._shipper = Shipper(
+                self.handoff,
+                stream=stream,
+                connect=relay_factory(self.mode, stream),
+                config=cfg.model_dump(),
+                heartbeat_s=pc.heartbeat_interval_s,
+                flush_timeout_s=pc.flush_timeout_s,
+            )
         if engine_name is not None and epoch is not None:
             self.bind(engine_name, epoch)
-        self._supervisor.thread.start()
+        (self._supervisor or self._shipper).thread.start()  # type: ignore[union-attr]
 
     def bind(self, engine_name: str, epoch: str) -> None:
         """Name the stream (once, before the first event)."""
@@ -142,14 +131,22 @@ class Emitter:
         self.engine_name = engine_name
         self.epoch = epoch
         self.engine_id = ev.engine_id(engine_name, epoch)
-        journal = self.cfg.spill_path / _safe(engine_name) / _safe(self.stream)
-        self._supervisor.bind(StreamIdentity(engine_name, self.engine_id), journal)
+        journal = journal_dir(self.cfg.spill_path, engine_name, self.stream)
+        if self._shipper is not None:
+            self._shipper.bind(engine_name, self.engine_id)
+            how = f"through a relay ({'a child process' if self.mode == 'process' else self.mode})"
+        else:
+            assert self._supervisor is not None
+            self._supervisor.bind(StreamIdentity(engine_name, self.engine_id), journal)
+            how = "from a thread of this process"
         # where events wait if Kafka is away: under the stack's data dir when SPARSEETY_DATA_DIR
-        # names it, so that `sparseety status` finds an engine that cannot deliver
+        # names it, so that `sparseety status` finds an engine that cannot deliver (a sidecar
+        # relay spills where its own configuration says)
         log.info(
-            "sparseety producer %s: Kafka %s; spill journal %s (producer.spill_dir, default "
-            "<data_dir>/spill: set SPARSEETY_DATA_DIR to the stack's data dir)",
+            "sparseety producer %s: events go %s to Kafka %s; spill journal %s (producer.spill_dir, "
+            "default <data_dir>/spill: set SPARSEETY_DATA_DIR to the stack's data dir)",
             self.engine_id,
+            how,
             self.cfg.kafka.bootstrap,
             journal,
         )
@@ -157,11 +154,19 @@ class Emitter:
 
     @property
     def bound(self) -> bool:
+        if self._shipper is not None:
+            return self._shipper.bound.is_set()
+        assert self._supervisor is not None
         return self._supervisor.bound.is_set()
 
     @property
     def stats(self) -> EmitterStats:
-        """Totals kept by the background thread (drops at the hand-off are in :meth:`counters`)."""
+        """Delivery totals (in relay mode: the relay's last report, and the engine side's losses
+        at the hand-off and to dead relays; in thread mode drops at the hand-off are only in
+        :meth:`counters`)."""
+        if self._shipper is not None:
+            return self._shipper.stats
+        assert self._supervisor is not None
         return self._supervisor.ledger.stats
 
     # --- hot path ----------------------------------------------------------------------------
@@ -193,7 +198,11 @@ class Emitter:
 
     def idle(self) -> bool:
         """Whether everything emitted so far was acknowledged by Kafka."""
-        return not self.handoff and not self._supervisor.handling and self._supervisor.ledger.idle
+        if self._shipper is not None:
+            return self._shipper.idle
+        sup = self._supervisor
+        assert sup is not None
+        return not self.handoff and not sup.handling and sup.ledger.idle
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until :meth:`idle` (for tests and request-level producers); True if reached."""
@@ -213,14 +222,52 @@ class Emitter:
                 progress for 2 s.
         """
         self.handoff.close()
-        self._supervisor.stop(timeout)
+        (self._shipper or self._supervisor).stop(timeout)  # type: ignore[union-attr]
         return self.stats
 
     # --- reporting ---------------------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
         """produced / dropped / spilled / drained / queued / restarts totals."""
+        if self._shipper is not None:
+            s = self._shipper.stats  # the engine side's drops are in it already
+            return dict(counters(s, Handoff(1)), queued=self.handoff.queued)
         return counters(self.stats, self.handoff)
+
+
+def _in_process(
+    cfg: Config, handoff: Handoff, stream: str, producer_factory: ProducerFactory | None, stall_s: float
+) -> Supervisor:
+    """The ``thread`` mode's parts: link, ledger and the supervisor thread in this process."""
+    from sparseety.kafka import make_encoder
+
+    pc = cfg.producer
+    topic = cfg.topics.engine_events
+    warn_once = WarnOnce(stream)
+    link = KafkaLink(
+        producer_settings(cfg, memory_limit_bytes=pc.memory_limit_bytes, stream=stream),
+        topic=topic,
+        factory=producer_factory or confluent_producer,
+        warn_once=warn_once,
+    )
+    ledger = Ledger(
+        link,
+        limit_bytes=pc.memory_limit_bytes,
+        journal_dir=journal_dir(cfg.spill_path, "_unbound", stream),
+        journal_max_bytes=pc.spill_max_bytes,
+        stream=stream,
+        warn_once=warn_once,
+        bootstrap=cfg.kafka.bootstrap,
+    )
+    return Supervisor(
+        StreamSettings(stream=stream, producer=pc, stall_s=stall_s),
+        handoff=handoff,
+        ledger=ledger,
+        link=link,
+        new_encoder=functools.partial(make_encoder, cfg, "EngineEvent", topic),
+        warn_once=warn_once,
+        heartbeats=handoff,
+    )
 
 
 __all__ = ["Emitter", "EmitterStats", "SparseetyError", "new_epoch", "record"]

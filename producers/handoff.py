@@ -8,11 +8,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 Builder = Callable[..., Any]
 #: (first seq, 0 or the emit_many count, wall ns, monotonic ns, builder, builder args)
 Item = tuple[int, int, int, int, Builder, tuple[Any, ...]]
+
+
+class Source(Protocol):
+    """Where a :class:`~.supervisor.Supervisor` takes its items: the engine's :class:`Handoff`
+    in-process, or the relay's inbox (:mod:`.relay`)."""
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def dropped_by(self) -> dict[str, int]: ...
+
+    def __bool__(self) -> bool: ...
+
+    def take(self, limit: int) -> list[Item]: ...
 
 
 class Handoff:
@@ -29,6 +44,8 @@ class Handoff:
         self._queue_full = 0
         self._open = False
         self._closed = False
+        #: set when an item lands in an empty queue: a consumer waits on it instead of polling
+        self.ready = threading.Event()
 
     def open(self) -> None:
         """Start accepting events (the stream has its name now)."""
@@ -38,6 +55,7 @@ class Handoff:
         """Refuse every event from now on (their seqs are still taken and counted)."""
         with self._lock:
             self._closed = True
+        self.ready.set()  # a consumer waiting on it sees the end
 
     @property
     def queued(self) -> int:
@@ -48,6 +66,10 @@ class Handoff:
     def dropped(self) -> int:
         """Events refused: queue full, not open yet, or closed."""
         return self._queue_full
+
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        return {"queue_full": self._queue_full} if self._queue_full else {}
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -65,6 +87,8 @@ class Handoff:
                 return
             self._queued += 1
             self._items.append((seq, 0, time.time_ns(), time.monotonic_ns(), build, args))
+            if not self.ready.is_set():
+                self.ready.set()
 
     def emit_many(self, count: int, build: Builder, *args: Any) -> None:
         """Hand ``count`` events of one moment over at once: ``build(*args)`` returns their
@@ -79,6 +103,13 @@ class Handoff:
                 return
             self._queued += count
             self._items.append((seq, count, time.time_ns(), time.monotonic_ns(), build, args))
+            if not self.ready.is_set():
+                self.ready.set()
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next event will take."""
+        return self._seq
 
     def take(self, limit: int) -> list[Item]:
         """Up to ``limit`` hand-offs, oldest first (background thread only)."""
@@ -87,8 +118,10 @@ class Handoff:
         with contextlib.suppress(IndexError):
             for _ in range(limit):
                 taken.append(items.popleft())
-        if taken:
-            events = sum(item[1] or 1 for item in taken)
-            with self._lock:
-                self._queued -= events
+        events = sum(item[1] or 1 for item in taken)
+        with self._lock:
+            self._queued -= events
+            # under the lock, as appends set it: cleared only when nothing is left to take
+            if not items:
+                self.ready.clear()
         return taken

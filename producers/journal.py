@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterable
@@ -43,6 +44,16 @@ class JournalError(SparseetyError):
 
 class JournalFullError(SparseetyError):
     """Appending would exceed the journal's byte bound."""
+
+
+def journal_dir(spill: Path, engine_name: str, stream: str) -> Path:
+    """One stream's journal folder under the spill dir: ``<engine name>/<stream>``, each made
+    safe as a file name."""
+    return spill / _safe(engine_name) / _safe(stream)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
 def _seg_name(index: int) -> str:

@@ -7,18 +7,18 @@ from __future__ import annotations
 import logging
 
 from . import metrics
-from .handoff import Handoff
+from .handoff import Source
 from .ledger import EmitterStats, Ledger
 
 log = logging.getLogger("sparseety.producer")
 
 
-def counters(stats: EmitterStats, handoff: Handoff) -> dict[str, int]:
+def counters(stats: EmitterStats, handoff: Source) -> dict[str, int]:
     """produced / dropped / spilled / drained / queued / restarts totals (drops at the hand-off
     included)."""
     return {
         "produced": stats.produced,
-        "dropped": stats.dropped + handoff.dropped,
+        "dropped": stats.dropped + sum(handoff.dropped_by.values()),
         "spilled": stats.spilled,
         "drained": stats.drained,
         "queued": handoff.queued,
@@ -27,30 +27,35 @@ def counters(stats: EmitterStats, handoff: Handoff) -> dict[str, int]:
 
 
 class Reporter:
-    """Exports one stream's counters; remembers what it exported so far."""
+    """Exports one stream's counters; remembers what it exported so far.
 
-    def __init__(self, handoff: Handoff, ledger: Ledger, stream: str) -> None:
+    ``exported``: what an earlier process already exported for this stream (a restarted relay
+    starts from its predecessor's totals, which a multiprocess registry already holds)."""
+
+    def __init__(
+        self, handoff: Source, ledger: Ledger, stream: str, exported: dict[str, int] | None = None
+    ) -> None:
         self.handoff = handoff
         self.ledger = ledger
         self.stream = stream
-        self._exported: dict[str, int] = {}
+        self._exported: dict[str, int] = dict(exported or {})
 
     def sync_metrics(self, engine_name: str) -> None:
         """Export what changed since the last call (``engine_name``: "" until the stream is named)."""
         handoff, stats = self.handoff, self.ledger.stats
         labels = (engine_name, self.stream)
-        queue_full = handoff.dropped
+        at_handoff = handoff.dropped_by
         now = {
             "produced": stats.produced,
             "spilled": stats.spilled,
             "drained": stats.drained,
-            "dropped": stats.dropped + queue_full,
+            "dropped": stats.dropped + sum(at_handoff.values()),
         }
         for outcome, value in now.items():
             delta = value - self._exported.get(outcome, 0)
             if delta > 0:
                 metrics.EVENTS.labels(*labels, outcome).inc(delta)
-        for reason, value in dict(stats.dropped_by, queue_full=queue_full).items():
+        for reason, value in dict(stats.dropped_by, **at_handoff).items():
             delta = value - self._exported.get("r:" + reason, 0)
             if delta > 0:
                 metrics.DROPPED.labels(*labels, reason).inc(delta)
@@ -76,7 +81,7 @@ class Reporter:
             totals["drained"],
             totals["restarts"],
             self.ledger.journal_bytes,
-            f" (dropped by reason: {dict(self.ledger.stats.dropped_by, queue_full=self.handoff.dropped)})"
+            f" (dropped by reason: {dict(self.ledger.stats.dropped_by, **self.handoff.dropped_by)})"
             if totals["dropped"]
             else "",
         )

@@ -19,7 +19,7 @@ from sparseety.lifecycle import name_os_thread
 from sparseety.serde import Encoder
 
 from .delivery import DeliveryWatch
-from .handoff import Handoff, Item
+from .handoff import Handoff, Item, Source
 from .kafka_client import KafkaLink, WarnOnce
 from .ledger import Ledger
 from .reporting import Reporter, counters
@@ -56,25 +56,31 @@ class Supervisor:
 
     Args:
         settings: The stream's settings.
-        handoff: Where the engine thread's items wait.
+        handoff: Where the items wait: the engine's hand-off, or a relay's inbox.
         ledger: Admits, spills and drains encoded events; produces through ``link``.
         link: The stream's Kafka client (made and recreated here; the ledger produces on it).
         new_encoder: Makes the Avro encoder (retried every 5 s while the registry is away).
         warn_once: Logs each kind of problem once (shared with the ledger and the link).
+        heartbeats: Where this thread hands its heartbeats (they take a seq); None in a relay,
+            whose heartbeats the engine side numbers and the relay fills in.
+        exported: Metric totals an earlier relay of the stream exported (:class:`Reporter`).
     """
 
     def __init__(
         self,
         settings: StreamSettings,
         *,
-        handoff: Handoff,
+        handoff: Source,
         ledger: Ledger,
         link: KafkaLink,
         new_encoder: Callable[[], Encoder],
         warn_once: WarnOnce,
+        heartbeats: Handoff | None = None,
+        exported: dict[str, int] | None = None,
     ) -> None:
         self.settings = settings
         self.handoff = handoff
+        self._heartbeats = heartbeats
         self.ledger = ledger
         self.link = link
         self.identity = StreamIdentity("", "")
@@ -91,7 +97,7 @@ class Supervisor:
         self._produced_seen = 0  # ledger.stats.produced at the last check: progress when it grows
         self._next_hb = time.monotonic() + self._hb_interval
         self._next_metrics = 0.0
-        self._report = Reporter(handoff, ledger, settings.stream)
+        self._report = Reporter(handoff, ledger, settings.stream, exported)
         self._watch = DeliveryWatch(settings.stream, str(link.settings.get("bootstrap.servers", "")))
         self._acked = False  # acknowledged since the last delivery check
         self.bound = threading.Event()
@@ -236,9 +242,9 @@ class Supervisor:
             self._restart_link()
         ledger.pump()
         ledger.flush_journal()
-        if now >= self._next_hb and not self.stopping.is_set():
+        if self._heartbeats is not None and now >= self._next_hb and not self.stopping.is_set():
             self._next_hb = now + self._hb_interval
-            self.handoff.emit(self._build_heartbeat)
+            self._heartbeats.emit(self.build_heartbeat)
         if now >= self._next_metrics:
             self._next_metrics = now + 1.0
             self._report.sync_metrics(self.identity.engine_name)
@@ -290,7 +296,8 @@ class Supervisor:
         ledger.spill_backlog()
         self.link.flush(0)
 
-    def _build_heartbeat(self) -> tuple[str, dict[str, Any]]:
+    def build_heartbeat(self) -> tuple[str, dict[str, Any]]:
+        """A Heartbeat of this thread's totals (built when its turn comes)."""
         totals = counters(self.ledger.stats, self.handoff)
         names = ("queued", "produced", "dropped", "spilled", "drained")
         return ev.HEARTBEAT, {name: totals[name] for name in names}

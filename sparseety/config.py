@@ -174,6 +174,10 @@ class ProducerConfig(_Section):
     linger_ms: int = Field(20, ge=0)
     compression: Literal["zstd", "lz4", "gzip", "snappy", "none"] = "zstd"
     routing_capture: bool = False
+    # Where events are encoded and produced: "process" (a relay child of the engine process),
+    # "unix:<socket path>" (a `sparseety relay --socket` sidecar) or "thread" (in the engine
+    # process; its Python competes with the engine's for the GIL).
+    relay: str = Field("process", pattern=r"^(process|thread|unix:.+)$")
 
 
 class ProxyConfig(_Section):
