@@ -1,14 +1,28 @@
-"""The engine-side publisher every producer shares: a cheap hand-off on the hot path, and a
-background thread that builds, encodes and produces the events.
+"""The engine-side publisher every producer shares: a cheap hand-off on the hot path, and the
+parts that build, encode and produce the events.
 
 This module's docstring is the design; the parts' docstrings point here. :class:`Emitter` is
 the composition root: it makes the parts, hands each what it needs and nothing more, and is
-the only one the engine-side producers (vLLM, SGLang, the proxy) talk to::
+the only one the engine-side producers (vLLM, SGLang, the proxy) talk to. By default
+(``producer.relay = "process"``) the encoding and producing run in a relay process, so that
+their Python never competes with the engine's for the GIL::
 
-    engine thread --emit()--> Handoff --take()--> Supervisor --route()--> Ledger --produce()--> KafkaLink
-                                                      |                     |
-                                                      +-- Reporter          +-- Journal (disk)
+    engine process:   engine thread --emit()--> Handoff --take()--> Shipper (builds payloads)
+                                                                       | wire frames (pipe / socket)
+    relay process:    Inbox --take()--> Supervisor --route()--> Ledger --produce()--> KafkaLink
+                                           |                      |
+                                           +-- Reporter           +-- Journal (disk)
 
+``producer.relay = "unix:<path>"`` sends the frames to a sidecar (``sparseety relay``) instead
+of a child; ``"thread"`` runs the Supervisor on the engine's hand-off in this process (the
+design before the relay; tests with a fake Kafka client use it).
+
+* :mod:`.shipper` (engine side, its own thread, sleeping on the hand-off's ``ready`` event):
+  ``builder(*args)`` turns the references into payloads, and a columnar :class:`~.wire.Batch`
+  of them goes to the relay. A dead relay is restarted (:mod:`.shipper` says what is lost).
+* :mod:`.relay` (the relay): its :class:`~.relay.Inbox` feeds the same Supervisor that the
+  thread mode runs; a full inbox stops the reading, which fills the pipe and then the engine's
+  bounded hand-off, which refuses and counts. The engine never waits.
 * :mod:`.handoff` (hot path, :meth:`Emitter.emit`): take the next ``seq``, read the wall and
   monotonic clocks, and append one :data:`~.handoff.Item` ``(first seq, count, ts_ns, mono_ns,
   builder, args)`` to a bounded deque (``count`` is 0 for ``emit``, or how many seqs one
@@ -16,13 +30,15 @@ the only one the engine-side producers (vLLM, SGLang, the proxy) talk to::
   orders seq assignment with the append), nothing raises. When the deque is full, or the
   hand-off is not open yet or closed again, the event is dropped: its seq is skipped, a gap the
   assembler detects, and it is counted.
-* :mod:`.supervisor` (the background thread; gets the hand-off, the ledger, the link, a frozen
-  :class:`~.supervisor.StreamSettings` and, once the engine is named, a
-  :class:`~.supervisor.StreamIdentity`): ``builder(*args)`` turns the references into a
-  payload, the envelope and the Avro encoding follow, and the encoded value goes to the ledger.
+* :mod:`.supervisor` (the background thread; gets its source of items, the ledger, the link, a
+  frozen :class:`~.supervisor.StreamSettings` and, once the engine is named, a
+  :class:`~.supervisor.StreamIdentity`): ``builder(*args)`` makes the payload (in the relay the
+  payload came built), the envelope and the Avro encoding follow, and the encoded value goes to
+  the ledger.
   It polls the link, recreates a link that makes no progress for a while (a broker that lost
-  its producer state, a fatal idempotence error), emits heartbeats and exports metrics
-  (:mod:`.reporting`).
+  its producer state, a fatal idempotence error), exports metrics (:mod:`.reporting`) and, in
+  thread mode, emits heartbeats (with a relay the shipper numbers them and the relay fills in
+  their counters).
 * :mod:`.ledger` (what is owed to Kafka): librdkafka keeps messages (never timing out) while
   their bytes stay under ``producer.memory_limit_bytes``; beyond that, events are appended to a
   disk journal (:mod:`.journal`, ``producer.spill_dir``/engine/stream, bounded by

@@ -40,6 +40,9 @@ log = logging.getLogger("sparseety.producer")
 #: is exposed on every build): a 1 MiB pipe holds a few hundred batch-256 steps.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
+#: How long the thread lets hand-offs gather after it wakes (bench_engine_sim.py: per-step
+#: wake-ups and frames cost the engine thread more than the frames' contents at small batches).
+LINGER_S = 0.005
 
 
 def heartbeat_marker() -> tuple[str, None]:
@@ -258,6 +261,10 @@ class Shipper:
             while True:
                 if not handoff:
                     handoff.ready.wait(max(0.0, next_hb - time.monotonic()))
+                    # let a few steps gather: one frame, one wake-up and one write for all
+                    # of them instead of one per step (the sleep holds no GIL)
+                    if LINGER_S and not self.stopping.is_set():
+                        time.sleep(LINGER_S)
                 now = time.monotonic()
                 if now >= next_hb and not self.stopping.is_set():
                     next_hb = now + self._hb_s

@@ -29,6 +29,7 @@ with the accepted drafts.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -91,6 +92,10 @@ class SimSettings:
     observer: Observer | None = None
     #: Seconds a step takes on the "GPU" (0: none; the benchmarks' step time).
     step_time_s: float = 0.0
+    #: A modelled GPU stream (0: none): under async scheduling a step's result is ready this
+    #: long after the stream is free to run it, and waiting for it releases the GIL, as
+    #: vLLM's wait on a real GPU does (``bench_engine_sim.py``'s wall-clock points).
+    gpu_stream_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,6 +122,7 @@ class SimExecutor(Executor):
         self.step = 0
         self._last: Any = None
         self._last_samplers: list[str] = []
+        self._stream_free = 0.0  # when the modelled GPU stream finishes its queued steps
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -233,8 +239,6 @@ class SimExecutor(Executor):
         if self.sim.observer is not None:
             self.sim.observer.on_sample(so, accepted, sampled)
         if self.sim.step_time_s:
-            import time
-
             time.sleep(self.sim.step_time_s)
         mro = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled_ids
@@ -243,6 +247,10 @@ class SimExecutor(Executor):
             from vllm.v1.outputs import KVConnectorOutput
 
             mro.kv_connector_output = KVConnectorOutput()
+        if self.sim.gpu_stream_s and non_block:
+            ready = max(time.monotonic(), self._stream_free) + self.sim.gpu_stream_s
+            self._stream_free = ready
+            return _StreamFuture(mro, ready)
         return _done(mro, non_block)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -262,6 +270,24 @@ class SimExecutor(Executor):
             rids.append(rid)
             drafts.append([token_at(rid, base + j) for j in range(k)])
         return DraftTokenIds(req_ids=rids, draft_token_ids=drafts)
+
+
+class _StreamFuture(Future[Any]):
+    """A step's result on the modelled GPU stream: ready at ``ready_at`` (monotonic s)."""
+
+    def __init__(self, value: Any, ready_at: float) -> None:
+        super().__init__()
+        self._value = value
+        self._ready_at = ready_at
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._ready_at
+
+    def result(self, timeout: float | None = None) -> Any:
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # releases the GIL, as a wait on the GPU does
+        return self._value
 
 
 def _done(value: Any, non_block: bool) -> Any:

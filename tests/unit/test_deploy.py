@@ -702,14 +702,32 @@ def test_k8s_workers_clickhouse_registry_and_api_agree_with_the_configuration(
 
 def test_k8s_vllm_enables_the_plugin(k8s: list[dict[str, Any]]) -> None:
     doc = named(k8s, "Deployment", "vllm")
-    (c,) = pod_spec(doc)["containers"]
-    assert c["image"] == "vllm-sparseety" and c["command"] == ["vllm", "serve"]
-    env, _ = container_env(c)
+    engine, relay = pod_spec(doc)["containers"]
+    assert engine["image"] == "vllm-sparseety" and engine["command"] == ["vllm", "serve"]
+    env, _ = container_env(engine)
     known_variables(env)
     cfg = k8s_config(k8s, env)
-    check_vllm(c["args"], env, cfg)
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert {env["PROMETHEUS_MULTIPROC_DIR"], str(cfg.spill_path)} <= mounts
+    check_vllm(engine["args"], env, cfg)
+    # the engine hands its events to the relay sidecar's socket, on a volume both mount
+    assert cfg.producer.relay.startswith("unix:")
+    socket_dir = str(Path(cfg.producer.relay.removeprefix("unix:")).parent)
+    engine_mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    relay_mounts = {m["mountPath"]: m["name"] for m in relay["volumeMounts"]}
+    assert engine_mounts[socket_dir] == relay_mounts[socket_dir]
+    assert "KAFKA_PASSWORD" not in env  # the engine never talks to Kafka; the relay does
+    ctx = resolve_command(relay["args"])
+    assert ctx.info_name == "relay" and ctx.params["socket_path"] == cfg.producer.relay.removeprefix("unix:")
+    relay_env, _ = container_env(relay)
+    relay_cfg = k8s_config(k8s, relay_env)
+    assert relay_cfg.producer.relay == "process"  # its own setting is irrelevant; it spills here:
+    assert (
+        str(relay_cfg.spill_path).startswith(str(relay_cfg.data_dir))
+        and str(relay_cfg.data_dir) in relay_mounts
+    )
+    # both processes' producer metrics reach vLLM's /metrics through one multiprocess dir
+    assert (
+        engine_mounts[env["PROMETHEUS_MULTIPROC_DIR"]] == relay_mounts[relay_env["PROMETHEUS_MULTIPROC_DIR"]]
+    )
     images = {i["name"] for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]}
     assert {"sparseety", "vllm-sparseety"} <= images
 
