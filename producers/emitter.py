@@ -59,6 +59,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sparseety import events as ev
@@ -125,8 +126,11 @@ class Emitter:
         self.mode = "thread" if producer_factory is not None else pc.relay
         self._supervisor: Supervisor | None = None
         self._shipper: Shipper | None = None
+        self._announcement: tuple[str, dict[str, Any]] | None = None
         if self.mode == "thread":
-            self._supervisor = _in_process(cfg, self.handoff, stream, producer_factory, stall_s)
+            self._supervisor = _in_process(
+                cfg, self.handoff, stream, producer_factory, stall_s, self._announce_again
+            )
         else:
             self._shipper = Shipper(
                 self.handoff,
@@ -134,6 +138,7 @@ class Emitter:
                 connect=relay_factory(self.mode, stream),
                 config=cfg.model_dump(),
                 heartbeat_s=pc.heartbeat_interval_s,
+                announce_s=pc.announce_interval_s,
                 flush_timeout_s=pc.flush_timeout_s,
             )
         if engine_name is not None and epoch is not None:
@@ -205,6 +210,20 @@ class Emitter:
         """Hand one ready payload record to the background thread."""
         self.emit(record, payload_type, payload)
 
+    def announce(self, payload_type: str, payload: dict[str, Any]) -> None:
+        """Hand the stream's announcement (EngineStarted) over now, and again every
+        ``producer.announce_interval_s``, after Kafka recovers from an outage and after a relay
+        restart: a fresh worker, or a broker that lost its log, gets the configuration back
+        (the fold keeps the first it saw; docs/streams.md)."""
+        self._announcement = (payload_type, payload)
+        if self._shipper is not None:
+            self._shipper.announcement = self._announcement
+        self.emit(record, payload_type, payload)
+
+    def _announce_again(self) -> None:
+        if self._announcement is not None:
+            self.emit(record, *self._announcement)
+
     # --- lifecycle ---------------------------------------------------------------------------
 
     @property
@@ -252,7 +271,12 @@ class Emitter:
 
 
 def _in_process(
-    cfg: Config, handoff: Handoff, stream: str, producer_factory: ProducerFactory | None, stall_s: float
+    cfg: Config,
+    handoff: Handoff,
+    stream: str,
+    producer_factory: ProducerFactory | None,
+    stall_s: float,
+    announce: Callable[[], None],
 ) -> Supervisor:
     """The ``thread`` mode's parts: link, ledger and the supervisor thread in this process."""
     from sparseety.kafka import make_encoder
@@ -283,6 +307,7 @@ def _in_process(
         new_encoder=functools.partial(make_encoder, cfg, "EngineEvent", topic),
         warn_once=warn_once,
         heartbeats=handoff,
+        announce=announce,
     )
 
 

@@ -211,6 +211,7 @@ class StreamRelay:
             memory_bytes=ledger.memory_bytes,
             journal_bytes=ledger.journal_bytes,
             final=final,
+            recoveries=sup.recoveries,
         )
 
     def close(self) -> None:

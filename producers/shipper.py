@@ -50,6 +50,10 @@ def heartbeat_marker() -> tuple[str, None]:
     return ev.HEARTBEAT, None
 
 
+def _announced(payload_type: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return payload_type, payload
+
+
 OnReport = Callable[[wire.Report], None]
 
 
@@ -169,6 +173,8 @@ class Shipper:
         connect: Opens a relay connection that calls back with its reports.
         config: The engine's configuration as a dict (a child relay uses it).
         heartbeat_s: Heartbeat interval.
+        announce_s: How often :attr:`announcement` is handed over again (also after a relay
+            restart, and when the relay reports that Kafka recovered).
         flush_timeout_s: How long the relay may take to deliver or journal at shutdown.
     """
 
@@ -180,6 +186,7 @@ class Shipper:
         connect: Callable[[OnReport], Relay],
         config: dict[str, Any],
         heartbeat_s: float,
+        announce_s: float,
         flush_timeout_s: float,
     ) -> None:
         self.handoff = handoff
@@ -187,6 +194,10 @@ class Shipper:
         self._connect_fn = connect
         self._config = config
         self._hb_s = heartbeat_s
+        self._announce_s = announce_s
+        self.announcement: tuple[str, dict[str, Any]] | None = None
+        self._announce_now = False
+        self._recoveries_seen = 0
         self.flush_timeout = flush_timeout_s
         self._warn_once = WarnOnce(stream)
         self.engine_name = ""
@@ -222,6 +233,10 @@ class Shipper:
     def _on_report(self, report: wire.Report) -> None:
         self.report = report
         self._totals = report.totals
+        if report.recoveries > self._recoveries_seen:  # Kafka is back: it may have lost the log
+            self._recoveries_seen = report.recoveries
+            self._announce_now = True
+            self.handoff.ready.set()
 
     @property
     def dropped_by(self) -> dict[str, int]:
@@ -258,9 +273,10 @@ class Shipper:
                 if self.stopping.is_set():
                     return
             next_hb = time.monotonic() + self._hb_s
+            next_announce = time.monotonic() + self._announce_s
             while True:
                 if not handoff:
-                    handoff.ready.wait(max(0.0, next_hb - time.monotonic()))
+                    handoff.ready.wait(max(0.0, min(next_hb, next_announce) - time.monotonic()))
                     # let a few steps gather: one frame, one wake-up and one write for all
                     # of them instead of one per step (the sleep holds no GIL)
                     if LINGER_S and not self.stopping.is_set():
@@ -269,6 +285,11 @@ class Shipper:
                 if now >= next_hb and not self.stopping.is_set():
                     next_hb = now + self._hb_s
                     handoff.emit(heartbeat_marker)
+                if (self._announce_now or now >= next_announce) and not self.stopping.is_set():
+                    self._announce_now = False
+                    next_announce = now + self._announce_s
+                    if self.announcement is not None:
+                        handoff.emit(_announced, *self.announcement)
                 relay = self._relay if self._relay is not None and self._relay.alive else None
                 if relay is None:
                     relay = self._reconnect()
@@ -321,6 +342,8 @@ class Shipper:
         self.relays_started += 1
         self._started_at = now
         self._relay = relay
+        if self.relays_started > 1:  # the dead relay may have held the announcement undelivered
+            self._announce_now = True
         return relay
 
     def _ship(self, relay: Relay, items: list[Item]) -> None:

@@ -64,6 +64,10 @@ class Supervisor:
         heartbeats: Where this thread hands its heartbeats (they take a seq); None in a relay,
             whose heartbeats the engine side numbers and the relay fills in.
         exported: Metric totals an earlier relay of the stream exported (:class:`Reporter`).
+        announce: Hands the stream's announcement (EngineStarted) over again: called every
+            ``producer.announce_interval_s`` and when Kafka takes events again after the link
+            was down or stalled (:attr:`recoveries` counts those moments). None in a relay,
+            whose engine side announces.
     """
 
     def __init__(
@@ -77,10 +81,15 @@ class Supervisor:
         warn_once: WarnOnce,
         heartbeats: Handoff | None = None,
         exported: dict[str, int] | None = None,
+        announce: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.handoff = handoff
         self._heartbeats = heartbeats
+        self._announce = announce
+        self._next_announce = time.monotonic() + settings.producer.announce_interval_s
+        self.recoveries = 0
+        self._troubled = False  # the link was down or recreated since the last acknowledgement
         self.ledger = ledger
         self.link = link
         self.identity = StreamIdentity("", "")
@@ -237,11 +246,19 @@ class Supervisor:
             self._last_progress = now
             self._stall_s = self.settings.stall_s
             self._acked = True
+            if self._troubled or link.brokers_down:
+                # Kafka is back: a broker that lost its log lost the epoch's EngineStarted too
+                self._troubled = False
+                self.recoveries += 1
+                self._next_announce = now  # below
             link.brokers_down = False
         if link.fatal or (ledger.inflight and now - max(self._last_progress, link.born) > self._stall_s):
             self._restart_link()
         ledger.pump()
         ledger.flush_journal()
+        if self._announce is not None and now >= self._next_announce and not self.stopping.is_set():
+            self._next_announce = now + self.settings.producer.announce_interval_s
+            self._announce()
         if self._heartbeats is not None and now >= self._next_hb and not self.stopping.is_set():
             self._next_hb = now + self._hb_interval
             self._heartbeats.emit(self.build_heartbeat)
@@ -263,6 +280,7 @@ class Supervisor:
         link, ledger = self.link, self.ledger
         why = "fatal error" if link.fatal else f"no delivery progress for {self._stall_s:.0f} s"
         ledger.stats.restarts += 1
+        self._troubled = True
         self._stall_s = min(self._stall_s * 2, 30.0)
         (log.warning if ledger.stats.restarts <= 3 else log.debug)(
             "sparseety producer %s: recreating the Kafka client (%s, %d messages unacknowledged)",

@@ -98,6 +98,8 @@ class Report:
         totals: Delivery totals since the epoch started.
         memory_bytes / journal_bytes: What the relay holds for Kafka, in memory and on disk.
         final: The relay is ending (its last report).
+        recoveries: Times Kafka took events again after the link was down or stalled (the
+            engine side then announces its configuration again).
     """
 
     next_seq: int
@@ -106,6 +108,7 @@ class Report:
     memory_bytes: int = 0
     journal_bytes: int = 0
     final: bool = False
+    recoveries: int = 0
 
 
 Frame = Hello | Batch | Report

@@ -170,6 +170,9 @@ class ProducerConfig(_Section):
     spill_dir: str = ""  # empty: <data_dir>/spill
     spill_max_bytes: int = Field(4 * 1024**3, ge=1024 * 1024)
     heartbeat_interval_s: float = Field(5.0, gt=0)
+    # EngineStarted is sent again this often, and whenever Kafka takes events again after an
+    # outage, so that a fresh worker or a broker that lost its log gets the configuration back.
+    announce_interval_s: float = Field(60.0, gt=0)
     flush_timeout_s: float = Field(15.0, ge=0)
     linger_ms: int = Field(20, ge=0)
     compression: Literal["zstd", "lz4", "gzip", "snappy", "none"] = "zstd"

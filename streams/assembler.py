@@ -187,6 +187,8 @@ class Assembler:
     # --- engine lifecycle ------------------------------------------------------------------
 
     def _on_engine_started(self, epoch: EpochState, body: dict[str, Any], ts: int) -> list[Output]:
+        if epoch.config is not None:
+            return []  # announced again by the producer (same epoch, same configuration)
         epoch.config = body
         # An engine whose prefix-cache inserts and evictions the producer cannot see (SGLang's
         # Rust radix-tree core): the epoch has no KV history from its start (streams/caveats.py).

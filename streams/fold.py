@@ -107,6 +107,13 @@ class PositionFold:
         r.choice_index = body.get("choice_index", 0)
         r.model = base_model(body, epoch.config)
         r.lora_name = body["lora_name"]
+        if epoch.config is None:
+            # The epoch's EngineStarted never reached this fold (a fresh worker met the engine
+            # mid-stream, or the broker lost it): what needs the engine's configuration (windows,
+            # KV bytes, FLOPs) is unknown for this request, so it says so. The producer announces
+            # the configuration again (periodically, and after Kafka recovers); requests admitted
+            # after that are whole again.
+            r.seq_gap = True
         r.arrival_ts = body["arrival_ts_ns"]
         r.last_ts = ts
         prompt = r.prompt_len = body["prompt_len"]

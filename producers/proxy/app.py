@@ -143,7 +143,7 @@ class ProxyProducer:
         )
         self.emitter = Emitter(self.cfg, engine_name=self.engine_name, epoch=new_epoch())
         served = await self._served_model()
-        self.emitter.emit_record(
+        self.emitter.announce(
             ev.ENGINE_STARTED,
             ev.with_defaults(  # an HTTP proxy knows no engine shape: the schema's defaults stand
                 ev.ENGINE_STARTED,

@@ -174,7 +174,7 @@ class SglangSession:
             block_size=block_size,
         )
         session = cls(cfg, emitter, builder)
-        emitter.emit_record(ev.ENGINE_STARTED, started)
+        emitter.announce(ev.ENGINE_STARTED, started)
         ref = weakref.ref(session)
 
         def at_exit() -> None:

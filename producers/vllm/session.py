@@ -139,7 +139,7 @@ class EngineSession:
             reasoning=reasoning,
         )
         session = cls(cfg, scheduler, emitter, builder)
-        emitter.emit_record(ev.ENGINE_STARTED, started)
+        emitter.announce(ev.ENGINE_STARTED, started)
         ref = weakref.ref(session)
 
         def at_exit() -> None:

@@ -22,6 +22,7 @@ from sparseety.config import Config, to_env
 from sparseety.kafka import ensure_topics
 from sparseety.producers.emitter import Emitter
 from sparseety.producers.shipper import ChildRelay, heartbeat_marker
+from tests import factories as f
 from tests.helpers import VENV_BIN, read_topic, running_broker
 
 
@@ -176,3 +177,37 @@ def test_a_sidecar_relay_serves_engines_on_a_unix_socket(broker: EmbeddedBroker,
     for e in _events(side_cfg):
         by_engine.setdefault(e["engine_name"], []).append(e["seq"])
     assert by_engine == {"side-0": list(range(300)), "side-1": list(range(300))}
+
+
+def test_the_configuration_is_announced_again_after_a_broker_lost_its_log(tmp_path: Path) -> None:
+    """Issue 31: the broker restarts with memory storage (the topic and the epoch's EngineStarted
+    are gone); once Kafka takes events again the relay reports the recovery and the engine side
+    announces EngineStarted again, so a fresh worker gets the configuration back."""
+    with running_broker(tmp_path / "broker") as own:
+        cfg = _cfg(own, tmp_path, "relay-announce.engine-events", announce_interval_s=3600)
+        em = Emitter(cfg, engine_name="relay-announce", epoch="1", stall_s=2.0)
+        try:
+            em.announce(ev.ENGINE_STARTED, f.engine_started(served_model_name="announced"))
+            for i in range(20):
+                em.emit(_finished, i)
+            assert em.wait_idle(30), em.counters()
+            kinds = [ev.payload_type(e) for e in _events(cfg)]
+            assert kinds.count(ev.ENGINE_STARTED) == 1  # once, while nothing went wrong
+            own.stop()
+            for i in range(20, 40):
+                em.emit(_finished, i)
+            time.sleep(3)
+            EmbeddedBroker(own.cfg).start(create_topics=False)
+            ensure_topics(cfg, [cfg.topics.engine_events])
+            deadline = time.monotonic() + 60
+            while True:
+                after = _events(cfg)
+                if any(ev.payload_type(e) == ev.ENGINE_STARTED for e in after):
+                    break
+                assert time.monotonic() < deadline, [ev.payload_type(e) for e in after]
+                for i in range(40, 45):
+                    em.emit(_finished, i)
+        finally:
+            em.close()
+    (again,) = [e for e in after if ev.payload_type(e) == ev.ENGINE_STARTED]
+    assert ev.payload(again)["served_model_name"] == "announced" and again["seq"] > 20

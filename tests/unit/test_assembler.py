@@ -985,3 +985,48 @@ def test_token_ids_are_kept_as_the_privacy_mode_allows() -> None:
     assert fields(hashed[f"{f.EID}/a"]) == ("hashed", [], [1000, 2000, 3000, 4000], [])
     assert fields(none[f"{f.EID}/b"]) == ("none", [], [], [])
     assert all(a["consistent"] for a in (*raw.values(), *hashed.values(), *none.values()))
+
+
+# --- issue 31: a worker that never saw the epoch's EngineStarted --------------------------------
+
+
+def test_a_request_admitted_without_the_engines_configuration_says_so_until_it_is_announced_again() -> None:
+    """A fresh worker met the engine mid-stream (its EngineStarted, seq 0, is gone with the
+    broker's log): the requests it admits before the configuration comes back carry ``seq_gap``
+    (window, KV and FLOPs counts need it) and are not ``consistent``; the producer's
+    re-announcement restores it, and the requests admitted after it are whole."""
+
+    def one(rid: str, seq: int, step: int) -> list[dict[str, Any]]:
+        return [
+            f.wrap(seq, ev.REQUEST_STARTED, f.request_started(rid, list(range(10)), hashes=[b"a", b"b"])),
+            f.wrap(seq + 1, ev.STEP_BATCH, f.step_batch(step, [(rid, 10, 0, [7])])),
+            f.wrap(seq + 2, ev.STEP_BATCH, f.step_batch(step + 1, [(rid, 1, 10, [8])])),
+            f.wrap(seq + 3, ev.REQUEST_FINISHED, f.request_finished(rid, prompt=10, output=2)),
+        ]
+
+    # what survived: seqs 10.. (the gap 0..9 is declared once the lateness bound passes)
+    again = f.wrap(14, ev.ENGINE_STARTED, f.engine_started())
+    events = [*one("before", 10, 5), again, *one("after", 15, 7)]
+    late = WorkerConfig(window_s=60, allowed_lateness_s=5, closed_retention_s=0, reorder_max_events=1)
+    acc = accounts(run(events, late)[0])
+    before, after = acc[f"{f.EID}/before"], acc[f"{f.EID}/after"]
+    assert before["seq_gap"] and not before["consistent"]
+    assert not after["seq_gap"] and after["consistent"]
+    assert (before["prompt_tokens"], before["output_tokens"]) == (10, 2) == (after["prompt_tokens"], 2)
+
+
+def test_an_engine_started_announced_again_changes_nothing() -> None:
+    """The producer re-sends EngineStarted (every announce_interval_s, after Kafka recovered):
+    the same epoch's repeats are ignored, so every record is the same as without them."""
+    plain = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(10)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 10, 0, [7])])),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 10, [8])])),
+        f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=10, output=2)),
+    ]
+    repeated = [plain[0], plain[1], plain[2]]
+    at = plain[2]["ts_ns"] + 1
+    repeated.append(f.wrap(3, ev.ENGINE_STARTED, f.engine_started(block_size=99), ts_ns=at))
+    repeated += [{**e, "seq": e["seq"] + 1} for e in plain[3:]]
+    assert accounts(run(plain)[0]) == accounts(run(repeated)[0])
