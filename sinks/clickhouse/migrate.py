@@ -1,5 +1,10 @@
 """Versioned schema migrations: ``migrations/NNN_name.sql``, applied in order, recorded in
-``schema_migrations``.
+``schema_migrations``; then the repeatable ``migrations/views.sql``, the current definition of
+every view, applied again whenever it changed (recorded as version 0 with its checksum).
+
+Tables change through numbered migrations, which never change once applied; views change in
+``views.sql`` only, so a view's definition lives in one place. The numbered files keep the
+views' history as it was applied (their checksums guard existing stores).
 
 Migration files are templates: ``{db}`` is the database and ``{on_cluster}`` is empty or
 `` ON CLUSTER '<name>'``. With a cluster configured, every ``ENGINE = X(...)`` of the MergeTree
@@ -28,6 +33,9 @@ if TYPE_CHECKING:
     from .client import Store
 
 _FILE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+#: The repeatable migration: every view's current definition.
+VIEWS_FILE = "views.sql"
+VIEWS_VERSION = 0
 _ENGINE = re.compile(
     r"ENGINE\s*=\s*(ReplacingMergeTree|MergeTree|SummingMergeTree|AggregatingMergeTree)(\(([^)]*)\))?"
 )
@@ -85,6 +93,8 @@ def load_migrations(folder: Path | None = None) -> list[Migration]:
     folder = folder or migrations_dir()
     found = []
     for path in sorted(folder.glob("*.sql")):
+        if path.name == VIEWS_FILE:
+            continue
         m = _FILE.match(path.name)
         if m is None:
             raise MigrationError(f"migration file {path.name} is not named NNN_name.sql", path=str(path))
@@ -95,6 +105,12 @@ def load_migrations(folder: Path | None = None) -> list[Migration]:
             f"migration versions must be 1..n without gaps, found {versions}", versions=versions
         )
     return found
+
+
+def load_views(folder: Path | None = None) -> Migration:
+    """The repeatable views migration (``views.sql``), as version 0."""
+    path = (folder or migrations_dir()) / VIEWS_FILE
+    return Migration(VIEWS_VERSION, "views_current", path.read_text())
 
 
 def split_statements(sql: str) -> list[str]:
@@ -151,14 +167,16 @@ def _bootstrap(store: Store) -> None:
 
 
 def status(store: Store, migrations: list[Migration] | None = None) -> list[MigrationStatus]:
-    """Every known migration with its state in ``store`` (nothing is created)."""
+    """Every known migration with its state in ``store`` (nothing is created); without an
+    explicit list, the views migration last (applied: its current text is)."""
+    views = load_views() if migrations is None else None
     migrations = migrations if migrations is not None else load_migrations()
     exists = store.query(
         "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_migrations'",
         {"db": store.database},
     )
     applied = _applied(store) if exists and int(exists[0]["n"]) else {}
-    return [
+    out = [
         MigrationStatus(
             m.version,
             m.name,
@@ -168,6 +186,11 @@ def status(store: Store, migrations: list[Migration] | None = None) -> list[Migr
         )
         for m in migrations
     ]
+    if views is not None:
+        current = applied.get(VIEWS_VERSION, ("", "", 0))[1] == views.checksum
+        at = applied[VIEWS_VERSION][2] if current else None
+        out.append(MigrationStatus(VIEWS_VERSION, views.name, current, at, True))
+    return out
 
 
 def status_rows(store: Store) -> list[dict[str, Any]]:
@@ -189,13 +212,15 @@ def status_rows(store: Store) -> list[dict[str, Any]]:
 def migrate(
     store: Store, migrations: list[Migration] | None = None, *, ttl_days: Mapping[str, int] | None = None
 ) -> list[Migration]:
-    """Apply the pending migrations in order; return those applied (empty when up to date).
+    """Apply the pending migrations in order, then ``views.sql`` when it changed (only without
+    an explicit list); return those applied (empty when up to date).
 
     ``ttl_days`` (``clickhouse.ttl_days``) then sets each table's retention (:func:`set_retention`).
 
     Raises:
         MigrationError: an applied migration's file changed since, or a statement failed.
     """
+    views = load_views() if migrations is None else None
     migrations = migrations if migrations is not None else load_migrations()
     _bootstrap(store)
     applied = _applied(store)
@@ -210,24 +235,31 @@ def migrate(
                     version=m.version,
                 )
             continue
-        for statement in render(m.template, database=store.database, cluster=store.cluster):
-            try:
-                store.command(statement)
-            except Exception as exc:
-                raise MigrationError(
-                    f"migration {m.version:03d}_{m.name} failed: {exc}",
-                    version=m.version,
-                    statement=statement[:200],
-                ) from exc
-        store.insert(
-            f"{store.database}.schema_migrations",
-            [[m.version], [m.name], [m.checksum], [time.time_ns()]],
-            ["version", "name", "checksum", "applied_ns"],
-        )
+        _apply(store, m)
         done.append(m)
+    if views is not None and applied.get(VIEWS_VERSION, ("", "", 0))[1] != views.checksum:
+        _apply(store, views)
+        done.append(views)
     if ttl_days:
         set_retention(store, ttl_days)
     return done
+
+
+def _apply(store: Store, m: Migration) -> None:
+    for statement in render(m.template, database=store.database, cluster=store.cluster):
+        try:
+            store.command(statement)
+        except Exception as exc:
+            raise MigrationError(
+                f"migration {m.version:03d}_{m.name} failed: {exc}",
+                version=m.version,
+                statement=statement[:200],
+            ) from exc
+    store.insert(
+        f"{store.database}.schema_migrations",
+        [[m.version], [m.name], [m.checksum], [time.time_ns()]],
+        ["version", "name", "checksum", "applied_ns"],
+    )
 
 
 def retention_sql(database: str, table: str, days: int, cluster: str = "") -> str:

@@ -173,9 +173,11 @@ def cost_sql(
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
     elif mode == "gpu":
+        # the cold first steps are engine overhead: beside the bill, never in it (issue 31)
         measures = (
-            "sum(c.gpu_time_ns) AS gpu_time_ns, sum(c.gpu_pico) AS cost_pico, "
-            "countIf(NOT c.gpu_priced) AS unpriced_requests"
+            "sum(c.gpu_time_ns) AS gpu_time_ns, sum(c.billed_gpu_time_ns) AS billed_gpu_time_ns, "
+            "sum(c.warmup_gpu_time_ns) AS warmup_gpu_time_ns, sum(c.gpu_pico) AS cost_pico, "
+            "sum(c.warmup_gpu_pico) AS warmup_cost_pico, countIf(NOT c.gpu_priced) AS unpriced_requests"
         )
     else:
         cost = "c.actual_pico" if mode == "actual" else "(c.actual_pico + ifNull(d.delta_pico, 0))"
@@ -428,20 +430,22 @@ def _caveats_join(db: str) -> str:
 def gpu_time_sql(
     db: str, *, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
-    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time), and
-    beside it the part of it from the engines' first steps (``warmup_gpu_time_ns``, flagged)."""
+    """GPU time per group (each request's FLOPs-weighted share of its steps' wall time), split
+    into what is billed (``billed_gpu_time_ns``, ``cost_pico``) and the part from the engines'
+    cold first steps (``warmup_gpu_time_ns``, ``warmup_cost_pico``: engine overhead, not in the
+    bill)."""
     select, keys, _ = _group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
         "count() AS requests, sum(c.gpu_time_ns) AS gpu_time_ns, "
         "if(sum(sum(c.gpu_time_ns)) OVER () = 0, 0, "
         "gpu_time_ns / sum(sum(c.gpu_time_ns)) OVER ()) AS gpu_share, "
+        "sum(c.billed_gpu_time_ns) AS billed_gpu_time_ns, sum(c.warmup_gpu_time_ns) AS warmup_gpu_time_ns, "
         "sum(c.est_flops) AS est_flops, sum(c.gpu_pico) AS cost_pico, "
-        "countIf(NOT c.gpu_priced) AS unpriced_requests, "
-        "sum(ifNull(w.warmup_gpu_time_ns, 0)) AS warmup_gpu_time_ns"
+        "sum(c.warmup_gpu_pico) AS warmup_cost_pico, countIf(NOT c.gpu_priced) AS unpriced_requests"
     )
     sql = (
-        f"SELECT {_with_group(select, measures)} FROM {db}.request_costs_v AS c {_caveats_join(db)} "
+        f"SELECT {_with_group(select, measures)} FROM {db}.request_costs_v AS c "
         f"WHERE {where} {_group_clause(keys)}"
     )
     return sql, params

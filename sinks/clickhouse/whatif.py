@@ -242,7 +242,8 @@ def whatif_sql(
         "sum(c.actual_pico) AS cost_pico, "
         f"sum(c.actual_pico + {d_pico}) AS cf_cost_pico, "
         f"sum({d_pico}) AS delta_cost_pico, "
-        "sum(c.gpu_pico) AS gpu_cost_pico, "
+        # from gpu_time_ns, like the counterfactual (the bill's gpu_pico leaves the warm-up out)
+        f"sum({gpu_cost.format(g='c.gpu_time_ns')}) AS gpu_cost_pico, "
         f"sum({gpu_cost.format(g=cf_gpu)}) AS cf_gpu_cost_pico, "
         "countIf(NOT c.tokens_priced) AS unpriced_requests" + extra
     )

@@ -62,6 +62,7 @@ def req(
     A: int = 0,
     J: int = 0,
     gpu_s: float = 0.0,
+    warmup_s: float = 0.0,
     blocks: list[dict[str, Any]] | None = None,
     experts: list[int] | None = None,
 ) -> dict[str, Any]:
@@ -87,6 +88,7 @@ def req(
         scheduled_tokens=S_,
         preemptions=1 if rid == "r3" else 0,
         gpu_time_ns=int(gpu_s * S),
+        warmup_gpu_time_ns=int(warmup_s * S),
         engine_prompt_tokens=P,
         engine_output_tokens=O,
         engine_cached_tokens=C,
@@ -130,6 +132,7 @@ def dataset() -> list[dict[str, Any]]:
             A=50,
             J=30,
             gpu_s=1,
+            warmup_s=0.5,  # half of it in its engine's cold first step
             blocks=[block("b1", 10, "cached"), block("b2", 11, "cached"), block("b5", 20, "computed")],
         ),
         req(
@@ -367,8 +370,13 @@ def test_gpu_time_attribution(q: Queries) -> None:
     assert rows["A"]["gpu_share"] == pytest.approx(5.5 / 7.5)
     assert rows["A"]["cost_usd"] == D("0.0035")  # r1 2 s + r3 1.5 s at $3.60/h; m2 has no GPU price
     assert rows["A"]["unpriced_requests"] == 2
+    # issue 31: the cold first step is engine overhead, beside the bill and never in it
+    b = rows["B"]
+    assert (b["gpu_time_ns"], b["billed_gpu_time_ns"], b["warmup_gpu_time_ns"]) == (int(1.5 * S), S, S // 2)
+    assert (b["cost_usd"], b["warmup_cost_usd"]) == (D("0.001"), D("0.0005"))
     gpu_mode = by_key(q.cost(mode="gpu"), "tenant")
-    assert gpu_mode["B"]["cost_usd"] == D("0.0015")
+    assert gpu_mode["B"]["cost_usd"] == D("0.001") and gpu_mode["B"]["warmup_cost_usd"] == D("0.0005")
+    assert gpu_mode["B"]["billed_gpu_time_ns"] + gpu_mode["B"]["warmup_gpu_time_ns"] == int(1.5 * S)
 
 
 def test_savings(q: Queries) -> None:
@@ -464,7 +472,7 @@ def test_request_and_token_statistics(q: Queries) -> None:
         "list": LIST["r2"],
         "actual": ACTUAL["r2"],
         "amortized": AMORTIZED["r2"],
-        "gpu": D("0.001"),
+        "gpu": D("0.0005"),  # 1 s of GPU time, 0.5 s of it its engine's warm-up (not billed)
         "priced": True,
     }
     assert [(s["start"], s["end"], s["status"]) for s in r2["segments"]] == [

@@ -1,0 +1,260 @@
+-- The current definition of every view, applied by `sparseety db migrate` after the numbered
+-- migrations whenever this file changed (a repeatable migration, recorded as version 0). Change a
+-- view here, not in a new numbered migration: those add and change tables. The numbered files
+-- still hold the views' history, as they were applied; this file is what the views are now.
+-- Order: a view comes after the views it reads.
+
+CREATE OR REPLACE VIEW {db}.log_duplicates_v{on_cluster} AS
+SELECT request_uid, request_id, tenant, model, engine_name, finished_ts_ns, complete,
+       prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
+FROM {db}.requests FINAL
+WHERE engine_kind = 'vllm_log'
+  AND request_id IN (SELECT request_id FROM {db}.requests
+                     WHERE engine_kind NOT IN ('vllm_log', 'trace', 'proxy')
+                       AND request_id IN (SELECT request_id FROM {db}.requests WHERE engine_kind = 'vllm_log'));
+
+CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
+SELECT *, finished_at FROM {db}.requests FINAL
+WHERE engine_kind != 'vllm_log' OR request_uid NOT IN (SELECT request_uid FROM {db}.log_duplicates_v);
+
+CREATE OR REPLACE VIEW {db}.token_segments_v{on_cluster} AS
+SELECT s.*, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name, r.finished_ts_ns AS finished_ts_ns
+FROM {db}.token_segments AS s FINAL
+INNER JOIN (SELECT request_uid, _version, tenant, model, engine_name, finished_ts_ns FROM {db}.requests_v) AS r
+    ON s.request_uid = r.request_uid AND s._version = r._version;
+
+CREATE OR REPLACE VIEW {db}.kv_blocks_v{on_cluster} AS
+SELECT b.*, r.engine_id AS engine_id, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name,
+       r.finished_ts_ns AS finished_ts_ns
+FROM {db}.kv_blocks AS b FINAL
+INNER JOIN (SELECT request_uid, _version, engine_id, tenant, model, engine_name, finished_ts_ns
+            FROM {db}.requests_v) AS r
+    ON b.request_uid = r.request_uid AND b._version = r._version;
+
+CREATE OR REPLACE VIEW {db}.prefix_evictions_v{on_cluster} AS
+WITH
+    computed AS (
+        SELECT engine_id, block_hash, lifetime_seq, request_uid, tenant, model, engine_name, finished_ts_ns, tokens
+        FROM {db}.kv_blocks_v
+        WHERE role != 'cached' AND lifetime_seq >= 0
+    ),
+    recomputed AS (
+        SELECT engine_id, block_hash, min(lifetime_seq) AS next_lifetime_seq
+        FROM {db}.kv_blocks_v
+        WHERE role = 'recomputed' AND lifetime_seq >= 0
+        GROUP BY engine_id, block_hash
+    )
+SELECT c.request_uid AS request_uid, any(c.tenant) AS tenant, any(c.model) AS model,
+       any(c.engine_name) AS engine_name, any(c.finished_ts_ns) AS finished_ts_ns,
+       count() AS blocks_evicted_later, sum(c.tokens) AS tokens_evicted_later
+FROM computed AS c
+INNER JOIN recomputed AS x ON c.engine_id = x.engine_id AND c.block_hash = x.block_hash
+WHERE x.next_lifetime_seq > c.lifetime_seq
+GROUP BY c.request_uid;
+
+CREATE OR REPLACE VIEW {db}.request_tokens_v{on_cluster} AS
+SELECT t.*, r.tenant AS tenant, r.model AS model
+FROM {db}.request_tokens AS t FINAL
+INNER JOIN (SELECT request_uid, _version, tenant, model FROM {db}.requests_v) AS r
+    ON t.request_uid = r.request_uid AND t._version = r._version;
+
+CREATE OR REPLACE VIEW {db}.request_kv_costs_v{on_cluster} AS
+SELECT
+    r.request_uid AS request_uid,
+    r.kv_byte_ms AS kv_byte_ms, r.kv_byte_ms_amortized AS kv_byte_ms_amortized,
+    r.kv_byte_ms_actual AS kv_byte_ms_actual, r.kv_peak_bytes AS kv_peak_bytes,
+    toInt64(ifNull(pk.price_micro, 0)) AS kv_gib_hour_price_micro,
+    ifNull(pk.found, 0) = 1 AS kv_priced,
+    if(isNull(r.kv_byte_ms_actual), NULL,
+       intDiv(toInt128(r.kv_byte_ms_actual) * kv_gib_hour_price_micro * 10, 38654705664)) AS kv_actual_pico,
+    if(isNull(r.kv_byte_ms_amortized), NULL,
+       intDiv(toInt128(r.kv_byte_ms_amortized) * kv_gib_hour_price_micro * 10, 38654705664)) AS kv_amortized_pico
+FROM {db}.requests_v AS r
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'kv') AS pk
+    ON r.model = pk.model AND r.finished_ts_ns >= pk.effective_from_ns;
+
+CREATE OR REPLACE VIEW {db}.request_costs_v{on_cluster} AS
+SELECT
+    r.request_uid AS request_uid, r.tenant AS tenant, r.model AS model,
+    r.engine_name AS engine_name, r.engine_id AS engine_id, r.lora_name AS lora_name,
+    r.finished_ts_ns AS finished_ts_ns, fromUnixTimestamp64Nano(r.finished_ts_ns, 'UTC') AS finished_at,
+    r.prompt_tokens AS prompt_tokens, r.output_tokens AS output_tokens,
+    r.cache_read_tokens AS cache_read_tokens, r.scheduled_tokens AS scheduled_tokens,
+    r.uncached_computed_tokens AS uncached_computed_tokens,
+    r.recomputed_tokens AS recomputed_tokens, r.draft_accepted_tokens AS draft_accepted_tokens,
+    r.draft_rejected_tokens AS draft_rejected_tokens, r.skipped_tokens AS skipped_tokens,
+    r.evicted_tokens AS evicted_tokens, r.preemptions AS preemptions, r.gpu_time_ns AS gpu_time_ns,
+    r.est_flops AS est_flops, r.complete AS complete,
+    -- The engine's cold first step is engine overhead, not the tenants' (issue 31): gpu mode
+    -- bills gpu_time_ns less the request's share of its epoch's first step.
+    toInt64(ifNull(r.warmup_gpu_time_ns, 0)) AS warmup_gpu_time_ns,
+    toInt64(r.gpu_time_ns) - warmup_gpu_time_ns AS billed_gpu_time_ns,
+    r.parent_request_id AS parent_request_id, r.choice_index AS choice_index,
+    r.reasoning_output_tokens AS reasoning_output_tokens, r.finish_reason AS finish_reason,
+    toInt64(r.output_tokens) - toInt64(ifNull(r.reasoning_output_tokens, 0)) AS answer_output_tokens,
+    toInt64(if(r.recomputed_preemption_tokens + r.recomputed_eviction_tokens = r.recomputed_tokens,
+               r.recomputed_preemption_tokens, r.recomputed_tokens)) AS recomputed_preemption_tokens,
+    toInt64(if(r.recomputed_preemption_tokens + r.recomputed_eviction_tokens = r.recomputed_tokens,
+               r.recomputed_eviction_tokens, 0)) AS recomputed_eviction_tokens,
+    toInt64(r.draft_cut_tokens) AS draft_cut_tokens,
+    toInt64(r.window_released_tokens + r.evicted_tokens) AS window_released_tokens,
+    toInt64(r.evicted_blocks_recomputed) AS evicted_blocks_recomputed,
+    recomputed_preemption_tokens + toInt64(r.draft_rejected_tokens) + draft_cut_tokens AS waste_tokens,
+    toInt64(least(if(r.engine_cached_tokens >= 0, r.engine_cached_tokens, r.cache_read_tokens), r.prompt_tokens))
+        AS list_cached_tokens,
+    toInt64(if(r.finish_reason = 'abort',
+               least(toInt64(r.prompt_tokens) - list_cached_tokens,
+                     toInt64(r.uncached_computed_tokens) + r.recomputed_eviction_tokens),
+               toInt64(r.prompt_tokens) - list_cached_tokens)) AS prompt_input_tokens,
+    toUInt8(r.parent_request_id = '' OR par._p_billed = r.request_uid) AS list_prompt_billed,
+    if(list_prompt_billed = 1, prompt_input_tokens, 0) AS list_input_tokens,
+    if(list_prompt_billed = 1, list_cached_tokens, 0) AS list_billed_cached_tokens,
+    toInt64(if(r.scheduled_tokens > 0, greatest(r.scheduled_tokens - r.output_tokens, 0), prompt_input_tokens))
+        AS actual_input_tokens,
+    toInt64(ifNull(pin.price_micro, 0)) AS input_price_micro,
+    toInt64(if(ifNull(pca.found, 0) = 1, ifNull(pca.price_micro, 0), input_price_micro)) AS cached_price_micro,
+    toInt64(ifNull(pout.price_micro, 0)) AS output_price_micro,
+    toInt64(if(ifNull(pre.found, 0) = 1, ifNull(pre.price_micro, 0), output_price_micro)) AS reasoning_price_micro,
+    toInt64(ifNull(pg.price_micro, 0)) AS gpu_hour_price_micro,
+    ifNull(pin.found, 0) = 1 AND ifNull(pout.found, 0) = 1 AS tokens_priced,
+    ifNull(pg.found, 0) = 1 AS gpu_priced,
+    toInt128(list_input_tokens) * input_price_micro
+        + toInt128(list_billed_cached_tokens) * cached_price_micro
+        + toInt128(answer_output_tokens) * output_price_micro
+        + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro AS list_pico,
+    toInt128(actual_input_tokens) * input_price_micro
+        + toInt128(r.cache_read_tokens) * cached_price_micro
+        + toInt128(answer_output_tokens) * output_price_micro
+        + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro AS actual_pico,
+    intDiv(toInt128(billed_gpu_time_ns) * gpu_hour_price_micro, 3600000) AS gpu_pico,
+    intDiv(toInt128(warmup_gpu_time_ns) * gpu_hour_price_micro, 3600000) AS warmup_gpu_pico
+FROM {db}.requests_v AS r
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'input') AS pin
+    ON r.model = pin.model AND r.finished_ts_ns >= pin.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input') AS pca
+    ON r.model = pca.model AND r.finished_ts_ns >= pca.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'output') AS pout
+    ON r.model = pout.model AND r.finished_ts_ns >= pout.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'reasoning_output') AS pre
+    ON r.model = pre.model AND r.finished_ts_ns >= pre.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'gpu_hour') AS pg
+    ON r.model = pg.model AND r.finished_ts_ns >= pg.effective_from_ns
+LEFT JOIN (SELECT engine_id AS _p_engine, parent_request_id AS _p_parent,
+                  argMax(request_uid, (finished_ts_ns, choice_index)) AS _p_billed
+           FROM {db}.requests_v WHERE parent_request_id != ''
+           GROUP BY engine_id, parent_request_id) AS par
+    ON r.engine_id = par._p_engine AND r.parent_request_id = par._p_parent;
+
+CREATE OR REPLACE VIEW {db}.amortized_delta_v{on_cluster} AS
+WITH
+    uses AS (
+        SELECT engine_id, block_hash, lifetime_seq, request_uid,
+               sumIf(tokens, role != 'cached') AS computed_tokens
+        FROM {db}.kv_blocks_v
+        WHERE lifetime_seq >= 0
+        GROUP BY engine_id, block_hash, lifetime_seq, request_uid
+    ),
+    priced AS (
+        SELECT u.engine_id AS engine_id, u.block_hash AS block_hash, u.lifetime_seq AS lifetime_seq,
+               u.request_uid AS request_uid,
+               toInt128(u.computed_tokens) * c.input_price_micro AS computed_pico
+        FROM uses AS u
+        INNER JOIN (SELECT request_uid, input_price_micro FROM {db}.request_costs_v) AS c
+            ON u.request_uid = c.request_uid
+    ),
+    shared AS (
+        SELECT request_uid, computed_pico,
+               sum(computed_pico) OVER w AS pool,
+               toInt128(count() OVER w) AS n,
+               toInt128(row_number() OVER (PARTITION BY engine_id, block_hash, lifetime_seq ORDER BY request_uid) - 1) AS k
+        FROM priced
+        WINDOW w AS (PARTITION BY engine_id, block_hash, lifetime_seq)
+    )
+SELECT request_uid,
+       sum(intDiv(pool, n) + if(k < pool % n, 1, 0) - computed_pico) AS delta_pico,
+       sum(intDiv(pool, n) + if(k < pool % n, 1, 0)) AS shared_pico,
+       countIf(computed_pico = 0) AS blocks_read,
+       countIf(computed_pico > 0) AS blocks_computed
+FROM shared
+WHERE pool > 0
+GROUP BY request_uid;
+
+CREATE OR REPLACE VIEW {db}.sparsity_signals_v{on_cluster} AS
+SELECT
+    c.request_uid AS request_uid, c.tenant AS tenant, c.model AS model, c.engine_name AS engine_name,
+    c.engine_id AS engine_id, c.finished_ts_ns AS finished_ts_ns,
+    toInt64(c.list_cached_tokens) AS cache_hit_tokens, toInt64(c.prompt_tokens) AS prompt_tokens,
+    toInt64(c.draft_accepted_tokens) + c.draft_rejected_tokens + c.draft_cut_tokens AS draft_tokens,
+    toInt64(c.draft_accepted_tokens) AS draft_accepted_tokens, toInt64(c.output_tokens) AS output_tokens,
+    toInt64(r.attention_pairs_skipped) AS attention_pairs_skipped,
+    toInt64(r.attention_pairs) + r.attention_pairs_skipped AS attention_pairs_full,
+    r.attention_window AS attention_window,
+    toInt64(c.recomputed_eviction_tokens) AS recomputed_eviction_tokens,
+    toInt64(c.scheduled_tokens) AS scheduled_tokens
+FROM {db}.request_costs_v AS c
+INNER JOIN {db}.requests_v AS r ON c.request_uid = r.request_uid;
+
+CREATE OR REPLACE VIEW {db}.usage_v{on_cluster} AS
+SELECT
+    tenant, model, lora_name, engine_name, window_start_ns, window_ns,
+    fromUnixTimestamp64Nano(window_start_ns, 'UTC') AS window_start,
+    countIf(kind = 'correction') AS corrections,
+    sum(requests) AS requests,
+    sum(incomplete_requests) AS incomplete_requests,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(output_tokens) AS output_tokens,
+    sum(cache_read_tokens) AS cache_read_tokens,
+    sum(uncached_computed_tokens) AS uncached_computed_tokens,
+    sum(recomputed_tokens) AS recomputed_tokens,
+    sum(draft_accepted_tokens) AS draft_accepted_tokens,
+    sum(draft_rejected_tokens) AS draft_rejected_tokens,
+    sum(skipped_tokens) AS skipped_tokens,
+    sum(evicted_tokens) AS evicted_tokens,
+    sum(gpu_time_ns) AS gpu_time_ns,
+    sum(est_flops) AS est_flops,
+    sum(recomputed_preemption_tokens) AS recomputed_preemption_tokens,
+    sum(recomputed_eviction_tokens) AS recomputed_eviction_tokens,
+    sum(draft_cut_tokens) AS draft_cut_tokens,
+    sum(window_released_tokens) AS window_released_tokens,
+    sum(evicted_blocks_recomputed) AS evicted_blocks_recomputed,
+    sum(waste_tokens) AS waste_tokens
+FROM (
+    SELECT tenant, model, lora_name, engine_name, window_start_ns, window_ns, toString(kind) AS kind,
+           requests, incomplete_requests, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
+    FROM {db}.usage_1m FINAL
+    UNION ALL
+    SELECT d.tenant AS tenant, d.model AS model, '' AS lora_name, d.engine_name AS engine_name,
+           d.finished_ts_ns - d.finished_ts_ns % w.window_ns AS window_start_ns, w.window_ns AS window_ns,
+           'duplicate' AS kind,
+        toInt64(-1) AS requests,
+        -toInt64(NOT d.complete) AS incomplete_requests,
+        -toInt64(d.prompt_tokens) AS prompt_tokens,
+        -toInt64(d.output_tokens) AS output_tokens,
+        -toInt64(d.cache_read_tokens) AS cache_read_tokens,
+        -toInt64(d.uncached_computed_tokens) AS uncached_computed_tokens,
+        -toInt64(d.recomputed_tokens) AS recomputed_tokens,
+        -toInt64(d.draft_accepted_tokens) AS draft_accepted_tokens,
+        -toInt64(d.draft_rejected_tokens) AS draft_rejected_tokens,
+        -toInt64(d.skipped_tokens) AS skipped_tokens,
+        -toInt64(d.evicted_tokens) AS evicted_tokens,
+        -toInt64(d.gpu_time_ns) AS gpu_time_ns,
+        -d.est_flops AS est_flops,
+        -toInt64(d.recomputed_preemption_tokens) AS recomputed_preemption_tokens,
+        -toInt64(d.recomputed_eviction_tokens) AS recomputed_eviction_tokens,
+        -toInt64(d.draft_cut_tokens) AS draft_cut_tokens,
+        -toInt64(d.window_released_tokens) AS window_released_tokens,
+        -toInt64(d.evicted_blocks_recomputed) AS evicted_blocks_recomputed,
+        -toInt64(d.waste_tokens) AS waste_tokens
+    FROM {db}.log_duplicates_v AS d
+    INNER JOIN (SELECT DISTINCT tenant, model, engine_name, window_ns FROM {db}.usage_1m) AS w
+        ON d.tenant = w.tenant AND d.model = w.model AND d.engine_name = w.engine_name
+    WHERE (d.tenant, d.model, d.engine_name, d.finished_ts_ns - d.finished_ts_ns % w.window_ns, w.window_ns)
+          IN (SELECT tenant, model, engine_name, window_start_ns, window_ns FROM {db}.usage_1m)
+)
+GROUP BY tenant, model, lora_name, engine_name, window_start_ns, window_ns;
