@@ -13,7 +13,7 @@ Bounds are offsets (an integer, for every partition), times (ISO-8601, or a dura
 some brokers (the embedded one) resolve at record-batch granularity, so records older than the
 start are skipped one by one. Their high watermark is also batch-granular, so "end" is where
 a partition stays quiet after the watermark, and records written after the replay started are
-left out by their timestamp (``streams/compat.py``, item 5).
+left out by their timestamp (``sparseety/broker_compat.py``).
 
 aiokafka reads here (confluent-kafka's consumer is slow on the embedded broker).
 """
@@ -28,10 +28,10 @@ from datetime import datetime
 from typing import Any, Literal
 
 from sparseety import events as ev
+from sparseety.broker_compat import offsets_for_time, outside_time_range
 from sparseety.config import Config
 from sparseety.errors import DecodeError, KafkaUnavailableError, ReplayError, SinkWriteError
 from sparseety.kafka import aiokafka_settings, make_decoder
-from sparseety.streams.compat import offsets_for_time, outside_time_range
 from sparseety.times import QueryError, parse_time
 
 from .base import FlushResult, Sink

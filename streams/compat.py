@@ -34,10 +34,8 @@ its piece is deleted here and its caller keeps working through the same function
    (``Worker._setup_spinner_handler``), so with ``--loglevel warning`` every aiokafka debug
    message (several per produced batch) is formatted for the spinner: seen as the largest item
    of a worker profile after the fold. Workers run without it.
-5. **Time bounds** (:func:`offsets_for_time`, :func:`outside_time_range`): Tansu answers
-   ``offsets_for_times`` at record-batch granularity (the batch holding the time, so records
-   before it come too) and its high watermark is batch-granular as well, so a replay filters by
-   record timestamp and ends a partition where it stays quiet past the watermark.
+5. **Time bounds** on a batch-granular broker: a workaround for the broker, not Faust, used by
+   the replay (no Faust there): :mod:`sparseety.broker_compat`.
 
 6. **A broker that lost its log** (:class:`LostLogWatch`): the embedded Tansu keeps topics,
    committed offsets and the table's changelog in memory; when it restarts, ``up`` or ``broker
@@ -264,30 +262,6 @@ def without_spinner(worker: Any) -> None:
     """Run a ``faust.Worker`` without its terminal spinner (see item 4 above); call before
     ``execute_from_commandline``, which configures logging."""
     worker.spinner = None
-
-
-# --- 5. time bounds on a batch-granular broker ---------------------------------------------
-
-
-async def offsets_for_time(consumer: Any, tps: list[Any], ns: int, high: dict[Any, int]) -> dict[Any, int]:
-    """Per partition, the offset ``offsets_for_times`` gives for ``ns`` (the high watermark when
-    no record is that new). On Tansu it is the start of the record batch holding the time."""
-    found = await consumer.offsets_for_times({tp: ns // 1_000_000 for tp in tps})
-    return {tp: (found[tp].offset if found.get(tp) else high[tp]) for tp in tps}
-
-
-def outside_time_range(plan: Any, offset: int, ts_ns: int) -> bool:
-    """Whether a record is outside ``[plan.min_ns, plan.max_ns)``, judged by its own timestamp.
-
-    A record at or past the end time ends the partition once it lies beyond the offset the end
-    time resolved to (``plan.hint``): before that, batch granularity may still bring older ones.
-    Records older than the start come from the batch ``offsets_for_times`` pointed at.
-    """
-    if plan.max_ns is not None and ts_ns >= plan.max_ns:
-        if offset >= plan.hint:
-            plan.done = True
-        return True
-    return plan.min_ns is not None and ts_ns < plan.min_ns
 
 
 # --- 6. a broker that lost its log ----------------------------------------------------------

@@ -277,3 +277,19 @@ def test_the_loop_finder_finds_a_loop(tmp_path: Path) -> None:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert _loops(_graph(folders)) == [["sparseety.streams.a", "sparseety.streams.b", "sparseety.streams.c"]]
+
+
+def test_the_replay_runs_without_faust() -> None:
+    """Issue 34: ``sparseety replay`` rebuilds results from topics without the worker's runtime:
+    importing it loads no Faust and none of the worker's Faust workarounds (the broker's own
+    workaround it needs lives in ``sparseety/broker_compat.py``)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, sparseety.sinks.replay, sparseety.sinks.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('faust', 'mode') "
+        "or m == 'sparseety.streams.compat'))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
