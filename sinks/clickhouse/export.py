@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 
-if TYPE_CHECKING:
-    from .queries import QuerySpec, Scope
+from .query_base import QuerySpec, Scope
 
 #: Export format -> ClickHouse output format.
 FORMATS = {"parquet": "Parquet", "csv": "CSVWithNames"}
@@ -98,8 +97,6 @@ def export(
     """One registry query as a file in ``fmt`` (None: a lookup found nothing)."""
     check_format(fmt)
     if scope is None:
-        from .queries import Scope
-
         scope = Scope()
     if spec.key is not None:
         if key is None:

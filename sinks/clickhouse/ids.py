@@ -22,12 +22,11 @@ choices of one response), never a guess.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import AmbiguousIdError
 
-if TYPE_CHECKING:
-    from .queries import Queries, Scope
+from .query_base import QueryRunner, Scope
 
 #: How vLLM's OpenAI front ends prefix the id they give the engine (chat, completions).
 FRONT_END_PREFIXES = ("chatcmpl-", "cmpl-")
@@ -79,7 +78,7 @@ def candidates_sql(db: str, key: str, *, scope: Scope) -> tuple[str, dict[str, A
     return sql, params
 
 
-def resolve(q: Queries, key: str, *, scope: Scope) -> str | None:
+def resolve(q: QueryRunner, key: str, *, scope: Scope) -> str | None:
     """The ``request_uid`` that ``key`` names in ``scope``; None when it names none.
 
     Raises:

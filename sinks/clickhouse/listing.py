@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 
-if TYPE_CHECKING:
-    from .queries import Scope
+from . import ids
+from .query_base import Scope, hidden_source
 
 ORDERS = ("recent", "varied")
 
@@ -37,8 +37,6 @@ def requests_sql(
     (``ids.client_id_condition``); ``inconsistent`` = 1 those whose counts disagree with the
     engine's own totals (``consistent`` false: the dashboard's "inconsistent N" links here).
     """
-    from . import ids
-
     if order not in ORDERS:
         raise QueryError(f"unknown order {order!r}: choose from {', '.join(ORDERS)}")
     if not 1 <= limit <= 10_000:
@@ -71,7 +69,6 @@ def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, 
     ``source_request_uid`` is hidden from a tenant-scoped reader as in a single timeline
     (:func:`~sparseety.sinks.clickhouse.queries.segments_sql`).
     """
-    from .queries import hidden_source
 
     where, params = scope.where("s")
     params["limit"] = limit

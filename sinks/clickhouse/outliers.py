@@ -12,12 +12,11 @@ count was not observed for a request is NULL there, and is not counted as presen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 
-if TYPE_CHECKING:  # queries.py imports this module
-    from .queries import Scope
+from .query_base import Scope
 
 #: Attribution modes a request's cost can be read in (docs/cost-model.md).
 OUTLIER_MODES = ("actual", "amortized", "list", "gpu")

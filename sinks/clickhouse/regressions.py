@@ -29,13 +29,12 @@ sees signals computed over its own tenants' requests only.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 from sparseety.times import parse_bucket
 
-if TYPE_CHECKING:  # queries.py imports this module
-    from .queries import Scope
+from .query_base import Scope
 
 #: Rule constants (docs/operations.md "Sparsity regressions" states them too).
 HIT_MIN, HIT_FACTOR = 0.05, 0.5

@@ -15,10 +15,9 @@ routing advice"; how it maps onto llm-d's KV-cache indexer and Dynamo's KV route
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # queries.py imports this module
-    from .queries import Scope
+from .query_base import Scope
 
 
 def routing_advice_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:

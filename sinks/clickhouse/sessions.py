@@ -24,12 +24,11 @@ computed them: turn N - 1, an earlier turn of the same session, or anyone else.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 
-if TYPE_CHECKING:  # queries.py imports this module for its registry
-    from .queries import Scope
+from .query_base import Scope
 
 #: How a request's session is chosen: the client's id, else inferred (auto); only the client's
 #: (explicit: requests without one are sessions of one turn); or only inferred (ids ignored).

@@ -22,10 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .queries import Queries, Scope
+from .query_base import QueryRunner, Scope, segments_sql
 
 log = logging.getLogger("sparseety.tokens")
 
@@ -89,7 +88,7 @@ def _note(privacy: str | None, content: str, allowed: bool) -> str:
 
 
 def token_records_lookup(
-    q: Queries, request_uid: str, *, scope: Scope, allowed: bool = True, per_position: bool = False
+    q: QueryRunner, request_uid: str, *, scope: Scope, allowed: bool = True, per_position: bool = False
 ) -> dict[str, Any] | None:
     """A request's token records (None when it is not stored or outside ``scope``).
 
@@ -101,7 +100,6 @@ def token_records_lookup(
         per_position: One record per position rather than per run.
     """
     from .ids import resolve
-    from .queries import segments_sql
 
     resolved = resolve(q, request_uid, scope=scope)  # any id the request is known by
     if resolved is None:

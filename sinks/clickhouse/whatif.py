@@ -25,12 +25,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparseety.errors import QueryError
 
-if TYPE_CHECKING:  # queries.py imports this module
-    from .queries import Scope
+from .query_base import Scope, group, with_group
 
 #: The cache sizes ``kv-curve`` shows (the issue's 1.5x, 2x and 4x).
 KV_CURVE = (1.5, 2.0, 4.0)
@@ -140,10 +139,9 @@ def whatif_sql(
 ) -> tuple[str, dict[str, Any]]:
     """Actual and counterfactual compute, GPU time and cost per group under one scenario."""
     # queries.py imports this module for its registry entry; its helpers are taken at call time
-    from .queries import _group, _with_group
 
     sc = parse_scenario(scenario)
-    select, keys, _ = _group(by, bucket, "c")
+    select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
     join = f"INNER JOIN {db}.requests_v AS r ON c.request_uid = r.request_uid"
     gpu_modelled = "1"
@@ -248,7 +246,7 @@ def whatif_sql(
         "countIf(NOT c.tokens_priced) AS unpriced_requests" + extra
     )
     sql = (
-        f"SELECT {label} AS scenario, {_with_group(select, measures)} "
+        f"SELECT {label} AS scenario, {with_group(select, measures)} "
         f"FROM {db}.request_costs_v AS c {join} WHERE {where} "
         f"GROUP BY {keys_s} ORDER BY {keys_s}"
     )
