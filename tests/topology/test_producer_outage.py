@@ -17,7 +17,7 @@ from sparseety.config import Config
 from sparseety.errors import SparseetyError
 from sparseety.kafka import ensure_topics
 from sparseety.producers.emitter import Emitter
-from tests.helpers import read_topic, running_broker
+from tests.helpers import read_topic, running_broker, wait_for
 
 
 @pytest.fixture
@@ -67,6 +67,8 @@ def test_outage_spills_and_drains_in_order_with_zero_loss(own_broker: EmbeddedBr
     while not (journal.is_dir() and any(journal.glob("*.seg"))):
         assert time.monotonic() < deadline, "nothing was spilled"
         time.sleep(0.2)
+    # the relay reports its totals (REPORT_CHECK_S): the emitter's view follows the journal
+    wait_for(lambda: em.counters()["spilled"] > 0, 10, 0.05, "the relay's report of the spill")
     counters = em.counters()
     assert counters["spilled"] > 0 and counters["dropped"] == 0
 
