@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -84,11 +85,17 @@ class ChildRelay:
     """A relay child process (``python -m sparseety.producers.relay``) for one stream."""
 
     def __init__(self, on_report: OnReport, stream: str) -> None:
+        # An explicit environment, never the inherited one (env=None): the child then execs with
+        # the C ``environ`` as it is at that moment, and the engine's other threads set variables
+        # while it starts (vLLM does at init), which can free the array the exec is reading.
+        # Observed in CI: Popen raised "[Errno 14] Bad address" for sys.executable (EFAULT from
+        # execve) while a vLLM engine initialised beside the first event's shipper thread.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sparseety.producers.relay"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
+            env=dict(os.environ),
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.fd = self.proc.stdin.fileno()
