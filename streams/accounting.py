@@ -117,6 +117,7 @@ def build(
         "recomputed_preemption_tokens": r.recomputed_preemption,
         "recomputed_eviction_tokens": r.recomputed_eviction,
         "draft_cut_tokens": r.draft_cut,
+        "draft_unverified_tokens": r.draft_unverified,
         "window_released_tokens": by_fate.get(sg.WINDOW_RELEASED, 0),
         "evicted_blocks_recomputed": r.evicted_blocks_recomputed,
         "waste_tokens": r.recomputed_preemption + r.draft_rejected + r.draft_cut,

@@ -252,16 +252,17 @@ class PositionFold:
             new = n_new[i]
             n_accepted = accepted[i] if accepted else 0
             n_proposed = proposed[i] if proposed else 0
-            n_cut = 0
+            n_cut = n_unverified = 0
             if n_proposed:
-                n_accepted, n_cut = split_drafts(n_proposed, n_accepted, new)
-            rejected = n_proposed - n_accepted - n_cut
-            req.kv_last_dropped = rejected + n_cut
-            valid_end = computed_before + n - rejected - n_cut
+                n_accepted, n_cut, n_unverified = split_drafts(n_proposed, n_accepted, new)
+            rejected = n_proposed - n_accepted - n_cut - n_unverified
+            req.kv_last_dropped = rejected + n_cut + n_unverified
+            valid_end = computed_before + n - req.kv_last_dropped
             if n_proposed:
                 req.draft_accepted += n_accepted
                 req.draft_rejected += rejected
-                req.draft_cut += n_cut
+                req.draft_cut += n_cut + n_unverified
+                req.draft_unverified += n_unverified
             kv_end = req.kv_end
             if computed_before < kv_end:
                 _recompute_after_preemption(req, computed_before, min(valid_end, kv_end))
@@ -411,18 +412,20 @@ def _recompute_after_preemption(req: RequestState, start: int, end: int) -> None
     sg.assign(req.segments, start, end, sg.RECOMPUTED_PREEMPTION)
 
 
-def split_drafts(proposed: int, accepted: int, new: int) -> tuple[int, int]:
-    """``(accepted, cut)`` drafts of one step; the rest of ``proposed`` were rejected.
+def split_drafts(proposed: int, accepted: int, new: int) -> tuple[int, int, int]:
+    """``(accepted, cut by the stop, unverified)`` drafts of one step; the rest of ``proposed``
+    were rejected (docs/streams.md, "Drafts").
 
     A verified step yields the accepted drafts plus one sampled token. Fewer new tokens mean the
-    stop condition cut the tail: drafts past the stop were computed, then thrown away (cut, not
-    accepted). No new token and nothing accepted means the request finished between schedule
-    and update: its drafts were never verified (cut, not rejected).
+    stop condition cut the tail: drafts past the stop were verified and accepted, then thrown
+    away (cut; vLLM counts them as accepted). No new token and nothing accepted means the request
+    ended between schedule and update (an abort during the step, or under async scheduling a
+    finish in the step before): its drafts were never verified, and vLLM counts them nowhere.
     """
     if new == 0 and accepted == 0:
-        return 0, proposed
+        return 0, 0, proposed
     cut = max(0, accepted - new)
-    return accepted - cut, cut
+    return accepted - cut, cut, 0
 
 
 def _overlap(spans: list[list[int]], start: int, end: int) -> int:

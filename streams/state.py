@@ -197,6 +197,9 @@ class RequestState(_Record):
     # Drafts of the request's last step that were not kept (rejected or cut): under async
     # scheduling vLLM allocated the next step as if they had been accepted.
     kv_last_dropped: int = 0
+    # Of draft_cut, the drafts of a step in which the request ended before they were verified
+    # (vLLM counts them nowhere; appended: older persisted states still load).
+    draft_unverified: int = 0
 
     @property
     def uid(self) -> str:

@@ -362,6 +362,7 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "reasoning_spans": [],
         "kv_groups": [],
         "kv_peak_bytes": -1,
+        "draft_unverified_tokens": 0,
     }
     rec.update(over)
     return rec

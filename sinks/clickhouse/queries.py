@@ -238,12 +238,13 @@ def engines_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
 def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -> tuple[str, dict[str, Any]]:
     """Speculative decoding: drafts proposed, accepted, rejected, and what they bought.
 
-    One definition of the draft counts everywhere (docs/cost-model.md): ``draft_tokens`` =
-    accepted + rejected + cut, every draft position the engine computed; ``draft_verified_tokens``
-    = accepted + rejected, the drafts the verifier judged (what ``tokens``' ``draft_token_count``
-    and vLLM's ``num_draft_tokens`` count). ``acceptance_rate`` = accepted / draft_tokens is ours;
-    ``vllm_acceptance_rate`` = accepted / verified is the one vLLM reports: it leaves out the drafts
-    a stop cut before they were verified, so it is the higher of the two whenever drafts were cut.
+    The draft identities of docs/streams.md ("Drafts"), with A accepted, J rejected, K cut and
+    U unverified (a part of K): ``draft_tokens`` = A + J + K, every draft position the engine
+    computed; ``draft_verified_tokens`` = A + J + K - U, the drafts the verifier judged (vLLM's
+    ``num_draft_tokens``); ``verifier_accepted_tokens`` = A + K - U, the ones it accepted, the
+    stop-cut ones included (vLLM's ``num_accepted_tokens``). ``acceptance_rate`` = A /
+    draft_tokens is ours (what became output); ``vllm_acceptance_rate`` = verifier_accepted /
+    verified is the one vLLM reports.
     """
     select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
@@ -253,10 +254,12 @@ def spec_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) ->
         "sum(c.draft_accepted_tokens) AS draft_accepted_tokens, "
         "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
         "sum(c.draft_cut_tokens) AS draft_cut_tokens, "
+        "sum(c.draft_unverified_tokens) AS draft_unverified_tokens, "
         "draft_accepted_tokens + draft_rejected_tokens + draft_cut_tokens AS draft_tokens, "
         "if(draft_tokens = 0, 0, draft_accepted_tokens / draft_tokens) AS acceptance_rate, "
-        "draft_accepted_tokens + draft_rejected_tokens AS draft_verified_tokens, "
-        "if(draft_verified_tokens = 0, 0, draft_accepted_tokens / draft_verified_tokens) "
+        "draft_tokens - draft_unverified_tokens AS draft_verified_tokens, "
+        "draft_accepted_tokens + draft_cut_tokens - draft_unverified_tokens AS verifier_accepted_tokens, "
+        "if(draft_verified_tokens = 0, 0, verifier_accepted_tokens / draft_verified_tokens) "
         "AS vllm_acceptance_rate, "
         "sum(c.output_tokens) AS output_tokens, "
         "if(output_tokens = 0, 0, draft_accepted_tokens / output_tokens) AS output_from_drafts, "

@@ -88,6 +88,7 @@ REQUESTS = Table(
         # Added by migration 013 (issue 23: reasoning tokens).
         "reasoning_output_tokens",
         "reasoning_spans",
+        "draft_unverified_tokens",  # added by migration 015 (issue 31: drafts reconcile with vLLM)
         # Added by migration 012 (issue 23: KV memory-time; NULL = not observed).
         *KV_COLUMNS,
         "attention_window",

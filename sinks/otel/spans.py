@@ -135,7 +135,7 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         "sparseety.attention.pairs": int(record["attention_pairs"]),
         "sparseety.attention.pairs_skipped": int(record["attention_pairs_skipped"]),
     }
-    for name in (*ev.TOKEN_COUNTS, *ev.POSITION_COUNTS, "scheduled_tokens"):
+    for name in (*ev.TOKEN_COUNTS, *ev.POSITION_COUNTS, "draft_unverified_tokens", "scheduled_tokens"):
         attrs[f"sparseety.usage.{name}"] = int(record.get(name, 0))
     for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
         value = int(record[f"engine_{name}"])

@@ -264,7 +264,7 @@ def tenant_rows(data: DashboardData) -> list[list[Any]]:
 
 def spec_rows(data: DashboardData) -> list[list[Any]]:
     """Per model with drafts: ours (accepted / every draft computed, cut ones included) beside
-    vLLM's (accepted / drafts verified), and what drafts bought."""
+    vLLM's (verifier-accepted / verified, docs/streams.md "Drafts"), and what drafts bought."""
     out = []
     for r in data.spec:
         a, j, k = int(r["draft_accepted_tokens"]), int(r["draft_rejected_tokens"]), int(r["draft_cut_tokens"])
@@ -277,8 +277,9 @@ def spec_rows(data: DashboardData) -> list[list[Any]]:
                 a,
                 j,
                 k,
+                int(r["draft_unverified_tokens"]),
                 _pct(r["acceptance_rate"]),
-                _pct(r.get("vllm_acceptance_rate", a / (a + j) if a + j else 0)),
+                _pct(r["vllm_acceptance_rate"]),
                 _pct(r["output_from_drafts"]),
                 _pct(r["rejected_compute_share"]),
             ]
@@ -379,6 +380,7 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
             "accepted",
             "rejected",
             "cut",
+            "of which unverified",
             "acceptance (ours)",
             "acceptance (vLLM's)",
             "output from drafts",

@@ -63,7 +63,11 @@ CLASS_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ),
     ("draft_accepted_tokens", "drafts_ok", "speculative drafts verified and kept as output"),
     ("draft_rejected_tokens", "drafts_rej", "speculative drafts verified and rejected: waste"),
-    ("draft_cut_tokens", "drafts_cut", "accepted drafts thrown away because the request stopped: waste"),
+    (
+        "draft_cut_tokens",
+        "drafts_cut",
+        "drafts thrown away because the request ended (cut by its stop, or never verified): waste",
+    ),
     ("window_released_tokens", "win_released", "KV freed by a sliding window or chunk while the request ran"),
     (
         "skipped_tokens",
@@ -302,7 +306,8 @@ def build_report(
         lines.append(
             f"engine metrics: prompt {m.get('prompt_tokens', '?')}, "
             f"generated {m.get('generation_tokens', '?')}, "
-            f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, accepted drafts "
+            f"prefix-cache hits {m.get('prefix_cache_hits', '?')}, drafts verified "
+            f"{m.get('spec_decode_num_draft_tokens', '?')} and accepted "
             f"{m.get('spec_decode_num_accepted_tokens', '?')}, preemptions {m.get('num_preemptions', '?')}"
         )
     lines += [

@@ -50,9 +50,10 @@ def check_engine_counters(
     Per tenant: requests, prompt and output tokens, and admission cache hits (vLLM's
     ``RequestOutput.num_cached_tokens`` against the stored ``engine_cached_tokens``; the fold's
     ``cache_read_tokens`` also counts re-reads after a preemption, which vLLM does not).
-    Engine-wide, because vLLM counts them per engine: accepted drafts (vLLM counts drafts later
-    cut by a stop as accepted, so stored accepted + cut), preemptions, and prompt tokens served
-    from the cache (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
+    Engine-wide, because vLLM counts them per engine: accepted and verified drafts (the identities
+    of docs/streams.md, "Drafts": accepted + cut - unverified, and accepted + rejected + cut -
+    unverified), preemptions, and prompt tokens served from the cache
+    (``vllm:prompt_tokens_by_source{source="local_cache_hit"}``).
 
     SGLang (``kind`` sglang): per tenant the same, against ``meta_info`` (``prompt_tokens``,
     ``completion_tokens``, ``cached_tokens``); engine-wide the cached prompt tokens against
@@ -103,11 +104,19 @@ def check_engine_counters(
             )
         return problems
 
+    # docs/streams.md, Drafts: vLLM counts the drafts a stop cut after its verifier accepted them
+    # as drafted and accepted, and the unverified ones (a part of draft_cut) nowhere.
+    unverified = total("draft_unverified_tokens")
     pairs = [
         (
             "accepted drafts",
-            total("draft_accepted_tokens", "draft_cut_tokens"),
+            total("draft_accepted_tokens", "draft_cut_tokens") - unverified,
             "vllm:spec_decode_num_accepted_tokens",
+        ),
+        (
+            "verified drafts",
+            total("draft_accepted_tokens", "draft_rejected_tokens", "draft_cut_tokens") - unverified,
+            "vllm:spec_decode_num_draft_tokens",
         ),
         ("preemptions", total("preemptions"), "vllm:num_preemptions"),
     ]

@@ -6,7 +6,9 @@
 - ``sparseety sql`` answering (the admin everything, a tenant's token its rows);
 - ``list`` cost of an ``n = 2`` completion equal to its response's usage;
 - the dashboard opened after a browser sign-in, and screenshotted;
-- an engine at a wrong bootstrap shown by ``sparseety status`` as a silent engine.
+- an engine at a wrong bootstrap shown by ``sparseety status`` as a silent engine;
+- drafts reconciled: ``query spec`` over the server's whole run (n-gram speculation, one
+  streaming request aborted by its client) equals vLLM's own ``spec_decode`` counters.
 
 Real everything: the stack's Tansu broker, Faust worker and store process (chDB), vLLM's server
 (front end, EngineCore, worker) with the plugin, the CLI as processes, Debian's Chromium.
@@ -86,6 +88,15 @@ def test_a_platform_engineers_first_day(engine_pool: EnginePool, tmp_path: Path)
                 json.dumps({"enable_kv_cache_events": True, "publisher": "null"}),
                 "--shutdown-timeout",
                 "10",
+                "--speculative-config",
+                json.dumps(
+                    {
+                        "method": "ngram",
+                        "num_speculative_tokens": 3,
+                        "prompt_lookup_max": 4,
+                        "prompt_lookup_min": 2,
+                    }
+                ),
             ],
             tmp_path / "server.log",
         )
@@ -172,16 +183,102 @@ def test_a_platform_engineers_first_day(engine_pool: EnginePool, tmp_path: Path)
         ]
         assert ok(env, "sql", sql, "--format", "json", "--token", "tok-acme") == [{"tenant": "acme", "n": 1}]
 
-        # 5. the dashboard opens after a browser sign-in
+        # 5. drafts: what vLLM counted over this server's run, aborts included, is query spec's
+        _drafts_reconcile_with_vllm(env, srv, api, admin)
+
+        # 6. the dashboard opens after a browser sign-in
         _browser_sign_in(api, tmp_path)
 
-        # 6. an engine at a wrong bootstrap, spilling under the stack's data dir, is silent
+        # 7. an engine at a wrong bootstrap, spilling under the stack's data dir, is silent
         _wrong_bootstrap_is_silent(env, data)
     finally:
         if srv is not None:
             srv.close()
         down = cli(env, "down")
         assert down.returncode == 0, down.stderr
+
+
+def _drafts_reconcile_with_vllm(
+    env: dict[str, str], srv: ServerEngine, api: str, admin: dict[str, str]
+) -> None:
+    """Repetitive prompts make the n-gram proposer draft; one streaming request is dropped by its
+    client after a few chunks, which vLLM's server turns into an abort. Then docs/streams.md's
+    draft identities hold over the server's run: vLLM's ``num_draft_tokens`` = A + J + K - U
+    (``draft_verified_tokens``), its ``num_accepted_tokens`` = A + K - U
+    (``verifier_accepted_tokens``). Whether an abort lands while a step runs (U > 0) is the
+    engine's timing; the harness matrix makes it happen on purpose and checks U per request."""
+    before = len(
+        httpx.get(f"{api}/api/v1/requests", params={"limit": 100}, headers=admin, timeout=10).json()["rows"]
+    )
+    loop = "alpha beta gamma delta epsilon " * 8
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        for i in range(4):
+            client.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": f"{loop} {i}",
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "vllm_xargs": {"tenant": "acme"},
+                },
+            ).raise_for_status()
+        chunks = 0
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": f"{loop} aborted",
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "vllm_xargs": {"tenant": "acme"},
+            },
+        ) as r:
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break  # the client goes away mid-stream
+        assert chunks >= 3
+
+    def all_stored() -> bool:
+        rows = httpx.get(f"{api}/api/v1/requests", params={"limit": 100}, headers=admin, timeout=10)
+        return rows.status_code == 200 and len(rows.json()["rows"]) >= before + 5
+
+    wait_for(all_stored, 120, 1.0, "the drafting requests and the aborted one in the store")
+    (aborted,) = ok(
+        env,
+        "sql",
+        "SELECT finish_reason, output_tokens FROM sparseety.request_costs_v WHERE prompt_tokens > 0 "
+        "AND finish_reason NOT IN ('length', 'stop') ",
+        "--format",
+        "json",
+    )
+    assert aborted["finish_reason"] == "abort" and 3 <= aborted["output_tokens"] < 400, aborted
+
+    def counters() -> tuple[float, float]:
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        return (
+            _counter(text, "vllm:spec_decode_num_draft_tokens_total"),
+            _counter(text, "vllm:spec_decode_num_accepted_tokens_total"),
+        )
+
+    (row,) = ok(env, "query", "spec", "--format", "json")
+    assert row["draft_accepted_tokens"] > 0
+    want = (row["draft_verified_tokens"], row["verifier_accepted_tokens"])
+    # vLLM's front end updates its counters from the same step outputs the plugin copied; give a
+    # late stats message a moment before calling a difference a failure.
+    deadline = time.monotonic() + 15
+    while counters() != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert counters() == want, row
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _browser_sign_in(api: str, tmp_path: Path) -> None:

@@ -690,11 +690,14 @@ def test_drafts_cut_by_stop_are_not_accepted() -> None:
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
     assert (acc["draft_accepted_tokens"], acc["draft_cut_tokens"], acc["draft_rejected_tokens"]) == (1, 2, 0)
+    assert acc["draft_unverified_tokens"] == 0  # verified: vLLM counts all 3 as drafted and accepted
     assert acc["waste_tokens"] == 2 and acc["consistent"]
     assert acc["scheduled_tokens"] == 12 == acc["uncached_computed_tokens"] + 1 + 2
 
 
 def test_drafts_of_a_request_finished_before_update_are_cut_not_rejected() -> None:
+    """An abort while the step runs: vLLM never verifies its 3 drafts and counts them nowhere, so
+    they are cut and, of those, unverified (vLLM's num_draft_tokens = A + J + K - unverified)."""
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started(spec_method="ngram", spec_num_tokens=3)),
         f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(8)), hashes=[b"a", b"b"])),
@@ -703,7 +706,13 @@ def test_drafts_of_a_request_finished_before_update_are_cut_not_rejected() -> No
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=1, finish_reason="abort")),
     ]
     acc = accounts(run(events)[0])[f"{f.EID}/r1"]
-    assert (acc["draft_cut_tokens"], acc["draft_rejected_tokens"]) == (3, 0)
+    assert (acc["draft_cut_tokens"], acc["draft_rejected_tokens"], acc["draft_unverified_tokens"]) == (
+        3,
+        0,
+        3,
+    )
+    a, j, k, u = (acc[f"draft_{c}_tokens"] for c in ("accepted", "rejected", "cut", "unverified"))
+    assert (a + j + k - u, a + k - u) == (0, 0)  # what vLLM's two counters hold for this request
 
 
 def test_idle_timeout_close_is_corrected_by_the_late_finish() -> None:

@@ -14,7 +14,8 @@ Crafted store (tenant, model m1: input $10, cached $2.5, output $40 per 1M token
   e1/chatcmpl-dup-cccc3333 acme  P10   C0   O1    the same front-end id ...
   e2/chatcmpl-dup-dddd4444 globex P10  C0   O1    ... on another engine
   e1/chatcmpl-old-eeee5555 acme  P10   C0   O1    written before migration 009 (no external id)
-  e3/chatcmpl-spec-ffff6666 initech P10 C0  O9    drafts: 8 accepted, 2 rejected, 2 cut, T0+7m
+  e3/chatcmpl-spec-ffff6666 initech P10 C0  O9    drafts: 8 accepted, 2 rejected, 2 cut (1 of them
+                                                   unverified), T0+7m
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ ROWS = [
     _row("e1", "chatcmpl-dup-cccc3333", "acme", 4, P=10, C=0, O=1),
     _row("e2", "chatcmpl-dup-dddd4444", "globex", 5, P=10, C=0, O=1),
     _row("e1", "chatcmpl-old-eeee5555", "acme", 6, P=10, C=0, O=1, ident=False),
-    # speculative decoding with drafts a stop cut: 8 accepted, 2 rejected, 2 cut
+    # speculative decoding with cut drafts: 8 accepted, 2 rejected, 2 cut (1 by the stop after
+    # the verifier accepted it, 1 scheduled in the step the request ended in, never verified)
     _row(
         "e3",
         "chatcmpl-spec-ffff6666",
@@ -181,6 +183,7 @@ ROWS = [
         draft_accepted_tokens=8,
         draft_rejected_tokens=2,
         draft_cut_tokens=2,
+        draft_unverified_tokens=1,
     ),
 ]
 PRICES = [
@@ -364,13 +367,15 @@ def test_cli_finds_by_client_id_with_readable_tables(cfg: Config, store: Store) 
 
 
 def test_one_definition_of_draft_counts(q: Queries) -> None:
-    """spec and the token statistics count drafts alike; vLLM's rate leaves the cut ones out."""
+    """spec and the token statistics count drafts alike (docs/streams.md, Drafts): vLLM's counters
+    hold the stop-cut draft as drafted and accepted, and the unverified one nowhere."""
     (spec,) = q.spec_efficiency(scope=Scope(tenants=("initech",)))
-    assert (spec["draft_tokens"], spec["draft_verified_tokens"]) == (12, 10)
+    assert (spec["draft_tokens"], spec["draft_unverified_tokens"]) == (12, 1)
+    assert (spec["draft_verified_tokens"], spec["verifier_accepted_tokens"]) == (11, 9)  # vLLM's two
     assert spec["acceptance_rate"] == pytest.approx(8 / 12) and spec["vllm_acceptance_rate"] == pytest.approx(
-        8 / 10
+        9 / 11
     )
     stats = q.tokens_statistics("chatcmpl-spec")
     assert stats is not None
-    assert stats["draft_token_count"] == spec["draft_verified_tokens"]
     assert stats["draft_token_count"] + stats["draft_cut_count"] == spec["draft_tokens"]
+    assert stats["draft_token_count"] == spec["draft_accepted_tokens"] + spec["draft_rejected_tokens"]

@@ -10,7 +10,8 @@ from sparseety.stack.engine_checks import check_engine_counters, same_text
 
 STORED = [
     {"tenant": "acme", "prompt_tokens": 10, "output_tokens": 4, "engine_cached_tokens": 2,
-     "draft_accepted_tokens": 3, "draft_cut_tokens": 1, "preemptions": 1},
+     "draft_accepted_tokens": 3, "draft_rejected_tokens": 2, "draft_cut_tokens": 2,
+     "draft_unverified_tokens": 1, "preemptions": 1},
     {"tenant": "acme", "prompt_tokens": 6, "output_tokens": 2, "engine_cached_tokens": 0,
      "draft_accepted_tokens": 0, "draft_cut_tokens": 0, "preemptions": 0},
 ]  # fmt: skip
@@ -32,7 +33,9 @@ ENGINE: dict[str, Any] = {
         },
     ],
     "metrics": {
-        "vllm:spec_decode_num_accepted_tokens": 4,  # vLLM counts cut drafts as accepted
+        # 3 accepted + the stop-cut one: vLLM counts it as accepted, the unverified one nowhere
+        "vllm:spec_decode_num_accepted_tokens": 4,
+        "vllm:spec_decode_num_draft_tokens": 6,  # 3 + 2 rejected + the stop-cut one
         "vllm:num_preemptions": 1,
         "vllm:prompt_tokens_by_source|source=local_cache_hit": 2,
     },

@@ -98,6 +98,7 @@ SELECT
     toInt64(if(r.recomputed_preemption_tokens + r.recomputed_eviction_tokens = r.recomputed_tokens,
                r.recomputed_eviction_tokens, 0)) AS recomputed_eviction_tokens,
     toInt64(r.draft_cut_tokens) AS draft_cut_tokens,
+    toInt64(r.draft_unverified_tokens) AS draft_unverified_tokens,
     toInt64(r.window_released_tokens + r.evicted_tokens) AS window_released_tokens,
     toInt64(r.evicted_blocks_recomputed) AS evicted_blocks_recomputed,
     recomputed_preemption_tokens + toInt64(r.draft_rejected_tokens) + draft_cut_tokens AS waste_tokens,
