@@ -41,6 +41,7 @@ def plan_prompt(
         sg.append(segs, prompt - loaded, sg.PROMPT, sg.COMPUTED)
         return
     cleared = epoch.cleared
+    every_block_cached = block_index.caches_every_block(epoch.config)
     pos = 0
     for i, h in enumerate(hashes):
         hexh = h.hex()
@@ -52,13 +53,18 @@ def plan_prompt(
             # token, so the last block may be cached only in part).
             live = pidx.live_as_of(block, seq, cleared) if block is not None else None
             owner = live[pidx.COMPUTED_BY] if live else None
+            lifetime = int(live[pidx.STORED]) if live else -1
+            if live is None and block is not None and not every_block_cached:
+                # Outside a sliding window: vLLM counts the block in the hit but never cached
+                # it; the request that computed it is its source (streams/prefix_index.py).
+                owner, lifetime = pidx.unstored_claim(block)
             source = f"{epoch.engine_id}/{owner}" if owner else None
             if owner is None and epoch.history_lost_ts_ns:
                 r.source_lost_ns = epoch.history_lost_ts_ns  # docs: streams/caveats.py
             head = min(bs, cached - start)
             sg.append(segs, head, sg.PROMPT, sg.CACHED, source=source)
             sg.append(segs, bs - head, sg.PROMPT, sg.COMPUTED)
-            r.blocks.append([hexh, "cached", int(live[pidx.STORED]) if live else -1])
+            r.blocks.append([hexh, "cached", lifetime])
         elif start < loaded:
             # Loaded by a KV connector: no BlockUse (not computed or read here); a block it
             # fills only in part is finished here, so this request begins its lifetime.

@@ -36,6 +36,13 @@ def primary_group_kind(config: dict[str, Any] | None) -> str | None:
     return groups[0]["kind"] if groups else None
 
 
+def caches_every_block(config: dict[str, Any] | None) -> bool:
+    """Whether the indexed group caches every full block of a request (a full-attention group).
+    Where it does not (a model with sliding-window groups only), a prefix-cache hit also counts
+    the blocks outside the window that vLLM never cached (see :mod:`streams.prefix_index`)."""
+    return primary_group_kind(config) in _FULL_KINDS or not (config or {}).get("kv_cache_groups")
+
+
 def on_kv_event(
     store: StateStore, epoch: EpochState, seq: int, body: dict[str, Any], *, stored: bool, max_blocks: int
 ) -> None:

@@ -1,9 +1,15 @@
 """The per-engine prefix index: which request computed each cached block, and when it lived.
 
-A block's state is ``{"l": [[stored_seq, removed_seq, computed_by, copies], ...], "c": claim}``:
-the cache *lifetimes* of that block hash on one engine epoch (oldest first, at most
-``MAX_LIFETIMES``), and a pending claim by the request that scheduled its computation before
-the engine's BlockStored arrived.
+A block's state is ``{"l": [[stored_seq, removed_seq, computed_by, copies], ...], "c": claim,
+"s": claim_seq}``: the cache *lifetimes* of that block hash on one engine epoch (oldest first, at
+most ``MAX_LIFETIMES``), and a pending claim by the request that scheduled its computation before
+the engine's BlockStored arrived (with the seq it was made at).
+
+A claim no BlockStored ever follows is how a model without a full-attention group looks: vLLM
+caches only the blocks of a sliding-window group a later hit can reach, and counts the others
+(outside the window, never cached: null blocks) in the hit all the same. Such a block's source is
+its pending claim, and its claim seq stands in for the lifetime it never had
+(:func:`unstored_claim`), so amortized cost shares it like any other.
 
 vLLM can hold several physical blocks with the same hash (two requests computed it before
 either was cached). Each BlockStored of a hash already live adds a copy to that lifetime; each
@@ -113,6 +119,7 @@ def on_stored(block: BlockState, seq: int) -> bool:
             break
     computed_by = block["c"]
     block["c"] = None
+    block.pop("s", None)
     lifetimes.append([seq, None, computed_by, [[], []]])
     lifetimes.sort(key=lambda lt: lt[STORED])
     del lifetimes[:-MAX_LIFETIMES]
@@ -146,6 +153,7 @@ def claim(block: BlockState, uid: str, seq: int, cleared: list[int]) -> None:
     live = live_as_of(block, seq, cleared)
     if live is None:
         block["c"] = uid
+        block["s"] = seq
     elif live[COMPUTED_BY] is None and live[STORED] >= seq - _SAME_STEP_WINDOW:
         live[COMPUTED_BY] = uid
 
@@ -162,12 +170,24 @@ def lifetime_of(block: BlockState | None, uid: str, seq: int, cleared: list[int]
     for lt in block["l"]:
         if lt[COMPUTED_BY] == uid:
             return int(lt[STORED])
+    if block.get("c") == uid and "s" in block:
+        return int(block["s"])  # computed, never cached (a null block of a sliding window)
     live = live_as_of(block, seq, cleared)
     return int(live[STORED]) if live is not None else -1
 
 
+def unstored_claim(block: BlockState) -> tuple[str | None, int]:
+    """The request that last claimed a block no BlockStored followed, and the claim's seq
+    (``(None, -1)`` if none): the source of a sliding-window block vLLM counted in a hit without
+    caching it."""
+    if block.get("c") is None or "s" not in block:
+        return None, -1
+    return block["c"], int(block["s"])
+
+
 def last_end(block: BlockState) -> int | None:
-    """Seq at which the block's last lifetime was removed; None while it is cached."""
+    """Seq at which the block's last lifetime was removed; None while it is cached. A block never
+    stored is history from its claim on (the oldest claims are forgotten first)."""
     if not block["l"]:
-        return -1
+        return int(block.get("s", -1))
     return block["l"][-1][REMOVED]  # type: ignore[no-any-return]

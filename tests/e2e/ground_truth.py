@@ -21,7 +21,9 @@ Per request it records:
   the request's blocks are freed at its end;
 * sources: for every block of the first admission's prefix-cache hit, the request whose
   allocation began the cache lifetime of the copy that was live at the lookup (vLLM caches a
-  block's hash in ``cache_full_blocks`` when it allocates it for a request);
+  block's hash in ``cache_full_blocks`` when it allocates it for a request); in a model without a
+  full-attention group, a hit block with no copy in the pool (outside the window: vLLM never
+  cached it) names the last request whose step computed the block's last position;
 * attention pairs: per step, the query-key pairs each layer attends, from the model's KV-cache
   groups (full: ``q + 1`` keys for query ``q``; sliding window ``W``: ``min(q + 1, W)``; chunked
   local attention ``C``: ``q % C + 1``), summed over the layers of each group;
@@ -111,6 +113,9 @@ class EngineTruth:
         #: The group whose cache lifetimes decide eviction recompute (full attention keeps every
         #: block of a request; sliding groups release and re-cache blocks on their own).
         self.lifetime_group = full[0] if full else 0
+        self.caches_every_block = bool(full)
+        #: The last request whose step computed each block's last position (by hash).
+        self.computed_by: dict[bytes, str] = {}
         self.requests: dict[str, RequestTruth] = defaultdict(RequestTruth)
         self.ever_cached: dict[int, set[bytes]] = defaultdict(set)
         self.evicted: dict[int, set[bytes]] = defaultdict(set)  # hashes whose every copy was removed
@@ -200,7 +205,10 @@ class EngineTruth:
         for i, h in enumerate(request.block_hashes or ()):
             hb = bytes(h)
             if (i + 1) * bs <= hit:
-                sources.append(self.owner.get(hb))
+                if not self.caches_every_block and not self._live(g, hb):
+                    sources.append(self.computed_by.get(hb))  # counted in the hit, never cached
+                else:
+                    sources.append(self.owner.get(hb))
                 continue
             if hb in self.evicted[g] and not self._live(g, hb):
                 evicted.add(i)
@@ -223,7 +231,12 @@ class EngineTruth:
             self.requests[rid].preemptions += 1
         spec = so.scheduled_spec_decode_tokens or {}
         for rid, n in so.num_scheduled_tokens.items():
-            self._count_step(self.requests[rid], before.get(rid, 0), n, len(spec.get(rid, ())), self.groups)
+            k = len(spec.get(rid, ()))
+            self._count_step(self.requests[rid], before.get(rid, 0), n, k, self.groups)
+            hashes = getattr(reqs.get(rid), "block_hashes", None) or ()
+            c, bs = before.get(rid, 0), self.block_size
+            for i in range(c // bs, min(len(hashes), (c + n - k) // bs)):
+                self.computed_by[bytes(hashes[i])] = rid
 
     def _count_step(self, rt: RequestTruth, c: int, n: int, k: int, groups: list[dict[str, Any]]) -> None:
         """One step's ``n`` tokens from position ``c`` (the last ``k`` are drafts) into the

@@ -50,6 +50,19 @@ ENGINES: dict[str, dict[str, Any]] = {
             "enforce_eager": True,
         },
     },
+    # Sliding-window groups only (the demo's model family): vLLM caches only the blocks a later
+    # hit can reach and counts the others in the hit without caching them.
+    "sliding": {
+        "model": "mistral-sw",
+        "engine": {
+            "enable_prefix_caching": True,
+            "block_size": BLOCK,
+            "max_model_len": 256,
+            "num_gpu_blocks_override": CACHE_BLOCKS,
+            "max_num_seqs": 6,
+            "enforce_eager": True,
+        },
+    },
     "chunked": {
         "model": "llama4-chunked",
         "engine": {
