@@ -340,8 +340,10 @@ def settle_holder(entry: dict[str, Any], r: Any, item: list[Any]) -> None:
 
 def hit_blocks(
     r: Any, shape: KvShape, store: Any, engine_id: str, seq: int, hit: int, first: bool, cleared: list[int]
-) -> list[tuple[str, int, str | None]]:
-    """``(hash hex, lifetime seq, computer request id)`` of each full prompt block of a hit."""
+) -> list[tuple[int, str, int, str | None]]:
+    """``(block index, hash hex, lifetime seq, computer request id)`` of each full prompt block of
+    a hit that has a cache lifetime (the index, because the blocks before a sliding window have
+    none: vLLM never cached them, and the ones after keep their own positions)."""
     bs = shape.hash_block
     if not bs:
         return []
@@ -357,7 +359,7 @@ def hit_blocks(
             lt = pidx.live_as_of(block, seq, cleared)
         if lt is None:
             continue
-        out.append((hexh, int(lt[pidx.STORED]), lt[pidx.COMPUTED_BY]))
+        out.append((i, hexh, int(lt[pidx.STORED]), lt[pidx.COMPUTED_BY]))
     return out
 
 
@@ -386,13 +388,13 @@ def join(
     shape: KvShape,
     store: Any,
     engine_id: str,
-    blocks: list[tuple[str, int, str | None]],
+    blocks: list[tuple[int, str, int, str | None]],
     step: int,
     ts: int,
     holder: Any,
 ) -> None:
     """The request holds the blocks of a prefix-cache hit from this step on."""
-    for i, (hexh, lifetime, computer) in enumerate(blocks):
+    for i, hexh, lifetime, computer in blocks:
         for g in range(len(shape.groups)):
             if shape.block_size[g] != shape.hash_block or not holds(r, g, i):
                 continue

@@ -241,7 +241,9 @@ class Stack:
             rows.append(
                 PartStatus(
                     name,
-                    "running" if pid else "stopped",
+                    # ready: its Faust worker started and consumes (its readiness file); a live
+                    # worker without one is starting, or lost its broker and is about to exit
+                    "stopped" if pid is None else ("ready" if self._ready("worker", pid) else "unhealthy"),
                     pid,
                     f"group {self.cfg.worker.app_id}",
                     self._log(name),

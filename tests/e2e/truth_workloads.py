@@ -10,6 +10,9 @@ the English text of the other workloads). Every engine runs the same four phases
 4. preemption: six long decodes that together need far more blocks than the cache holds.
 
 Phase 4's prompts repeat a short pattern so the ngram drafter (llama engine) has proposals.
+An engine with ``second_turns`` runs, right after phase 1, each of its prompts again with a new
+tail: a sliding-window-only model holds so few blocks per request that phase 3 finds nothing
+left, and these second turns are its prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ ENGINES: dict[str, dict[str, Any]] = {
     # hit can reach and counts the others in the hit without caching them.
     "sliding": {
         "model": "mistral-sw",
+        "second_turns": True,
+        # A request holds its window's blocks only, so phase 4's decodes fit in the cache.
+        "preempts": False,
         "engine": {
             "enable_prefix_caching": True,
             "block_size": BLOCK,
@@ -81,8 +87,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(n)]  # 0-3 are special tokens
 
 
-def phases(seed: int = 11) -> list[list[dict[str, Any]]]:
-    """The four phases as ``{"prompt": token ids, "tenant", **SamplingParams}`` dicts."""
+def phases(seed: int = 11, *, second_turns: bool = False) -> list[list[dict[str, Any]]]:
+    """The four phases as ``{"prompt": token ids, "tenant", **SamplingParams}`` dicts (five with
+    ``second_turns``)."""
     rng = random.Random(seed)
     doc = _tokens(rng, 128)
     shared = [
@@ -102,4 +109,5 @@ def phases(seed: int = 11) -> list[list[dict[str, Any]]]:
     ]
     for p in (*shared, *pressure, *long_decodes):
         p["temperature"] = 0.0
-    return [shared, pressure, [dict(p) for p in shared], long_decodes]
+    turns = [{**p, "prompt": p["prompt"] + _tokens(rng, 24)} for p in shared] if second_turns else []
+    return [shared, *([turns] if turns else []), pressure, [dict(p) for p in shared], long_decodes]

@@ -38,11 +38,11 @@ def test_up_status_down(tmp_path: Path) -> None:
             line.split()[0]: line.split()[1] for line in up.stdout.splitlines()[1:] if line[:1].isalpha()
         }
         assert table["broker"] == "ready" and table["store"] == "ready"
-        assert table["worker-0"] == table["worker-1"] == "running"
+        assert table["worker-0"] == table["worker-1"] == "ready"  # started and consuming
         assert httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=5).json()["status"] == "ok"
 
         status = cli(env, "status")
-        assert status.returncode == 0 and status.stdout.count("running") == 2
+        assert status.returncode == 0 and status.stdout.count("ready") == 4  # broker, store, 2 workers
         assert "engines (spill journals under" in status.stdout and "none seen" in status.stdout
 
         again = cli(env, "up")  # idempotent: nothing new starts

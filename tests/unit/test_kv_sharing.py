@@ -123,3 +123,24 @@ def test_a_join_or_leave_does_not_touch_the_other_holders() -> None:
     before = [list(r.kv[0]) for r in rs[1:]]
     kvm.leave(rs[0], store, 2_000, 20_000)
     assert [r.kv[0] for r in rs[1:]] == before
+
+
+def test_hit_blocks_keep_their_positions_past_the_blocks_a_window_never_cached() -> None:
+    # A sliding-window-only model's hit: h0, h1 were never cached (outside the window, no
+    # lifetime), h2 was. Its shared entry must be block 2's, not block 0's: holds() is asked by
+    # position, and position 0 is the null block (the e2e sliding kind saw no sharing at all).
+    from sparseety.streams import prefix_index as pidx
+    from sparseety.streams.state import block_key
+
+    store = MemoryStore()
+    for h in ("00", "01"):
+        block = pidx.new_block()
+        pidx.claim(block, "r0", 5, [])
+        store.put(block_key("e", h), block)
+    cached = pidx.new_block()
+    pidx.claim(cached, "r0", 5, [])
+    pidx.on_stored(cached, 6)
+    store.put(block_key("e", "02"), cached)
+    r = SimpleNamespace(blocks=[["00", "cached", 5], ["01", "cached", 5], ["02", "cached", 6]])
+    shape = SimpleNamespace(hash_block=4)
+    assert kvm.hit_blocks(r, shape, store, "e", 9, 12, True, []) == [(2, "02", 6, "r0")]
