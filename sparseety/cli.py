@@ -90,8 +90,22 @@ def _broker(c: CliContext, port: int | None) -> Any:
 @click.option("--port", type=int, help="Port to listen on (default from config: 19092).")
 @pass_ctx
 def broker_start(c: CliContext, port: int | None) -> None:
-    """Start the broker in the background and create the topics."""
+    """Start the broker in the background and create the topics.
+
+    In the data dir of a stack that ``up`` started, this is ``up``: the new broker's in-memory
+    log is empty, so the stack's workers and store are restarted on it (a worker left on the lost
+    log would exit and nothing would land until the next ``up``)."""
     b = _broker(c, port)
+    from sparseety.stack.supervisor import Stack
+
+    stack = Stack(c.cfg)
+    if b.port == stack.broker.port and stack.started_parts():
+        click.echo(
+            f"broker: the stack in {c.cfg.data_path} runs {', '.join(stack.started_parts())}", err=True
+        )
+        for row in stack.up(progress=lambda t: click.echo(t, err=True)):
+            click.echo(f"{row.name}: {row.state}")
+        return
     st = b.start()
     click.echo(f"broker running: pid {st.pid}, bootstrap {st.bootstrap}, log {st.log}")
     click.echo(f"topics: {', '.join(b.cfg.topics.all())} ({b.cfg.topics.partitions} partitions)")

@@ -16,6 +16,8 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from sparseety import events as ev
+from sparseety.api.client import RemoteQueries
 from sparseety.config import Config, load_config, to_env
 from sparseety.kafka import make_decoder, make_encoder, make_producer
 
@@ -184,3 +186,18 @@ def plain_event(event: dict[str, Any]) -> dict[str, Any]:
         body = {k: v.tolist() if isinstance(v, array) else v for k, v in payload[1].items()}
         return {**event, "payload": (payload[0], body)}
     return event
+
+
+def stored_uids(cfg: Config) -> list[str]:
+    """The request uids the running store's API lists (up to 10,000)."""
+    with RemoteQueries.from_config(cfg) as q:
+        return [str(r["request_uid"]) for r in q.requests(limit=10_000)]
+
+
+def finished_uids(events: Iterable[dict[str, Any]]) -> set[str]:
+    """The uids of the requests that ``events`` (EngineEvents) finish."""
+    return {
+        f"{e['engine_id']}/{e['payload'][1]['request_id']}"
+        for e in events
+        if e["payload"][0] == ev.REQUEST_FINISHED
+    }

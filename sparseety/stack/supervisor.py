@@ -70,6 +70,11 @@ class Stack:
         wanted = [f"worker-{i}" for i in range(self.workers)]
         return sorted(set(known) | set(wanted))
 
+    def started_parts(self) -> list[str]:
+        """The workers and store that ``up`` started and no ``down`` stopped (their pid files),
+        alive or not: the parts a broker restart leaves on a log that no longer exists."""
+        return [n for n in [*self._worker_names(), "store"] if self._pid_file(n).exists()]
+
     def _pid_file(self, name: str) -> Path:
         return self.run_dir / f"{name}.pid"
 

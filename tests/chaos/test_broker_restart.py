@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
-from sparseety.api.client import RemoteQueries
 from sparseety.broker import EmbeddedBroker
 from sparseety.config import Config, load_config
 from sparseety.kafka import ensure_topics
@@ -32,10 +31,12 @@ from sparseety.streams.app import EXIT_LOG_LOST
 from tests.helpers import (
     VENV_BIN,
     ComponentProcess,
+    finished_uids,
     free_port,
     produce_events,
     read_topic,
     running_broker,
+    stored_uids,
     wait_for,
 )
 from tests.sim import SimEngine, workload
@@ -56,11 +57,6 @@ def emit(em: Emitter, events: list[dict[str, Any]]) -> None:
             em.announce(kind, payload)  # as the plugins do: it is announced again after an outage
         else:
             em.emit_record(kind, payload)
-
-
-def stored_uids(cfg: Config) -> list[str]:
-    with RemoteQueries.from_config(cfg) as q:
-        return [str(r["request_uid"]) for r in q.requests(limit=10_000)]
 
 
 def test_requests_before_during_and_after_a_broker_restart_are_stored_exactly_once(tmp_path: Path) -> None:
@@ -206,14 +202,6 @@ def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path) -> None
             assert not ready_file(cfg.data_path, "worker", pid).exists()
         finally:
             worker.stop()
-
-
-def finished_uids(events: list[dict[str, Any]]) -> set[str]:
-    return {
-        f"{e['engine_id']}/{e['payload'][1]['request_id']}"
-        for e in events
-        if e["payload"][0] == ev.REQUEST_FINISHED
-    }
 
 
 def stale_commit(cfg: Config, offset: int) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import VENV_BIN, free_port
+from sparseety.config import load_config
+from tests.helpers import VENV_BIN, finished_uids, free_port, produce_events, stored_uids, wait_for
+from tests.sim import SimEngine, workload
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -57,3 +59,41 @@ def test_up_status_down(tmp_path: Path) -> None:
     parts = after.stdout.split("\nlogs:")[0].splitlines()[1:]  # the parts table; engines follow
     states = [line.split()[1] for line in parts]
     assert after.returncode == 0 and states and set(states) == {"stopped"}
+
+
+def test_broker_start_alone_puts_the_stack_on_the_new_log(tmp_path: Path) -> None:
+    """``broker stop`` + ``broker start`` in a stack's data dir (issue 31): the in-memory broker
+    comes back empty, so ``broker start`` restarts the worker and the store on the new log, as
+    ``up`` does; a request sent afterwards is stored without another ``up``."""
+    data = tmp_path / "data"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env |= {
+        "SPARSEETY_DATA_DIR": str(data),
+        "SPARSEETY_BROKER_PORT": str(port),
+        "SPARSEETY_API_PORT": str(free_port()),
+        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
+    }
+    cfg = load_config(data_dir=str(data), kafka={"bootstrap": f"127.0.0.1:{port}"})
+    try:
+        assert cli(env, "up").returncode == 0
+        before = SimEngine(engine="before", epoch="e1", seed=2).run(workload(5, seed=2))
+        produce_events(cfg, before)
+        wait_for(lambda: set(stored_uids(cfg)) >= finished_uids(before), 120, 1.0, "the first requests")
+        worker_pid = (data / "run" / "worker-0.pid").read_text()
+
+        assert cli(env, "broker", "stop").returncode == 0
+        start = cli(env, "broker", "start")
+        assert start.returncode == 0, start.stderr
+        assert "restarting worker-0, store so they start on the new broker's log" in start.stderr
+        assert {"broker: ready", "worker-0: ready", "store: ready"} <= set(start.stdout.splitlines())
+        assert (data / "run" / "worker-0.pid").read_text() != worker_pid
+        status = cli(env, "status")
+        assert status.returncode == 0, status.stdout
+
+        after = SimEngine(engine="after", epoch="e1", seed=3).run(workload(5, seed=3))
+        produce_events(cfg, after)
+        wait_for(lambda: set(stored_uids(cfg)) >= finished_uids(after), 120, 1.0, "the requests after")
+    finally:
+        down = cli(env, "down")
+    assert down.returncode == 0, down.stderr
