@@ -17,7 +17,9 @@ from typing import NoReturn
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists (a zombie child of ours is reaped and reads as gone)."""
+    """Whether a process with ``pid`` exists and runs (a zombie child of ours is reaped, and any
+    other zombie reads as gone: a killed part whose parent exited waits for init to reap it, and
+    until then ``kill(pid, 0)`` still succeeds)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -28,7 +30,11 @@ def pid_alive(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return False
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs here: kill(pid, 0) is all there is
+    return state not in ("Z", "X")
 
 
 def terminate(pid: int, timeout_s: float, *, group: bool = False) -> bool:
