@@ -1,10 +1,16 @@
 """Versioned schema migrations: ``migrations/NNN_name.sql``, applied in order, recorded in
-``schema_migrations``; then the repeatable ``migrations/views.sql``, the current definition of
-every view, applied again whenever it changed (recorded as version 0 with its checksum).
+``schema_migrations``; then the repeatable ``migrations/views.sql``, the one definition of every
+view, applied again whenever it changed or a numbered migration was applied after it (recorded as
+version 0 with its checksum; a view that selects ``*`` so reads the columns a migration adds).
 
-Tables change through numbered migrations, which never change once applied; views change in
-``views.sql`` only, so a view's definition lives in one place. The numbered files keep the
-views' history as it was applied (their checksums guard existing stores).
+Numbered migrations hold table changes and data moves only, and never change once applied; no
+statement of theirs defines, drops or reads a view (a fresh store has no view until ``views.sql``
+runs, after them). Views change in ``views.sql`` only, so a view's definition lives in one place;
+a MATERIALIZED VIEW feeding a table would be table plumbing and belong in a numbered migration
+(there is none). Until issue 34 the numbered files also held every view's history; those bodies
+were removed, and :data:`REPLACED_CHECKSUMS` keeps valid the checksums of stores that applied the
+earlier texts, which end in the same schema (``tests/unit/test_sink_migrate.py`` compares a store
+migrated step by step from 001 with a fresh one).
 
 Migration files are templates: ``{db}`` is the database and ``{on_cluster}`` is empty or
 `` ON CLUSTER '<name>'``. With a cluster configured, every ``ENGINE = X(...)`` of the MergeTree
@@ -54,6 +60,70 @@ ORDER BY version
 """
 
 
+#: Checksums of numbered migrations as they were before issue 34 removed their view bodies (every
+#: view is defined in views.sql since), by version: {checksum of the earlier text: checksum of the
+#: text that replaced it}. A store that applied the earlier text passes the checksum check while
+#: the file is still that replacement; its views come from views.sql as everyone's do. The earlier
+#: texts are in git (``git show 4acb7f3:sinks/clickhouse/migrations/NNN_name.sql``).
+REPLACED_CHECKSUMS: dict[int, dict[str, str]] = {
+    2: {
+        "052ff7186e5aafadcfc246665b004269cbdcbfdba1dc23d95863837c0d83fbcc": (
+            "2ebf1afa5c144fce508c1f942f9152f6acb234fbd552378cc15c4a5ea67015d6"
+        ),
+    },
+    3: {
+        "ac89d734c8efab66d34426796c0e5bb50c240a0d3f7903d08a9fd27aa54ab521": (
+            "d2ada518f9583782f02eed878e5f2ff307671a08ccd746d987896fd9422780f7"
+        ),
+    },
+    5: {
+        "24042d6773f1c652e8f47e9365cb0a93dacad6f2b93c1f0d3b1e88663bab69af": (
+            "1b66182707063927cbe2abf51da664d0756bd2111854e4a56000bc3cc519061b"
+        ),
+    },
+    6: {
+        "6e024558040ce8bf8e2bafeba90529e9c1f3a0e77dd2c2486313bb930991e4a1": (
+            "a822fc6f238e76bf2f54c3795af83cf6038dcf9b64a886708a39307914c40e84"
+        ),
+    },
+    7: {
+        "0f4b58f11fe7c450e8b5a4f10dcaea0c6ae20842226743da269bae0501cf0521": (
+            "22ec313fb4dcc77fa24eb8faaec660652f7a96f8920213c54a80e619b5a0c27f"
+        ),
+    },
+    8: {
+        "622ba3fcada6647d6fa2bdcd72e46814fff1667a95e1506fa3a93b1be5c6dcb6": (
+            "03b02a7d831e4262b28c1ddc93652bb0c2380277cd1dd6e726d5a0d14a2a053e"
+        ),
+    },
+    9: {
+        "286184afe138808688a3762b729dc5fd45539b1a3e6fe60dd408fa15db87eea3": (
+            "19ac1aed850fd061b36312dc8a8b393e95fa98223169ae0c8137af942b758eff"
+        ),
+    },
+    10: {
+        "3a8218d99043a4022b7c0ead1d95088520db3dae61e1e6292cd738ba95ec8e8e": (
+            "6bcf34178c3c5e7f8dc30ccb7751bfb5759f50a8f684390ed85d2af4a5fd1551"
+        ),
+    },
+    11: {
+        "76f3da5f66c001dab3c8cd8bcc5b44d26d9471d46220c108c6fa09251580a88d": (
+            "62deea2d0f9418c9a824a902cad23175e64b4e502cc377f934200d0e7ba412d7"
+        ),
+    },
+    12: {
+        "6dd0995f53ee052a3b14346e4f371e66d1a81faa886f57fc33f7a4d3f812ffe7": (
+            "b8f73629be723f60870ee386fc96f55e025dcfb09e39d61adc131f04a0259155"
+        ),
+    },
+    13: {
+        "a937dacfa0726e32e1aa2795150c45a117275750b88d62e129f5d753dd5b2a6f": (
+            "c319c16c0162a498d8c5e9dcbaa0c67ea173b337f7b6bcd482eea53eaaeac3ee"
+        ),
+    },
+}
+
+
 @dataclass(frozen=True)
 class Migration:
     """One migration file."""
@@ -66,6 +136,14 @@ class Migration:
     def checksum(self) -> str:
         """sha256 of the template: an applied migration must never change."""
         return hashlib.sha256(self.template.encode()).hexdigest()
+
+    def accepts(self, recorded: str) -> bool:
+        """Whether a store that recorded ``recorded`` for this version applied this text, or an
+        earlier one this text replaced without changing the schema (:data:`REPLACED_CHECKSUMS`)."""
+        return (
+            recorded == self.checksum
+            or REPLACED_CHECKSUMS.get(self.version, {}).get(recorded) == self.checksum
+        )
 
 
 @dataclass(frozen=True)
@@ -159,6 +237,15 @@ def _applied(store: Store) -> dict[int, tuple[str, str, int]]:
     return {int(r["version"]): (r["name"], r["checksum"], int(r["applied_ns"])) for r in rows}
 
 
+def _views_current(applied: Mapping[int, tuple[str, str, int]], views: Migration) -> bool:
+    """``views.sql`` as it is now was applied, and no numbered migration since."""
+    if VIEWS_VERSION not in applied:
+        return False
+    _, checksum, at = applied[VIEWS_VERSION]
+    last = max((ns for v, (_, _, ns) in applied.items() if v != VIEWS_VERSION), default=0)
+    return checksum == views.checksum and at >= last
+
+
 def _bootstrap(store: Store) -> None:
     db, cl = store.database, on_cluster(store.cluster)
     store.command(f"CREATE DATABASE IF NOT EXISTS {db}{cl}")
@@ -168,7 +255,8 @@ def _bootstrap(store: Store) -> None:
 
 def status(store: Store, migrations: list[Migration] | None = None) -> list[MigrationStatus]:
     """Every known migration with its state in ``store`` (nothing is created); without an
-    explicit list, the views migration last (applied: its current text is)."""
+    explicit list, the views migration last (applied: its current text is, after every numbered
+    migration the store has)."""
     views = load_views() if migrations is None else None
     migrations = migrations if migrations is not None else load_migrations()
     exists = store.query(
@@ -182,12 +270,12 @@ def status(store: Store, migrations: list[Migration] | None = None) -> list[Migr
             m.name,
             m.version in applied,
             applied[m.version][2] if m.version in applied else None,
-            m.version not in applied or applied[m.version][1] == m.checksum,
+            m.version not in applied or m.accepts(applied[m.version][1]),
         )
         for m in migrations
     ]
     if views is not None:
-        current = applied.get(VIEWS_VERSION, ("", "", 0))[1] == views.checksum
+        current = _views_current(applied, views)
         at = applied[VIEWS_VERSION][2] if current else None
         out.append(MigrationStatus(VIEWS_VERSION, views.name, current, at, True))
     return out
@@ -212,8 +300,9 @@ def status_rows(store: Store) -> list[dict[str, Any]]:
 def migrate(
     store: Store, migrations: list[Migration] | None = None, *, ttl_days: Mapping[str, int] | None = None
 ) -> list[Migration]:
-    """Apply the pending migrations in order, then ``views.sql`` when it changed (only without
-    an explicit list); return those applied (empty when up to date).
+    """Apply the pending migrations in order, then ``views.sql`` when it changed or a numbered
+    migration was applied after it (only without an explicit list); return those applied (empty
+    when up to date).
 
     ``ttl_days`` (``clickhouse.ttl_days``) then sets each table's retention (:func:`set_retention`).
 
@@ -228,7 +317,7 @@ def migrate(
     for m in migrations:
         if m.version in applied:
             _, checksum, _ = applied[m.version]
-            if checksum != m.checksum:
+            if not m.accepts(checksum):
                 raise MigrationError(
                     f"migration {m.version:03d}_{m.name} was changed after it was applied to "
                     f"{store.database}; add a new migration instead of editing an applied one",
@@ -237,7 +326,7 @@ def migrate(
             continue
         _apply(store, m)
         done.append(m)
-    if views is not None and applied.get(VIEWS_VERSION, ("", "", 0))[1] != views.checksum:
+    if views is not None and (done or not _views_current(applied, views)):
         _apply(store, views)
         done.append(views)
     if ttl_days:

@@ -6,6 +6,4 @@
 ALTER TABLE {db}.requests{on_cluster}
     ADD COLUMN IF NOT EXISTS session_id String DEFAULT '' AFTER waste_tokens;
 
--- requests_v selects *: recreated so that it reads the new column.
-CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
-SELECT *, finished_at FROM {db}.requests FINAL;
+-- The views over these tables are defined in views.sql (issue 34).

@@ -4,7 +4,8 @@
 -- Arrays compress well with ZSTD; token ids are small integers (T64 first packs their bits).
 -- Retention: a TTL on finished_at, 30 days by default; `clickhouse.ttl_days` changes it at
 -- migrate time (docs/clickhouse.md). The row's identity is the request (ReplacingMergeTree on
--- _version, as token_segments), read through request_tokens_v, which joins the current version.
+-- _version, as token_segments), read through request_tokens_v (views.sql), which joins the
+-- current version.
 CREATE TABLE IF NOT EXISTS {db}.request_tokens{on_cluster}
 (
     request_uid String,
@@ -21,8 +22,4 @@ ORDER BY request_uid
 TTL finished_at + toIntervalDay(30)
 SETTINGS non_replicated_deduplication_window = 1000;
 
-CREATE OR REPLACE VIEW {db}.request_tokens_v{on_cluster} AS
-SELECT t.*, r.tenant AS tenant, r.model AS model
-FROM {db}.request_tokens AS t FINAL
-INNER JOIN (SELECT request_uid, _version, tenant, model FROM {db}.requests FINAL) AS r
-    ON t.request_uid = r.request_uid AND t._version = r._version;
+-- The views over these tables are defined in views.sql (issue 34).

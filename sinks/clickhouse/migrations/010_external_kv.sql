@@ -13,7 +13,4 @@ ALTER TABLE {db}.token_segments{on_cluster}
                                'recomputed_after_preemption' = 6, 'recomputed_after_eviction' = 7,
                                'not_computed' = 8, 'external_kv' = 9);
 
--- requests_v selects *: recreated so that it reads the new column (definition as in 009).
-CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
-SELECT *, finished_at FROM {db}.requests FINAL
-WHERE engine_kind != 'vllm_log' OR request_uid NOT IN (SELECT request_uid FROM {db}.log_duplicates_v);
+-- The views over these tables are defined in views.sql (issue 34).

@@ -10,7 +10,4 @@ ALTER TABLE {db}.requests{on_cluster}
     ADD COLUMN IF NOT EXISTS warmup_gpu_time_ns Int64 DEFAULT 0 AFTER external_kv_tokens,
     ADD COLUMN IF NOT EXISTS source_history_lost_ts_ns Int64 DEFAULT 0 AFTER warmup_gpu_time_ns;
 
--- requests_v selects *: recreated so that it reads the new columns (definition as in 010).
-CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
-SELECT *, finished_at FROM {db}.requests FINAL
-WHERE engine_kind != 'vllm_log' OR request_uid NOT IN (SELECT request_uid FROM {db}.log_duplicates_v);
+-- The views over these tables are defined in views.sql (issue 34).

@@ -1,9 +1,15 @@
--- The current definition of every view, applied by `sparseety db migrate` after the numbered
--- migrations whenever this file changed (a repeatable migration, recorded as version 0). Change a
--- view here, not in a new numbered migration: those add and change tables. The numbered files
--- still hold the views' history, as they were applied; this file is what the views are now.
+-- Every view, defined once (issue 34): applied by `sparseety db migrate` after the numbered
+-- migrations whenever this file changed or a numbered migration was applied after it (a repeatable
+-- migration, recorded as version 0), so a view that selects * reads the columns a migration adds.
+-- Change a view here, never in a numbered migration: those hold table changes and data moves only,
+-- and none of their statements may read a view (a fresh store has none until this file runs). To
+-- remove a view, replace its definition with DROP VIEW IF EXISTS {db}.<name>{on_cluster}.
 -- Order: a view comes after the views it reads.
 
+-- One request, two sources (issue 14 part 3, docs/clickhouse.md): a `vllm_log` row whose
+-- request_id a step-level row (engine_kind not vllm_log, trace or proxy) also has is a hidden
+-- copy; the raw table keeps both rows. The inner set is limited to ids that a log row has, so a
+-- store without logs builds an empty set.
 CREATE OR REPLACE VIEW {db}.log_duplicates_v{on_cluster} AS
 SELECT request_uid, request_id, tenant, model, engine_name, finished_ts_ns, complete,
        prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
@@ -13,16 +19,23 @@ WHERE engine_kind = 'vllm_log'
                      WHERE engine_kind NOT IN ('vllm_log', 'trace', 'proxy')
                        AND request_id IN (SELECT request_id FROM {db}.requests WHERE engine_kind = 'vllm_log'));
 
+-- The current version of each request, without the hidden copies. It selects *: it reads the
+-- columns a migration adds because this file is applied again after every migration.
 CREATE OR REPLACE VIEW {db}.requests_v{on_cluster} AS
 SELECT *, finished_at FROM {db}.requests FINAL
 WHERE engine_kind != 'vllm_log' OR request_uid NOT IN (SELECT request_uid FROM {db}.log_duplicates_v);
 
+-- Child rows of the request's current version only, joined through requests_v, which also
+-- supplies tenant, model and time: a hidden copy has no segments, blocks or token ids in any
+-- answer.
 CREATE OR REPLACE VIEW {db}.token_segments_v{on_cluster} AS
 SELECT s.*, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name, r.finished_ts_ns AS finished_ts_ns
 FROM {db}.token_segments AS s FINAL
 INNER JOIN (SELECT request_uid, _version, tenant, model, engine_name, finished_ts_ns FROM {db}.requests_v) AS r
     ON s.request_uid = r.request_uid AND s._version = r._version;
 
+-- Blocks of the request's current version (as token_segments_v), with the engine_id that makes a
+-- cache lifetime (engine_id, block_hash, lifetime_seq).
 CREATE OR REPLACE VIEW {db}.kv_blocks_v{on_cluster} AS
 SELECT b.*, r.engine_id AS engine_id, r.tenant AS tenant, r.model AS model, r.engine_name AS engine_name,
        r.finished_ts_ns AS finished_ts_ns
@@ -31,6 +44,11 @@ INNER JOIN (SELECT request_uid, _version, engine_id, tenant, model, engine_name,
             FROM {db}.requests_v) AS r
     ON b.request_uid = r.request_uid AND b._version = r._version;
 
+-- Observed prefix-cache eviction per request (axis 2 after the request, from kv_blocks): the
+-- blocks it computed whose cache lifetime later ended, i.e. a later request computed the same
+-- hash again as recomputed_after_eviction (role 'recomputed') in a newer lifetime on that engine.
+-- A block still cached, or evicted but never needed again, is not counted: only evictions that
+-- someone paid for are observable from the stored accounting.
 CREATE OR REPLACE VIEW {db}.prefix_evictions_v{on_cluster} AS
 WITH
     computed AS (
@@ -52,12 +70,16 @@ INNER JOIN recomputed AS x ON c.engine_id = x.engine_id AND c.block_hash = x.blo
 WHERE x.next_lifetime_seq > c.lifetime_seq
 GROUP BY c.request_uid;
 
+-- Token records (request_tokens) of the request's current version, as token_segments_v.
 CREATE OR REPLACE VIEW {db}.request_tokens_v{on_cluster} AS
 SELECT t.*, r.tenant AS tenant, r.model AS model
 FROM {db}.request_tokens AS t FINAL
 INNER JOIN (SELECT request_uid, _version, tenant, model FROM {db}.requests_v) AS r
     ON t.request_uid = r.request_uid AND t._version = r._version;
 
+-- KV memory cost per request, beside request_costs_v (joined by request_uid): byte-ms x USD per
+-- GiB-hour, in picodollars: byte_ms * price_micro * 10^6 / (2^30 * 3.6 * 10^6) =
+-- byte_ms * price_micro * 10 / 38654705664, floored per request. NULL where not observed.
 CREATE OR REPLACE VIEW {db}.request_kv_costs_v{on_cluster} AS
 SELECT
     r.request_uid AS request_uid,
@@ -74,6 +96,24 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
                 FROM {db}.prices FINAL WHERE token_class = 'kv') AS pk
     ON r.model = pk.model AND r.finished_ts_ns >= pk.effective_from_ns;
 
+-- Per-request cost in picodollars (Int128) in every attribution mode (docs/cost-model.md): tokens
+-- x micro-USD per million tokens. Prices apply as of the request's finish time (ASOF: the latest
+-- effective_from <= finished). Over requests_v, so a hidden log copy is not counted
+-- (sparsity_signals_v, amortized_delta_v and every cost query read this view).
+-- Rows written before schema v2 cannot split recompute: their recomputed_tokens count as
+-- preemption recompute (the old meaning of waste), and their evicted_tokens (window release) as
+-- window_released_tokens. List mode does not charge an aborted request for prompt positions it
+-- never computed: its list input is at most what it computed of the prompt for the first time.
+-- `list` bills the prompt of an API request once: the n choices of one parent (same engine_id and
+-- parent_request_id) are one invoice line, whose prompt (and its cache hits) is carried by one
+-- choice, the one that finished last (ties: the highest choice_index), as vLLM's usage reports
+-- the cached tokens of the choice that completed the response; the others are billed their
+-- output only (list_prompt_billed = 0). prompt_input_tokens is each request's own uncached prompt
+-- (the actual mode of request-level rows uses it), list_cached_tokens each request's own
+-- admission hits (the savings and regressions hit rate), list_billed_cached_tokens what list bills.
+-- Output positions are priced apart: the answer at the output price, the think section at the
+-- model's 'reasoning_output' price, else at the output price (so with no such price, and for rows
+-- whose reasoning is not observed, the cost is what it was).
 CREATE OR REPLACE VIEW {db}.request_costs_v{on_cluster} AS
 SELECT
     r.request_uid AS request_uid, r.tenant AS tenant, r.model AS model,
@@ -152,6 +192,11 @@ LEFT JOIN (SELECT engine_id AS _p_engine, parent_request_id AS _p_parent,
            GROUP BY engine_id, parent_request_id) AS par
     ON r.engine_id = par._p_engine AND r.parent_request_id = par._p_parent;
 
+-- Amortized attribution: within one cache lifetime (engine_id, block_hash, lifetime_seq) the
+-- compute of a block (its computing requests' tokens at their input price) is split equally
+-- among every request that used it. Integer shares; the remainder goes one picodollar each to
+-- the first users by request_uid, so the shares add up to the pool exactly. delta_pico is what
+-- amortized adds to (or takes from) a request's actual cost; the deltas sum to zero.
 CREATE OR REPLACE VIEW {db}.amortized_delta_v{on_cluster} AS
 WITH
     uses AS (
@@ -186,21 +231,35 @@ FROM shared
 WHERE pool > 0
 GROUP BY request_uid;
 
+-- Sparsity regression alerts (issue 15): one row per request with the numerator and denominator
+-- of every "did the optimisation fire?" signal, so a window's rate is sum(num) / sum(den) over its
+-- requests (sparseety/queries/regressions.py compares a current window with the engine's own
+-- baseline). MoE expert balance comes from expert_load (per request counts), not from here.
 CREATE OR REPLACE VIEW {db}.sparsity_signals_v{on_cluster} AS
 SELECT
     c.request_uid AS request_uid, c.tenant AS tenant, c.model AS model, c.engine_name AS engine_name,
     c.engine_id AS engine_id, c.finished_ts_ns AS finished_ts_ns,
+    -- prefix cache: admission hits over prompt positions (the savings query's hit rate)
     toInt64(c.list_cached_tokens) AS cache_hit_tokens, toInt64(c.prompt_tokens) AS prompt_tokens,
+    -- speculative decoding: drafts proposed (accepted + rejected + cut) and accepted, per output
     toInt64(c.draft_accepted_tokens) + c.draft_rejected_tokens + c.draft_cut_tokens AS draft_tokens,
     toInt64(c.draft_accepted_tokens) AS draft_accepted_tokens, toInt64(c.output_tokens) AS output_tokens,
+    -- sliding window: attention pairs skipped over the pairs full attention would have attended
     toInt64(r.attention_pairs_skipped) AS attention_pairs_skipped,
     toInt64(r.attention_pairs) + r.attention_pairs_skipped AS attention_pairs_full,
     r.attention_window AS attention_window,
+    -- eviction: positions recomputed after a prefix-cache eviction over everything computed
     toInt64(c.recomputed_eviction_tokens) AS recomputed_eviction_tokens,
     toInt64(c.scheduled_tokens) AS scheduled_tokens
 FROM {db}.request_costs_v AS c
 INNER JOIN {db}.requests_v AS r ON c.request_uid = r.request_uid;
 
+-- Usage windows (usage_1m, per adapter: lora_name beside model) are the worker's pre-aggregates:
+-- the log's engine emitted windows that include its copies. Each hidden copy is subtracted from
+-- the window of its own engine, tenant and model holding its finish time (streams/windows.py:
+-- start = finish - finish % window_ns), once that window is stored (a copy whose window has not
+-- been emitted yet is not subtracted, so a sum never goes below what was stored). `corrections`
+-- counts stored correction rows only.
 CREATE OR REPLACE VIEW {db}.usage_v{on_cluster} AS
 SELECT
     tenant, model, lora_name, engine_name, window_start_ns, window_ns,
