@@ -11,7 +11,6 @@ import errno
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from sparseety.config import Config
 from sparseety.errors import BrokerBinaryMissingError, BrokerError, PortInUseError
 from sparseety.kafka import ensure_topics, wait_for_kafka
 from sparseety.lifecycle import pid_alive, terminate
+from sparseety.waiting import Readiness
 
 
 def tansu_binary() -> Path:
@@ -129,20 +129,25 @@ class EmbeddedBroker:
                     env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
                 )
             self.pid_file.write_text(str(proc.pid))
-            deadline = time.monotonic() + timeout_s
-            while not self._listening():
-                if proc.poll() is not None:
-                    self.pid_file.unlink(missing_ok=True)
-                    raise BrokerError(
-                        f"broker exited with code {proc.returncode}; see {self.log_file}",
-                        log=str(self.log_file),
-                    )
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise BrokerError(
-                        f"broker did not listen within {timeout_s:.0f} s", log=str(self.log_file)
-                    )
-                time.sleep(0.05)
+
+            def exited() -> BrokerError:
+                self.pid_file.unlink(missing_ok=True)
+                return BrokerError(
+                    f"broker exited with code {proc.returncode}; see {self.log_file}", log=str(self.log_file)
+                )
+
+            def not_listening() -> BrokerError:
+                self.stop()
+                return BrokerError(f"broker did not listen within {timeout_s:.0f} s", log=str(self.log_file))
+
+            Readiness(
+                self._listening,
+                timeout_s=timeout_s,
+                interval_s=0.05,
+                exited=lambda: proc.poll() is not None,
+                on_exit=exited,
+                on_timeout=not_listening,
+            ).wait()
         client_cfg = self.client_config()
         wait_for_kafka(client_cfg, timeout_s)
         if create_topics:

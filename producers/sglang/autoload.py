@@ -12,20 +12,20 @@ allow-list) can also leave it out. ``register()`` never raises.
 from __future__ import annotations
 
 import logging
-import os
 
-from sparseety.config import is_configured
+from ..plugin_kit import register_when_configured
 
 log = logging.getLogger("sparseety.producer.sglang")
 
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group; never raises."""
-    try:
-        if not is_configured(os.environ):
-            return
-        from . import hooks
+    register_when_configured(
+        _install, log, "sparseety: SGLang hooks not loaded, the engine runs without them: %r"
+    )
 
-        hooks.install()
-    except Exception as exc:
-        log.warning("sparseety: SGLang hooks not loaded, the engine runs without them: %r", exc)
+
+def _install() -> None:
+    from . import hooks
+
+    hooks.install()

@@ -19,14 +19,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from sparseety.config import load_config
 
-from ..plugin_log import ensure_log_handler
-from ..vllm.plugin import after_import
+from ..plugin_kit import Once, after_import, check_scheduler, missing_seams, stop_publishing
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -34,27 +32,18 @@ TESTED_VERSIONS = ("0.5.23",)
 SCHEDULER_SEAMS = ("__init__", "run_batch", "process_batch_result", "abort_request")
 RECORDER_SEAMS = ("record_store", "record_remove", "record_all_cleared")
 
-_installed = False
-_lock = threading.Lock()
+_installed = Once()
 #: The session of this process's scheduler (one scheduler per SGLang scheduler process).
 _session: Any = None
 
 
 def install() -> None:
     """Arrange for SGLang's classes to be patched when SGLang imports them (idempotent)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
-    ensure_log_handler()
-    after_import("sglang.srt.managers.scheduler", _on_scheduler_module)
-    after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module)
-    after_import("sglang.srt.mem_cache.events", _on_events_module)
-
-
-def _missing(cls: Any, seams: tuple[str, ...]) -> list[str]:
-    return [m for m in seams if not callable(getattr(cls, m, None))]
+    if not _installed.first():
+        return
+    after_import("sglang.srt.managers.scheduler", _on_scheduler_module, log)
+    after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module, log)
+    after_import("sglang.srt.mem_cache.events", _on_events_module, log)
 
 
 def _disable(exc: BaseException) -> None:
@@ -63,13 +52,9 @@ def _disable(exc: BaseException) -> None:
     session, _session = _session, None
     if session is None:
         return
-    log.error(
-        "sparseety: stopped publishing SGLang engine %s: an object the hooks read changed (%r); "
-        "the engine keeps running",
-        session.emitter.engine_id,
-        exc,
-    )
-    threading.Thread(target=session.stop, args=("producer_error",), daemon=True).start()
+    from .session import sglang_version
+
+    stop_publishing(session, exc, logger=log, engine=f"SGLang {sglang_version()}")
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,19 +71,12 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def _on_scheduler_module(module: Any) -> list[str]:
     cls = module.Scheduler
-    missing = _missing(cls, SCHEDULER_SEAMS)
-    if missing:
-        log.warning("sparseety: SGLang producer disabled: SGLang has no Scheduler.%s", ", ".join(missing))
-        return []
     from .session import sglang_version
 
-    if not sglang_version().startswith(TESTED_VERSIONS):
-        log.warning(
-            "sparseety: SGLang %s is not a tested version (%s); the hooks stop themselves if its "
-            "objects differ",
-            sglang_version(),
-            ", ".join(TESTED_VERSIONS),
-        )
+    if not check_scheduler(
+        cls, SCHEDULER_SEAMS, logger=log, engine="SGLang", version=sglang_version(), tested=TESTED_VERSIONS
+    ):
+        return []
     orig_init, orig_run, orig_result, orig_abort = (
         cls.__init__,
         cls.run_batch,
@@ -192,7 +170,7 @@ def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _on_events_module(module: Any) -> list[str]:
     cls = module.KVCacheEventRecorder
-    missing = _missing(cls, RECORDER_SEAMS)
+    missing = missing_seams(cls, RECORDER_SEAMS)
     if missing:
         log.warning("sparseety: SGLang has no KVCacheEventRecorder.%s; no KV events", ", ".join(missing))
         return []

@@ -21,21 +21,19 @@ node or request holds them); hashing and payloads are built on the emitter's thr
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import re
 import socket
-import threading
 import time
-import weakref
 from typing import Any
 
 from sparseety import __version__ as sparseety_version
 from sparseety import events as ev
 from sparseety.config import Config
 
+from .. import plugin_kit
 from ..emitter import Emitter, new_epoch
+from ..plugin_kit import SessionBase, announce
 from ..privacy import PromptPolicy
 from .records import HASH_ALGO, RecordBuilder
 
@@ -124,13 +122,11 @@ def kv_events_observed(tree: Any) -> bool:
 
 
 def engine_name(cfg: Config, scheduler: Any, served: str) -> str:
-    """Configured name, else ``<host>-<served model>-dp<rank>`` (the vLLM producer's rule)."""
+    """The scheduler's name (:func:`~..plugin_kit.engine_name`, the vLLM producer's rule)."""
     rank = int(getattr(scheduler, "dp_rank", 0) or 0)
-    size = int(getattr(scheduler.server_args, "dp_size", 1) or 1)
-    if cfg.producer.engine_name:
-        return f"{cfg.producer.engine_name}-dp{rank}" if size > 1 else cfg.producer.engine_name
-    hint = re.sub(r"[^A-Za-z0-9._-]+", "_", served.rsplit("/", 1)[-1]) or "model"
-    return cfg.engine_name(f"{hint}-dp{rank}")
+    return plugin_kit.engine_name(
+        cfg, served, dp_rank=rank, dp_size=int(getattr(scheduler.server_args, "dp_size", 1) or 1)
+    )
 
 
 def _arrival_s(req: Any) -> float:
@@ -143,12 +139,11 @@ def _arrival_s(req: Any) -> float:
     return time.time()
 
 
-class SglangSession:
+class SglangSession(SessionBase):
     """The producer of one SGLang engine epoch, bound to one ``Scheduler``."""
 
     def __init__(self, cfg: Config, emitter: Emitter, builder: RecordBuilder) -> None:
-        self.cfg = cfg
-        self.emitter = emitter
+        super().__init__(cfg, emitter)
         self.builder = builder
         self.block_size = builder.block_size
         self._step = 0
@@ -157,8 +152,6 @@ class SglangSession:
         self._retracted_now: list[str] = []  # for the next StepBatch
         #: The batch in flight: step, start, rids, scheduled, computed before, outputs before, reqs.
         self._pending: tuple[int, int, list[str], list[int], list[int], list[int], list[Any]] | None = None
-        self._stopped = False
-        self._stop_lock = threading.Lock()
 
     @classmethod
     def start(cls, cfg: Config, scheduler: Any) -> SglangSession:
@@ -174,15 +167,7 @@ class SglangSession:
             block_size=block_size,
         )
         session = cls(cfg, emitter, builder)
-        emitter.announce(ev.ENGINE_STARTED, started)
-        ref = weakref.ref(session)
-
-        def at_exit() -> None:
-            live = ref()
-            if live is not None:
-                live.stop("exit")
-
-        atexit.register(at_exit)
+        announce(session, started)
         log.info(
             "sparseety: publishing SGLang engine %s to %s (topic %s, block size %d)",
             emitter.engine_id,
@@ -332,13 +317,3 @@ class SglangSession:
 
     def on_cleared(self) -> None:
         self.emitter.emit_record(ev.KV_CLEARED, {"medium": "GPU"})
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    def stop(self, reason: str = "shutdown", timeout: float | None = None) -> None:
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})
-        self.emitter.close(timeout)

@@ -25,14 +25,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-from sparseety.config import is_configured, load_config
+from sparseety.config import load_config
 
-from ..plugin_log import ensure_log_handler
+from ..plugin_kit import Once, after_import, check_scheduler, register_when_configured, stop_publishing
 
 log = logging.getLogger("sparseety.producer.vllm")
 
@@ -40,19 +38,12 @@ log = logging.getLogger("sparseety.producer.vllm")
 TESTED_VERSIONS = ("0.32",)
 SCHEDULER_SEAMS = ("__init__", "schedule", "update_from_output", "_free_request", "shutdown")
 
-_installed = False
-_lock = threading.Lock()
+_installed = Once()
 
 
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; never raises."""
-    try:
-        if not is_configured(os.environ):
-            return
-        ensure_log_handler()
-        install()
-    except Exception as exc:
-        log.warning("sparseety: vLLM plugin disabled, the engine runs without it: %s", exc)
+    register_when_configured(install, log, "sparseety: vLLM plugin disabled, the engine runs without it: %s")
 
 
 def install() -> None:
@@ -62,39 +53,23 @@ def install() -> None:
     process (at once when it already has), so the API front end never pays for importing the
     model runner, and the worker gets its hooks before a model is loaded.
     """
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
+    if not _installed.first():
+        return
     from . import routing
 
-    after_import("vllm.distributed.kv_events", _on_kv_events_module)
-    after_import("vllm.v1.core.sched.scheduler", _on_scheduler_module)
-    after_import("vllm.v1.engine.core", _on_engine_core_module)
-    after_import("vllm.v1.worker.gpu_model_runner", routing.patch_runner_module)
-    after_import("vllm.v1.worker.cpu_model_runner", routing.patch_runner_module)
+    after_import("vllm.distributed.kv_events", _on_kv_events_module, log)
+    after_import("vllm.v1.core.sched.scheduler", _on_scheduler_module, log)
+    after_import("vllm.v1.engine.core", _on_engine_core_module, log)
+    after_import("vllm.v1.worker.gpu_model_runner", routing.patch_runner_module, log)
+    after_import("vllm.v1.worker.cpu_model_runner", routing.patch_runner_module, log)
 
 
 def _on_scheduler_module(module: Any) -> list[str]:
     scheduler = getattr(module, "Scheduler", None)
-    missing = [m for m in SCHEDULER_SEAMS if not callable(getattr(scheduler, m, None))]
-    if missing:
-        log.warning(
-            "sparseety: vLLM plugin disabled, the engine runs without it: vLLM %s has no Scheduler.%s; "
-            "this plugin covers vLLM %s",
-            _version(),
-            ", Scheduler.".join(missing),
-            ", ".join(TESTED_VERSIONS),
-        )
+    if not check_scheduler(
+        scheduler, SCHEDULER_SEAMS, logger=log, engine="vLLM", version=_version(), tested=TESTED_VERSIONS
+    ):
         return []
-    if not _version().startswith(TESTED_VERSIONS):
-        log.warning(
-            "sparseety: vLLM %s is not a tested version (%s); the hooks will stop themselves "
-            "if vLLM's objects differ",
-            _version(),
-            ", ".join(TESTED_VERSIONS),
-        )
     return _patch_scheduler(scheduler)
 
 
@@ -107,26 +82,6 @@ def _on_kv_events_module(module: Any) -> list[str]:
 
 def _on_engine_core_module(module: Any) -> list[str]:
     return _patch_engine_core(module.EngineCore)
-
-
-def _run_callback(name: str, callback: Callable[[Any], Any], module: Any) -> None:
-    try:
-        patched = callback(module)
-        log.debug("sparseety: patched %s", ", ".join(patched or []))
-    except Exception as exc:  # never break vLLM's import
-        log.warning("sparseety: could not hook %s (%r); the engine runs without that part", name, exc)
-
-
-def after_import(name: str, callback: Callable[[Any], Any]) -> None:
-    """``callback(module)`` once ``name`` is imported: now if it already is, else right after.
-
-    wrapt's post-import hooks (PEP 369 style): one finder on ``sys.meta_path`` that wraps the
-    target module's loader and fires each hook once; ``_run_callback`` keeps a failing hook from
-    breaking vLLM's import.
-    """
-    import wrapt
-
-    wrapt.register_post_import_hook(functools.partial(_run_callback, name, callback), name)
 
 
 def _version() -> str:
@@ -144,14 +99,7 @@ def _disable(scheduler: Any, session: Any, exc: BaseException) -> None:
     pub: Any = getattr(scheduler, "kv_event_publisher", None)
     if pub is not None and hasattr(pub, "detach"):
         pub.detach()
-    log.error(
-        "sparseety: stopped publishing engine %s: vLLM %s changed an object the hooks read (%r); "
-        "the engine keeps running",
-        session.emitter.engine_id,
-        _version(),
-        exc,
-    )
-    threading.Thread(target=session.stop, args=("producer_error",), daemon=True).start()
+    stop_publishing(session, exc, logger=log, engine=f"vLLM {_version()}")
 
 
 def _patch_scheduler(cls: Any) -> list[str]:

@@ -25,18 +25,14 @@ resume and is reported as such.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import re
-import threading
 import time
-import weakref
 from typing import Any
 
-from sparseety import events as ev
 from sparseety.config import Config
 
 from ..emitter import Emitter, new_epoch
+from ..plugin_kit import SessionBase, announce, engine_name
 from ..privacy import PromptPolicy
 from . import facts, routing
 from .reasoning import ReasoningSplit
@@ -56,21 +52,13 @@ def vllm_version() -> str:
 
 
 def default_engine_name(cfg: Config, vllm_config: Any, served: str) -> str:
-    """Configured name, else ``<host>-<served model>-dp<rank>`` (stable across restarts).
-
-    Under data parallelism every rank's engine core reads the same configuration, so a
-    configured name gets ``-dp<rank>`` too: one name per engine core, or the ranks would take
-    each other's epochs for restarts (and close each other's requests).
-    """
-    rank = facts.dp_rank(vllm_config)
-    if cfg.producer.engine_name:
-        size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-        return f"{cfg.producer.engine_name}-dp{rank}" if size > 1 else cfg.producer.engine_name
-    hint = re.sub(r"[^A-Za-z0-9._-]+", "_", served.rsplit("/", 1)[-1]) or "model"
-    return cfg.engine_name(f"{hint}-dp{rank}")
+    """The engine core's name (:func:`~..plugin_kit.engine_name`: the data-parallel rank and size
+    are vLLM's)."""
+    size = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)
+    return engine_name(cfg, served, dp_rank=facts.dp_rank(vllm_config), dp_size=size)
 
 
-class EngineSession:
+class EngineSession(SessionBase):
     """The producer of one engine epoch, bound to one ``Scheduler``.
 
     Args:
@@ -81,8 +69,7 @@ class EngineSession:
     """
 
     def __init__(self, cfg: Config, scheduler: Any, emitter: Emitter, builder: RecordBuilder) -> None:
-        self.cfg = cfg
-        self.emitter = emitter
+        super().__init__(cfg, emitter)
         self.builder = builder
         self.engine_name = emitter.engine_name
         self.epoch = emitter.epoch
@@ -107,8 +94,6 @@ class EngineSession:
         self._live: set[str] = set()
         self._in_update = False
         self._deferred: list[Any] = []
-        self._stopped = False
-        self._stop_lock = threading.Lock()
 
     # --- construction ----------------------------------------------------------------------
 
@@ -139,15 +124,7 @@ class EngineSession:
             reasoning=reasoning,
         )
         session = cls(cfg, scheduler, emitter, builder)
-        emitter.announce(ev.ENGINE_STARTED, started)
-        ref = weakref.ref(session)
-
-        def at_exit() -> None:
-            live_session = ref()
-            if live_session is not None:
-                live_session.stop("exit")
-
-        atexit.register(at_exit)
+        announce(session, started)
         log.info(
             "sparseety: publishing engine %s to %s (topic %s, privacy %s, routing capture %s)",
             emitter.engine_id,
@@ -358,12 +335,9 @@ class EngineSession:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def stop(self, reason: str = "shutdown", timeout: float | None = None) -> None:
-        """Send EngineStopped, flush (bounded), log the producer's totals. Idempotent."""
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
+    def _release(self) -> None:
+        """At stop, before EngineStopped: the finishes and KV events still held, and the
+        routing captured in this process."""
         if self._deferred:
             self._flush_deferred()
         if self._kv_held:
@@ -371,7 +345,3 @@ class EngineSession:
         if self._held:
             self._release_held(max(self._held))
         routing.flush_in_process(2.0)
-        self.emitter.emit_record(ev.ENGINE_STOPPED, {"reason": reason})
-        t0 = time.monotonic()
-        self.emitter.close(timeout)
-        log.debug("sparseety: producer flushed in %.2f s", time.monotonic() - t0)

@@ -24,6 +24,7 @@ import uvicorn
 from sparseety.api.auth import api_dir, is_loopback
 from sparseety.api.guard import install_redaction
 from sparseety.errors import SparseetyError
+from sparseety.waiting import Readiness
 
 log = logging.getLogger("sparseety.api")
 ENDPOINT_FILE = "endpoint.json"
@@ -139,16 +140,21 @@ class ApiServer:
         """
         sock = _bind(self.host, self.port)
         port = sock.getsockname()[1]
-        self._task = asyncio.create_task(self.server.serve(sockets=[sock]), name="sparseety-api")
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if self._task.done():
-                sock.close()
-                exc = self._task.exception() if not self._task.cancelled() else None
-                raise ApiServerError(f"the API did not start: {exc!r}")
-            if time.monotonic() > deadline:
-                raise ApiServerError(f"the API did not start within {timeout_s:.0f} s")
-            await asyncio.sleep(0.02)
+        task = self._task = asyncio.create_task(self.server.serve(sockets=[sock]), name="sparseety-api")
+
+        def failed() -> ApiServerError:
+            sock.close()
+            exc = task.exception() if not task.cancelled() else None
+            return ApiServerError(f"the API did not start: {exc!r}")
+
+        await Readiness(
+            lambda: self.server.started,
+            timeout_s=timeout_s,
+            interval_s=0.02,
+            exited=task.done,
+            on_exit=failed,
+            on_timeout=lambda: ApiServerError(f"the API did not start within {timeout_s:.0f} s"),
+        ).wait_async()
         self.url = client_url(self.host, port)
         if self.data_path is not None:
             write_endpoint(self.data_path, self.url)

@@ -11,13 +11,13 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
 from sparseety.errors import ModelServerError
+from sparseety.waiting import Readiness
 
 
 def _free_port() -> int:
@@ -63,27 +63,38 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise ModelServerError(
-                    f"{what} exited with {self.proc.returncode}; see {log}:\n{self.tail()}",
-                    what=what,
-                    log=str(log),
-                    returncode=self.proc.returncode,
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                self.close()
-                raise ModelServerError(
-                    f"{what} was not ready after {timeout_s:.0f} s; see {log}:\n{self.tail()}",
-                    what=what,
-                    log=str(log),
-                    returncode=None,
-                )
-            time.sleep(1.0)
+
+        def exited() -> ModelServerError:
+            return ModelServerError(
+                f"{what} exited with {self.proc.returncode}; see {log}:\n{self.tail()}",
+                what=what,
+                log=str(log),
+                returncode=self.proc.returncode,
+            )
+
+        def not_ready() -> ModelServerError:
+            self.close()
+            return ModelServerError(
+                f"{what} was not ready after {timeout_s:.0f} s; see {log}:\n{self.tail()}",
+                what=what,
+                log=str(log),
+                returncode=None,
+            )
+
+        Readiness(
+            self.healthy,
+            timeout_s=timeout_s,
+            interval_s=1.0,
+            exited=lambda: self.proc.poll() is not None,
+            on_exit=exited,
+            on_timeout=not_ready,
+        ).wait()
+
+    def healthy(self) -> bool:
+        """Whether its ``/health`` answers 200."""
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        return False
 
     def tail(self, n: int = 60) -> str:
         """The last ``n`` lines of its log."""

@@ -24,6 +24,7 @@ from sparseety.broker import EmbeddedBroker, port_is_free
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
 from sparseety.lifecycle import clear_ready, pid_alive, ready_file, terminate
+from sparseety.waiting import Readiness
 
 Progress = Callable[[str], None]
 
@@ -126,21 +127,20 @@ class Stack:
             return False
 
     def _wait(self, name: str, ready: Callable[[], bool], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            if self._pid(name) is None:
-                raise StackError(
-                    f"{name} exited during start; see {self._log(name)}, then run "
-                    "`sparseety down && sparseety up`",
-                    part=name,
-                )
-            if time.monotonic() > deadline:
-                raise StackError(
-                    f"{name} not ready after {timeout_s:.0f} s; see {self._log(name)}, then run "
-                    "`sparseety down && sparseety up`",
-                    part=name,
-                )
-            time.sleep(0.3)
+        def failed(how: str) -> StackError:
+            return StackError(
+                f"{name} {how}; see {self._log(name)}, then run `sparseety down && sparseety up`",
+                part=name,
+            )
+
+        Readiness(
+            ready,
+            timeout_s=timeout_s,
+            interval_s=0.3,
+            exited=lambda: self._pid(name) is None,
+            on_exit=lambda: failed("exited during start"),
+            on_timeout=lambda: failed(f"not ready after {timeout_s:.0f} s"),
+        ).wait()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
