@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparseety import events as ev
 from sparseety.config import load_config
+from sparseety.queries.sql import Access, run_sql
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.sql import Access, run_sql
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.state import MemoryStore

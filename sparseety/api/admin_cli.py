@@ -11,7 +11,7 @@ Mounted on ``sparseety`` by ``sparseety/cli.py``; heavy imports happen inside th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import click
@@ -225,8 +225,9 @@ def sql_cmd(c: CliContext, query: str, token: str | None, fmt: str) -> None:
     """Run one read-only SELECT of your own on the store (docs/clickhouse.md, "Your own SQL");
     name tables with the database (``sparseety.requests_v``)."""
     from sparseety.api.client import RemoteQueries
-    from sparseety.sinks.clickhouse.sql import run_sql
+    from sparseety.queries.sql import run_sql
 
+    rows: Sequence[Sequence[Any]]  # the API's lists or the store's tuples
     if token is not None:
         remote = RemoteQueries.from_config(c.cfg)
         remote.headers = {"Authorization": f"Bearer {token}"}

@@ -67,7 +67,9 @@ from sparseety.errors import (
     TooManyQueriesError,
 )
 from sparseety.producers.logs.errors import TraceError
-from sparseety.sinks.clickhouse.export import MEDIA_TYPES, check_format
+from sparseety.queries.export import MEDIA_TYPES, check_format
+from sparseety.queries.registry import Param, QueryError, Scope
+from sparseety.queries.sql import run_sql
 from sparseety.sinks.clickhouse.migrate import status_rows
 from sparseety.sinks.clickhouse.prices import (
     checked_price,
@@ -76,8 +78,6 @@ from sparseety.sinks.clickhouse.prices import (
     set_prices,
     unseen_models,
 )
-from sparseety.sinks.clickhouse.queries import Param, QueryError, Scope
-from sparseety.sinks.clickhouse.sql import run_sql
 
 log = logging.getLogger("sparseety.api")
 T = TypeVar("T")

@@ -38,7 +38,7 @@ from typing import Any
 
 from sparseety.config import ApiToken
 from sparseety.errors import ConfigError, SparseetyError
-from sparseety.sinks.clickhouse.sql import Access
+from sparseety.queries.sql import Access
 
 ALL_TENANTS = "*"
 ADMIN_TOKEN_FILE = "admin-token"

@@ -35,9 +35,9 @@ from sparseety.api.metrics import ApiMetrics
 from sparseety.api.queries import ApiQueries
 from sparseety.config import Config, QueryLimits
 from sparseety.errors import QueryError, QueryLimitError, StoreError, TooManyQueriesError
+from sparseety.queries.registry import Scope
+from sparseety.queries.sql import clickhouse_message
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import Scope
-from sparseety.sinks.clickhouse.sql import clickhouse_message
 
 log = logging.getLogger("sparseety.api")
 T = TypeVar("T")

@@ -23,8 +23,8 @@ from sparseety.api.endpoints import Endpoint, commands
 from sparseety.cli_context import CliContext, pass_ctx
 from sparseety.errors import AmbiguousIdError
 from sparseety.producers.logs.cli import ingest_cmd
+from sparseety.queries.registry import QueryError, Scope
 from sparseety.sinks.cli import echo_rows
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from sparseety.times import parse_time
 
 LOGLEVEL = click.option(

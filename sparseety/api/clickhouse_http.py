@@ -10,7 +10,7 @@ as they do against a server: ``clickhouse_connect.get_client(host=..., port=<api
 password=<token>, proxy_path="/clickhouse")``.
 
 The subset: one SELECT at a time, parsed and checked as ``sparseety sql`` checks it
-(:mod:`sparseety.sinks.clickhouse.sql`: the store's tables and views and ClickHouse's metadata
+(:mod:`sparseety.queries.sql`: the store's tables and views and ClickHouse's metadata
 tables only, no table function, no ``file()``, no ``SETTINGS`` or ``INTO OUTFILE``), under the
 admin limits (``api.limits.admin``), by an all-tenant token (the password; the user name is not
 checked). Settings sent by the client (``?date_time_input_format=...``) are not applied: the
@@ -32,7 +32,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from sparseety.api.auth import AuthError, Principal
 from sparseety.errors import QueryError, QueryLimitError, SqlRefusedError, TooManyQueriesError
-from sparseety.sinks.clickhouse.sql import run_sql_raw
+from sparseety.queries.sql import run_sql_raw
 
 PATH = "/clickhouse"
 #: ClickHouse's error codes for the answers this subset gives.

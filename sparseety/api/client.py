@@ -28,8 +28,8 @@ from sparseety.api.server import client_url, read_endpoint
 from sparseety.config import Config
 from sparseety.errors import AmbiguousIdError, SparseetyError, StoreLockedError
 from sparseety.lifecycle import pid_alive
-from sparseety.sinks.clickhouse.export import check_format, rows_file
-from sparseety.sinks.clickhouse.queries import (
+from sparseety.queries.export import check_format, rows_file
+from sparseety.queries.registry import (
     REQUEST,
     Param,
     QueryError,

@@ -351,7 +351,7 @@ def write_report(path: Path, rows: list[dict[str, Any]], fmt: str) -> None:
     """
     import json
 
-    from sparseety.sinks.clickhouse.export import rows_file
+    from sparseety.queries.export import rows_file
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

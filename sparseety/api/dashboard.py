@@ -24,7 +24,7 @@ from urllib.parse import quote
 from sparseety import __version__
 from sparseety.api import figures as figs
 from sparseety.api.queries import EVERYTHING
-from sparseety.sinks.clickhouse.queries import MODES, Scope
+from sparseety.queries.registry import MODES, Scope
 
 MAX_EXPERT_MODELS = 4
 MAX_ROUTING_ROWS = 10

@@ -2,7 +2,7 @@
 
 Money is exact: ``*_usd`` Decimals travel as decimal strings ("0.0123"), times as ISO-8601 UTC
 (``2024-05-01T12:00:00Z``), bytes as hex, NaN as null. :func:`decode_rows` restores the Decimals and
-datetimes, so a remote caller gets what :class:`~sparseety.sinks.clickhouse.queries.Queries` returns.
+datetimes, so a remote caller gets what :class:`~sparseety.queries.registry.Queries` returns.
 """
 
 from __future__ import annotations

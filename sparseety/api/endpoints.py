@@ -2,11 +2,11 @@
 its 404, the permission it needs and the tables the CLI prints.
 
 The query itself (SQL, grouping, params, lookup) is declared once in
-:data:`~sparseety.sinks.clickhouse.queries.QUERIES`; here each gets one :class:`Endpoint`, from
+:data:`~sparseety.queries.registry.QUERIES`; here each gets one :class:`Endpoint`, from
 which the API's handlers (:mod:`sparseety.api.app`), the CLI's commands (:mod:`sparseety.api.cli`)
 and the remote client (:mod:`sparseety.api.client`) are built. Adding a query is its
-:class:`~sparseety.sinks.clickhouse.queries.QuerySpec`, its method in
-:class:`~sparseety.sinks.clickhouse.queries.QueryMethods`, and one entry here.
+:class:`~sparseety.queries.registry.QuerySpec`, its method in
+:class:`~sparseety.queries.registry.QueryMethods`, and one entry here.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sparseety.sinks.clickhouse import queries as q
-from sparseety.sinks.clickhouse.queries import Param, QuerySpec
+from sparseety.queries import registry as q
+from sparseety.queries.registry import Param, QuerySpec
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Endpoint:
     """How one query is served.
 
     Attributes:
-        query: The query (:data:`~sparseety.sinks.clickhouse.queries.QUERIES`).
+        query: The query (:data:`~sparseety.queries.registry.QUERIES`).
         route: ``/api/v1/<route>`` and ``sparseety query <route>``.
         path: The HTTP path under ``/api/v1/`` when it is not ``route``. A lookup's id is in the
             path when the path names it (``{request_id:path}``), else a required query-string

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sparseety.sinks.clickhouse.queries import DIMENSIONS, QueryError, Scope
+from sparseety.queries.registry import DIMENSIONS, QueryError, Scope
 from sparseety.times import check_ns, parse_bucket, parse_time
 
 

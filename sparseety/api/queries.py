@@ -1,7 +1,7 @@
 """What the API and dashboard ask beyond the query registry: store health and timeline counts
 (request listings are the registry's ``requests``).
 
-:class:`ApiQueries` extends :class:`~sparseety.sinks.clickhouse.queries.Queries` (same store,
+:class:`ApiQueries` extends :class:`~sparseety.queries.registry.Queries` (same store,
 same scoping rules); :class:`~sparseety.api.client.RemoteQueries` offers the same methods over
 HTTP, so the dashboard and the CLI work with either.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sparseety.sinks.clickhouse.listing import ORDERS as ORDERS  # re-exported (moved there)
-from sparseety.sinks.clickhouse.queries import Queries, Scope
+from sparseety.queries.listing import ORDERS as ORDERS  # re-exported (moved there)
+from sparseety.queries.registry import Queries, Scope
 
 #: The default scope: every finish time, every tenant.
 EVERYTHING = Scope()

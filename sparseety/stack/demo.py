@@ -34,7 +34,7 @@ from sparseety.api.client import RemoteApiError, RemoteQueries
 from sparseety.api.params import scope
 from sparseety.config import Config, to_env
 from sparseety.errors import SparseetyError
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
+from sparseety.queries.registry import QueryError, Scope
 from sparseety.sinks.output import render
 from sparseety.stack.engine import TINY_ENGINE, TINY_REASONING_PARSER
 from sparseety.stack.engine_checks import check_engine_counters, reasoning_by_tenant, same_text

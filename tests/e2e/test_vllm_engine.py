@@ -208,8 +208,8 @@ def test_inferred_sessions_equal_the_explicit_ids_on_a_multi_turn_workload(
     llama: OfflineEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     from sparseety.config import WorkerConfig
+    from sparseety.queries.registry import Queries, Scope
     from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore
@@ -303,8 +303,8 @@ def test_token_records_restore_vllm_ids_and_text(
     from vllm import SamplingParams
 
     from sparseety.config import WorkerConfig
+    from sparseety.queries.registry import Queries
     from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.queries import Queries
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore

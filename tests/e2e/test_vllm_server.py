@@ -353,9 +353,9 @@ def test_found_by_response_id_and_n2_list_cost_equals_usage(
 
     from sparseety.config import WorkerConfig
     from sparseety.errors import AmbiguousIdError
+    from sparseety.queries.registry import Queries, Scope
     from sparseety.sinks.clickhouse.migrate import migrate
     from sparseety.sinks.clickhouse.prices import Price, set_prices
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore
@@ -466,9 +466,9 @@ def test_reasoning_tokens_and_adapter_per_request_equal_vllms_own(
     from transformers import AutoTokenizer
 
     from sparseety.config import WorkerConfig
+    from sparseety.queries.registry import Queries, Scope
     from sparseety.sinks.clickhouse.migrate import migrate
     from sparseety.sinks.clickhouse.prices import Price, set_prices
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.sinks.otel.spans import span_spec
     from sparseety.streams.assembler import TIMELINES, USAGE, Assembler

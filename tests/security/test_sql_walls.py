@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from sparseety.errors import QueryError, SqlRefusedError, StoreError
+from sparseety.queries.sql import Access, run_sql, run_sql_raw
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.sql import Access, run_sql, run_sql_raw
 from tests.security.conftest import HEAVY, Api
 
 ADMIN = Access(None, token_ids=True)

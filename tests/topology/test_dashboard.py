@@ -22,8 +22,8 @@ from sparseety.api.dashboard import build_figures, collect, render_dashboard
 from sparseety.api.queries import ApiQueries
 from sparseety.api.server import ApiServer
 from sparseety.config import Config
+from sparseety.queries.registry import Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import Scope
 from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import MIN, T0, seed, uid
 

@@ -195,8 +195,8 @@ def test_sessions_from_the_worker_equal_the_conversations(
     conversations vLLM ran, and equal the client's ids where it sent them; cache reuse across
     turns equals the differences of vLLM's num_cached_tokens."""
     from sparseety import events as ev
+    from sparseety.queries.registry import Queries, Scope
     from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.queries import Queries, Scope
     from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from tests.helpers import chdb_config, throwaway_store
 

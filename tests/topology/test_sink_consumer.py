@@ -16,8 +16,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from sparseety.config import Config
 from sparseety.kafka import make_encoder, make_producer
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import Queries
 from tests import factories as f
 from tests.helpers import ComponentProcess, read_topic, wait_for
 

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from sparseety.cli import main
 from sparseety.config import Config, to_env
 from sparseety.kafka import make_encoder, make_producer
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.dryrun import DryRunSink
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.tables import SINK_TABLES
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.sinks.processors import identity

@@ -21,8 +21,8 @@ from sparseety.api.encode import jsonable
 from sparseety.api.queries import ApiQueries
 from sparseety.cli import main
 from sparseety.config import Config
+from sparseety.queries.registry import QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import MIN, T0, dataset, seed, uid
 

@@ -20,7 +20,7 @@ from sparseety.api.auth import (
 )
 from sparseety.config import ApiToken
 from sparseety.errors import ConfigError
-from sparseety.sinks.clickhouse.queries import QueryError
+from sparseety.queries.registry import QueryError
 
 S = 10**9
 

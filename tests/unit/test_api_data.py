@@ -18,10 +18,10 @@ from decimal import Decimal
 from typing import Any
 
 from sparseety import events as ev
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 

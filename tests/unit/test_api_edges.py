@@ -14,8 +14,8 @@ from sparseety.api.dashboard import collect
 from sparseety.api.params import MAX_DASHBOARD_REQUESTS
 from sparseety.api.queries import ApiQueries
 from sparseety.cli import main
+from sparseety.queries.registry import QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import QueryError, Scope
 from sparseety.times import MAX_NS, check_ns, parse_bucket, parse_duration, parse_time
 from tests.unit import test_api_app as app_tests
 from tests.unit.test_api_app import error, get

@@ -20,8 +20,8 @@ from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, free_port, throwaway_store

@@ -35,10 +35,10 @@ from sparseety.api.client import RemoteQueries
 from sparseety.config import Config, WorkerConfig
 from sparseety.errors import AmbiguousIdError
 from sparseety.producers.vllm.request_ids import request_identity
+from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore

@@ -34,10 +34,10 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from sparseety import events as ev
 from sparseety.cli import main
 from sparseety.config import Config, ProducerConfig, env_overrides, is_configured, load_config
+from sparseety.queries.sql import Access, run_sql
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.sql import Access, run_sql
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.app import STATE_TABLE
 from sparseety.streams.assembler import Assembler

@@ -22,8 +22,8 @@ from sparseety.api.client import RemoteQueries
 from sparseety.api.encode import decode_rows
 from sparseety.cli import main
 from sparseety.config import Config
+from sparseety.queries.registry import BY_NAME, QUERIES, Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.queries import BY_NAME, QUERIES, Queries, Scope
 from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import seed, uid
 

@@ -12,10 +12,10 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
-from sparseety.sinks.clickhouse.caveats import SOURCE_LOST
+from sparseety.queries.caveats import SOURCE_LOST
+from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore

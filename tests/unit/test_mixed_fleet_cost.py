@@ -17,9 +17,9 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore

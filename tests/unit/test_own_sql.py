@@ -12,9 +12,9 @@ from decimal import Decimal
 import pytest
 
 from sparseety.errors import QueryError
+from sparseety.queries.sql import Access, run_sql
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.prices import Price, list_prices, set_prices
-from sparseety.sinks.clickhouse.sql import Access, run_sql
 from tests.helpers import chdb_config, throwaway_store
 from tests.unit.test_api_data import seed
 

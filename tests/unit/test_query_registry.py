@@ -1,7 +1,7 @@
 """The query registry is the one place a query is declared: every entry is a library method, an
 API route, a `sparseety query` command and a remote-client method, with the same parameters.
 
-The query (SQL, params) is declared in sinks/clickhouse/queries.py, how it is served in
+The query (SQL, params) is declared in sparseety/queries/registry.py, how it is served in
 sparseety/api/endpoints.py; the methods are written out in ``QueryMethods``, none attached at
 import time."""
 
@@ -13,7 +13,7 @@ from sparseety.api.app import _router
 from sparseety.api.cli import query
 from sparseety.api.client import RemoteQueries
 from sparseety.api.endpoints import ENDPOINTS, endpoint, lookups, routes
-from sparseety.sinks.clickhouse.queries import QUERIES, Queries, QueryMethods
+from sparseety.queries.registry import QUERIES, Queries, QueryMethods
 
 
 def test_every_query_has_one_endpoint_and_a_written_out_method() -> None:

@@ -22,9 +22,9 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.queries.registry import Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
+from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
+from sparseety.queries.registry import ANOTHER_TENANT, Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import ANOTHER_TENANT, Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store

@@ -23,10 +23,10 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.errors import QueryError
+from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
 from tests.helpers import chdb_config, throwaway_store

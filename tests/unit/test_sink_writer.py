@@ -420,8 +420,8 @@ def test_query_cost_prices_kv_memory_time_per_gib_hour(store: Store) -> None:
     observed, and a model without a kv price as unpriced."""
     from decimal import Decimal
 
+    from sparseety.queries.registry import Queries
     from sparseety.sinks.clickhouse.prices import Price, set_prices
-    from sparseety.sinks.clickhouse.queries import Queries
 
     gib_ms_hour = (1 << 30) * 3_600_000  # one GiB held for one hour, in byte-ms
     # block_ns x bytes / 1e6 = byte-ms: 3.6e12 ns x 2^30 B = one GiB-hour held; actual half of it

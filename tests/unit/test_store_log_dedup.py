@@ -15,9 +15,9 @@ import pytest
 
 from sparseety.config import load_config
 from sparseety.offline.analyze import InputResult, Options, analyze, fold_input, plan
+from sparseety.queries.registry import Queries
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.queries import Queries
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests.helpers import chdb_config, throwaway_store
 from tests.recorded import DATA

@@ -22,9 +22,9 @@ from sparseety.api.client import RemoteQueries
 from sparseety.cli import main
 from sparseety.config import ApiToken, Config, load_config
 from sparseety.errors import ConfigError
+from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate, set_retention
-from sparseety.sinks.clickhouse.queries import Queries, Scope
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.stack.tiny_models import build_tiny_model
 from tests import factories as f
@@ -214,7 +214,7 @@ def test_token_records_export_to_parquet_and_csv(store: Store, client: TestClien
 
     import pyarrow.parquet as pq
 
-    from sparseety.sinks.clickhouse.queries import BY_NAME
+    from sparseety.queries.registry import BY_NAME
 
     q = Queries(store)
     spec = BY_NAME["token_records"]

@@ -25,11 +25,11 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.queries.registry import Queries, QueryError, Scope
+from sparseety.queries.whatif import parse_scenario
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.queries import Queries, QueryError, Scope
-from sparseety.sinks.clickhouse.whatif import parse_scenario
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from sparseety.errors import QueryError, SparseetyError, SqlRefusedError, StoreError
 
 if TYPE_CHECKING:
-    from .client import Store
+    from sparseety.sinks.clickhouse.client import Store
 
 #: The most rows one answer carries when no limits are given (the caller adds LIMIT for less).
 MAX_ROWS = 100_000

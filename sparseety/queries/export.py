@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparseety.errors import QueryError
+from sparseety.sinks.output import render
 
-from .query_base import QuerySpec, Scope
+from .base import QuerySpec, Scope
 
 #: Export format -> ClickHouse output format.
 FORMATS = {"parquet": "Parquet", "csv": "CSVWithNames"}
@@ -71,8 +72,6 @@ def rows_file(rows: list[dict[str, Any]], fmt: str) -> bytes:
     """Rows (the query library's Python values) as a Parquet or CSV file."""
     check_format(fmt)
     if fmt == "csv":
-        from ..output import render
-
         return (render(rows, "csv") + "\n").encode() if rows else b""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -28,7 +28,7 @@ from typing import Any
 
 from sparseety.errors import QueryError
 
-from .query_base import Scope
+from .base import Scope
 
 #: How a request's session is chosen: the client's id, else inferred (auto); only the client's
 #: (explicit: requests without one are sessions of one turn); or only inferred (ids ignored).

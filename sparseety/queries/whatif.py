@@ -29,7 +29,7 @@ from typing import Any
 
 from sparseety.errors import QueryError
 
-from .query_base import Scope, group, with_group
+from .base import Scope, group, with_group
 
 #: The cache sizes ``kv-curve`` shows (the issue's 1.5x, 2x and 4x).
 KV_CURVE = (1.5, 2.0, 4.0)
@@ -138,7 +138,7 @@ def whatif_sql(
     db: str, *, scenario: str, by: Sequence[str], bucket: str | None, scope: Scope
 ) -> tuple[str, dict[str, Any]]:
     """Actual and counterfactual compute, GPU time and cost per group under one scenario."""
-    # queries.py imports this module for its registry entry; its helpers are taken at call time
+    # registry.py imports this module for its registry entry; its helpers are taken at call time
 
     sc = parse_scenario(scenario)
     select, keys, _ = group(by, bucket, "c")

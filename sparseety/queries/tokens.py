@@ -24,7 +24,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .query_base import QueryRunner, Scope, segments_sql
+from .base import QueryRunner, Scope, segments_sql
 
 log = logging.getLogger("sparseety.tokens")
 

@@ -23,15 +23,15 @@ from typing import Any
 from sparseety.errors import QueryError
 
 from . import ids, outliers, regressions, routing, sessions, whatif
+from .base import ANOTHER_TENANT as ANOTHER_TENANT  # re-exported: the library's public names
+from .base import DIMENSIONS as DIMENSIONS
+from .base import SEGMENT_FIELDS, Queryable, group, group_clause, segments_sql, with_group
+from .base import Param as Param
+from .base import QuerySpec as QuerySpec
+from .base import Scope as Scope
 from .caveats import note_lost_sources
 from .export import export
 from .listing import ORDERS, requests_sql, timelines_sql
-from .query_base import ANOTHER_TENANT as ANOTHER_TENANT  # re-exported: the library's public names
-from .query_base import DIMENSIONS as DIMENSIONS
-from .query_base import SEGMENT_FIELDS, Queryable, group, group_clause, segments_sql, with_group
-from .query_base import Param as Param
-from .query_base import QuerySpec as QuerySpec
-from .query_base import Scope as Scope
 from .tokens import token_records_lookup
 
 PICO = Decimal(10**12)
@@ -603,7 +603,7 @@ class Queries(QueryMethods):
 def request_lookup(q: Queries, request_id: str, *, scope: Scope) -> dict[str, Any] | None:
     """One request: every count, its cost in each mode and its segment timeline.
 
-    ``request_id`` is any id the request is known by (:mod:`~sparseety.sinks.clickhouse.ids`:
+    ``request_id`` is any id the request is known by (:mod:`~sparseety.queries.ids`:
     its uid, the engine's id, the front end's or the response's). Returns None when it is not
     stored or outside ``scope`` (a caller cannot tell which).
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from sparseety.errors import AmbiguousIdError
 
-from .query_base import QueryRunner, Scope
+from .base import QueryRunner, Scope
 
 #: How vLLM's OpenAI front ends prefix the id they give the engine (chat, completions).
 FRONT_END_PREFIXES = ("chatcmpl-", "cmpl-")

@@ -8,7 +8,7 @@ from typing import Any
 from sparseety.errors import QueryError
 
 from . import ids
-from .query_base import Scope, hidden_source
+from .base import Scope, hidden_source
 
 ORDERS = ("recent", "varied")
 
@@ -67,7 +67,7 @@ def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, 
     """The timeline segments of every request in scope, request by request, in position order.
 
     ``source_request_uid`` is hidden from a tenant-scoped reader as in a single timeline
-    (:func:`~sparseety.sinks.clickhouse.queries.segments_sql`).
+    (:func:`~sparseety.queries.base.segments_sql`).
     """
 
     where, params = scope.where("s")

@@ -34,7 +34,7 @@ from typing import Any
 from sparseety.errors import QueryError
 from sparseety.times import parse_bucket
 
-from .query_base import Scope
+from .base import Scope
 
 #: Rule constants (docs/operations.md "Sparsity regressions" states them too).
 HIT_MIN, HIT_FACTOR = 0.05, 0.5

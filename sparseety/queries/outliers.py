@@ -16,7 +16,7 @@ from typing import Any
 
 from sparseety.errors import QueryError
 
-from .query_base import Scope
+from .base import Scope
 
 #: Attribution modes a request's cost can be read in (docs/cost-model.md).
 OUTLIER_MODES = ("actual", "amortized", "list", "gpu")

@@ -3,9 +3,9 @@ groups (:data:`DIMENSIONS`, :func:`group`), what a reader may see of other tenan
 (:func:`hidden_source`, :func:`segments_sql`), and what one query is (:class:`QuerySpec`,
 :class:`Param`).
 
-It sits below every query module: :mod:`.queries` and the modules it composes (what-if,
+It sits below every query module: :mod:`.registry` and the modules it composes (what-if,
 outliers, regressions, routing, sessions, tokens, listing, export, ids) import these names from
-here, never from :mod:`.queries`, so the library has no import loop (issue 34).
+here, never from :mod:`.registry`, so the library has no import loop (issue 34).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Queryable(Protocol):
 
 
 class QueryRunner(Protocol):
-    """What a lookup needs of :class:`~.queries.Queries`: its database and its store."""
+    """What a lookup needs of :class:`~.registry.Queries`: its database and its store."""
 
     db: str
     store: Queryable

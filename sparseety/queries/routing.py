@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .query_base import Scope
+from .base import Scope
 
 
 def routing_advice_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:
