@@ -178,6 +178,13 @@ def segments_sql(db: str, request_uid: str | Sequence[str], *, scope: Scope) -> 
     return sql, params
 
 
+#: One meaning per word (issue 31), for every grouped query over ``request_costs_v`` (aliased
+#: ``c``): ``requests`` counts API requests, as a client sent them (an ``n = 2`` completion is
+#: one; its billed sequence is the one with ``list_prompt_billed``), ``sequences`` the engine
+#: requests that served them (two for ``n = 2``). Token sums are per sequence unless a name says
+#: otherwise.
+REQUEST_COUNTS = "countIf(c.list_prompt_billed = 1) AS requests, count() AS sequences"
+
 #: A timeline segment's fields, in the order :func:`requests_by_uid_sql` packs them.
 SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate")
 

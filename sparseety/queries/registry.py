@@ -25,7 +25,7 @@ from sparseety.errors import QueryError
 from . import ids, outliers, regressions, routing, sessions, whatif
 from .base import ANOTHER_TENANT as ANOTHER_TENANT  # re-exported: the library's public names
 from .base import DIMENSIONS as DIMENSIONS
-from .base import SEGMENT_FIELDS, Queryable, group, group_clause, segments_sql, with_group
+from .base import REQUEST_COUNTS, SEGMENT_FIELDS, Queryable, group, group_clause, segments_sql, with_group
 from .base import Param as Param
 from .base import QuerySpec as QuerySpec
 from .base import Scope as Scope
@@ -68,7 +68,9 @@ def cost_sql(
     if mode == "list":
         measures = (
             "sum(c.list_input_tokens) AS input_tokens, sum(c.list_billed_cached_tokens) AS cached_tokens, "
-            "input_tokens + cached_tokens AS prompt_tokens, "
+            # billed_prompt_tokens is prompt_tokens less what an aborted request never computed
+            "input_tokens + cached_tokens AS billed_prompt_tokens, "
+            "sumIf(c.prompt_tokens, c.list_prompt_billed = 1) AS prompt_tokens, "
             f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
@@ -100,7 +102,7 @@ def cost_sql(
     if mode in ("actual", "amortized"):
         join += f" LEFT JOIN {db}.request_kv_costs_v AS k ON c.request_uid = k.request_uid"
     sql = (
-        f"SELECT {with_group(select, 'count() AS requests, ' + measures)} "
+        f"SELECT {with_group(select, REQUEST_COUNTS + ', ' + measures)} "
         f"FROM {db}.request_costs_v AS c {join} WHERE {where} {group_clause(keys)}"
     )
     return sql, params
@@ -123,7 +125,11 @@ def savings_sql(
 ) -> tuple[str, dict[str, Any]]:
     """Prefix-cache savings: prompt positions served from the cache at admission, and what that saved.
 
-    hit_rate and saved_usd use the same cache reads: the engine's admission hits
+    ``requests`` and ``prompt_tokens`` mean what they mean everywhere (``REQUEST_COUNTS``): API
+    requests, and their prompts once each (usage.prompt_tokens); ``sequences`` and
+    ``sequence_prompt_tokens`` count every engine request (an ``n = 2`` completion's two), which is
+    what the engine held and what the cache could serve. hit_rate = cached_prompt_tokens /
+    sequence_prompt_tokens, and saved_usd, use the same cache reads: the engine's admission hits
     (``cached_prompt_tokens``, each prompt position at most once). Re-reads of a resumed
     request after a preemption (``reread_tokens`` = cache_read_tokens - admission hits) only
     make up for the preemption, so they are reported beside, not counted as savings.
@@ -131,10 +137,11 @@ def savings_sql(
     select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "count() AS requests, sum(c.prompt_tokens) AS prompt_tokens, "
+        f"{REQUEST_COUNTS}, sumIf(c.prompt_tokens, c.list_prompt_billed = 1) AS prompt_tokens, "
+        "sum(c.prompt_tokens) AS sequence_prompt_tokens, "
         "sum(c.list_cached_tokens) AS cached_prompt_tokens, sum(c.cache_read_tokens) AS cache_read_tokens, "
         "cache_read_tokens - cached_prompt_tokens AS reread_tokens, "
-        "if(prompt_tokens = 0, 0, cached_prompt_tokens / prompt_tokens) AS hit_rate, "
+        "if(sequence_prompt_tokens = 0, 0, cached_prompt_tokens / sequence_prompt_tokens) AS hit_rate, "
         "sum(toInt128(c.list_cached_tokens) * (c.input_price_micro - c.cached_price_micro)) AS saved_pico"
     )
     return _per_request(db, select, measures, where, keys), params
@@ -152,7 +159,7 @@ def waste_sql(db: str, *, by: Sequence[str], bucket: str | None, scope: Scope) -
     select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "count() AS requests, sum(c.scheduled_tokens) AS scheduled_tokens, "
+        f"{REQUEST_COUNTS}, sum(c.scheduled_tokens) AS scheduled_tokens, "
         "sum(c.uncached_computed_tokens) AS computed_tokens, "
         "sum(c.recomputed_preemption_tokens) AS recomputed_preemption_tokens, "
         "sum(c.draft_rejected_tokens) AS draft_rejected_tokens, "
@@ -177,7 +184,7 @@ def prefix_evictions_sql(
     select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "count() AS requests, sum(ifNull(p.blocks_evicted_later, 0)) AS blocks_evicted_later, "
+        f"{REQUEST_COUNTS}, sum(ifNull(p.blocks_evicted_later, 0)) AS blocks_evicted_later, "
         "sum(ifNull(p.tokens_evicted_later, 0)) AS tokens_evicted_later, "
         "sum(c.evicted_blocks_recomputed) AS evicted_blocks_recomputed, "
         "sum(c.recomputed_eviction_tokens) AS recomputed_eviction_tokens, "
@@ -288,7 +295,7 @@ def gpu_time_sql(
     select, keys, _ = group(by, bucket, "c")
     where, params = scope.where("c")
     measures = (
-        "count() AS requests, sum(c.gpu_time_ns) AS gpu_time_ns, "
+        f"{REQUEST_COUNTS}, sum(c.gpu_time_ns) AS gpu_time_ns, "
         "if(sum(sum(c.gpu_time_ns)) OVER () = 0, 0, "
         "gpu_time_ns / sum(sum(c.gpu_time_ns)) OVER ()) AS gpu_share, "
         "sum(c.billed_gpu_time_ns) AS billed_gpu_time_ns, sum(c.warmup_gpu_time_ns) AS warmup_gpu_time_ns, "
@@ -674,8 +681,10 @@ COST = QuerySpec(
     "input_tokens never includes cached tokens (not OpenAI's prompt_tokens): in list it is the "
     "uncached prompt (prompt - cache hits, the prompt once per API request), in actual and "
     "amortized every computed position that is not an output (prefill, recompute, rejected "
-    "drafts); cached_tokens is beside it, and list adds prompt_tokens = input + cached (OpenAI's "
-    "usage.prompt_tokens, once per API request).",
+    "drafts); cached_tokens is beside it, and list adds prompt_tokens (OpenAI's usage.prompt_tokens, "
+    "once per API request) and billed_prompt_tokens = input + cached (prompt_tokens less what an "
+    "aborted request never computed). requests counts API requests (an n = 2 completion is one), "
+    "sequences the engine requests that served them.",
     group_by="tenant",
     bucket=True,
     params=(

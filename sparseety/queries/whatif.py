@@ -29,7 +29,7 @@ from typing import Any
 
 from sparseety.errors import QueryError
 
-from .base import Scope, group, with_group
+from .base import REQUEST_COUNTS, Scope, group, with_group
 
 #: The cache sizes ``kv-curve`` shows (the issue's 1.5x, 2x and 4x).
 KV_CURVE = (1.5, 2.0, 4.0)
@@ -229,7 +229,7 @@ def whatif_sql(
     gpu_cost = "intDiv(toInt128({g}) * c.gpu_hour_price_micro, 3600000)"
     cf_gpu = f"(toInt64(c.gpu_time_ns) + {d_gpu})"
     measures = (
-        f"'modelled' AS basis, toBool({gpu_modelled}) AS gpu_modelled, count() AS requests, "
+        f"'modelled' AS basis, toBool({gpu_modelled}) AS gpu_modelled, {REQUEST_COUNTS}, "
         "sum(c.scheduled_tokens) AS computed_tokens, "
         f"sum(toInt64(c.scheduled_tokens) + {d_tokens}) AS cf_computed_tokens, "
         "cf_computed_tokens - computed_tokens AS delta_computed_tokens, "

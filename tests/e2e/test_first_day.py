@@ -163,7 +163,7 @@ def test_a_platform_engineers_first_day(engine_pool: EnginePool, tmp_path: Path)
         (row,) = ok(env, "query", "cost", "--mode", "list", "--tenant", "globex", "--format", "json")
         usage = n2["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        assert row["requests"] == 2
+        assert (row["requests"], row["sequences"]) == (1, 2)  # one API request, two engine requests
         assert (row["input_tokens"] + row["cached_tokens"], row["cached_tokens"], row["output_tokens"]) == (
             usage["prompt_tokens"],
             cached,

@@ -433,8 +433,8 @@ def test_found_by_response_id_and_n2_list_cost_equals_usage(
         (row,) = q.cost(mode="list", scope=Scope(tenants=(tenant + "-n2",)))
         usage = n2["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        assert row["requests"] == 2
-        assert row["input_tokens"] + row["cached_tokens"] == usage["prompt_tokens"]
+        assert (row["requests"], row["sequences"]) == (1, 2)  # one API request, two engine requests
+        assert row["input_tokens"] + row["cached_tokens"] == usage["prompt_tokens"] == row["prompt_tokens"]
         assert row["cached_tokens"] == cached
         assert row["output_tokens"] == usage["completion_tokens"]
         want = (

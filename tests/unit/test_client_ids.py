@@ -232,8 +232,9 @@ def test_list_bills_the_prompt_of_n_choices_once(q: Queries) -> None:
     # The response's usage for the n = 2 request: prompt 1000 (once), completion 100 + 150.
     scope = Scope(T0, T0 + 150 * S)  # the two choices only
     (row,) = q.cost(mode="list", scope=scope)
-    got = (row["requests"], row["input_tokens"], row["cached_tokens"], row["output_tokens"])
-    assert got == (2, 1000, 0, 250)
+    got = (row["requests"], row["sequences"], row["input_tokens"], row["cached_tokens"], row["output_tokens"])
+    assert got == (1, 2, 1000, 0, 250)  # one API request, served by two engine requests
+    assert row["prompt_tokens"] == row["billed_prompt_tokens"] == 1000  # usage.prompt_tokens
     assert row["cost_usd"] == D("0.01") + D("0.01")  # 1000 x 10e-6 + 250 x 40e-6
     # the choice that finished last carries the prompt; the other its output only
     by_uid = q.requests_by_uid(["e1@1/0_cmpl-nn-0-aaaa1111", "e1@1/1_cmpl-nn-0-aaaa1111"])
@@ -242,9 +243,11 @@ def test_list_bills_the_prompt_of_n_choices_once(q: Queries) -> None:
     # actual still charges each choice what the engine computed for it
     (actual,) = q.cost(mode="actual", scope=scope)
     assert actual["input_tokens"] == 999 + 999  # S - O per choice
-    # savings' hit rate is the engine's: each choice's own prompt positions
+    # savings' prompt is the same word (once per API request); its hit rate is the engine's,
+    # over each choice's own prompt positions (issue 31: one meaning per word)
     (sav,) = q.savings(scope=scope)
-    assert sav["prompt_tokens"] == 2000
+    assert (sav["requests"], sav["prompt_tokens"]) == (row["requests"], row["prompt_tokens"]) == (1, 1000)
+    assert (sav["sequences"], sav["sequence_prompt_tokens"]) == (2, 2000)
 
 
 def test_list_for_n_1_is_unchanged(q: Queries) -> None:
