@@ -2,19 +2,26 @@
 
 A request's session is the id its client sent (``requests.session_id``, from
 ``vllm_xargs.session`` or the ``X-Sparseety-Session`` header) or, when it sent none, one inferred
-from prefix chains within its tenant (docs/sessions.md):
+from prefix chains within its tenant (docs/sessions.md). A request A's *tails* are its last full
+KV block (prompt or output) and its last full prompt block (a client that re-sends the answer
+as text may re-tokenize it, so that only the prompt's chain matches); ``kv_blocks`` holds the
+prompt's full blocks at idx 0..P-1, then the output's, so idx is the block index. Then
 
-    request B continues request A  iff  A arrived before B, both belong to one tenant, A's last
-    full KV block holds output positions of A, and B's prompt has that same block hash at the same
-    block index.
+    request B may continue request A  iff  A arrived before B, both belong to one tenant, B's
+    prompt has one of A's tail hashes at the same block index, and B's prompt is longer than
+    A's by more than half of A's output (rounded up);
 
+and B's previous turn is the candidate with the longest such chain (the highest tail index;
+among equals, one whose whole prompt and answer fit in B's prompt, then the latest arrival).
 Block hashes are chained (each covers every token before it), so a match means B's prompt
-starts with A's whole prompt and A's output up to that block. Turn N's prompt then also holds the
-chain tail of every earlier turn, so the earliest request B continues is the first turn of its
-conversation (the session key of an inferred session: that request's uid) and the latest is turn
-N - 1. The rule needs no recursion and no state in the worker; it reads the block hashes the sink
-already stores for amortized attribution (``kv_blocks``: the prompt's full blocks at idx 0..P-1,
-then the output's, so idx is the block index).
+starts with A's whole prompt up to that block. The length rule keeps apart the first turns of
+two conversations that share a system prompt (a sibling is rarely longer than A's prompt plus
+half of A's answer; a next turn re-sends the answer, re-tokenized perhaps, and adds a message),
+and an identical request sent again (same length) is never a continuation, so a conversation
+re-sent in a later engine run links to its own turns. The session key of an inferred session is
+the uid of its first turn, found by following previous turns back (a recursive CTE: turns are
+strictly earlier, so the chain ends). A heuristic on hashes and lengths, labelled as such in
+docs/sessions.md: an explicit session id always wins.
 
 Cache reuse across turns comes from the timeline: a cached segment names the request that
 computed it (``source_request_uid``). Positions a turn read from the cache are split by who
@@ -74,27 +81,58 @@ def _turns(db: str, *, source: str, scope: Scope) -> tuple[str, dict[str, Any]]:
         joins = ""
     else:
         # Earlier turns may have finished before the range: any time before its end, same tenants.
-        parents_where, parents_params = replace(scope, since_ns=None).where("b")
+        earlier = replace(scope, since_ns=None)
+        parents_where, parents_params = earlier.where("b")
+        everyone_where, _ = earlier.where("r")
         params.update(parents_params)
         clauses += [
-            # Each request's chain tail: its last full block, kept only when it holds output.
-            "tails AS ("
+            "everyone AS (SELECT r.request_uid AS request_uid, r.tenant AS tenant, "
+            "r.arrival_ts_ns AS arrival_ts_ns, r.prompt_tokens AS prompt_tokens "
+            f"FROM {db}.requests_v AS r WHERE {everyone_where})",
+            # Each request's two tails: its last full block, and its last full prompt block (a
+            # client that re-sends the answer as text may re-tokenize it: then only the prompt's
+            # chain matches).
+            "ends AS ("
             "SELECT b.request_uid AS parent_uid, b.tenant AS tenant, any(p.arrival_ts_ns) AS parent_arrival, "
-            "max(b.idx) AS idx, argMax(b.block_hash, b.idx) AS block_hash "
+            "any(p.prompt_tokens) AS parent_prompt, any(p.output_tokens) AS parent_output, "
+            "max(b.idx) AS last_idx, argMax(b.block_hash, b.idx) AS last_hash, "
+            "maxIf(b.idx, (b.idx + 1) * b.tokens <= p.prompt_tokens) AS prompt_idx, "
+            "argMaxIf(b.block_hash, b.idx, (b.idx + 1) * b.tokens <= p.prompt_tokens) AS prompt_hash, "
+            "countIf((b.idx + 1) * b.tokens <= p.prompt_tokens) AS prompt_blocks "
             f"FROM {db}.kv_blocks_v AS b "
-            f"INNER JOIN (SELECT request_uid, arrival_ts_ns, prompt_tokens FROM {db}.requests_v) AS p "
-            "ON b.request_uid = p.request_uid "
-            f"WHERE {parents_where} GROUP BY b.request_uid, b.tenant "
-            "HAVING (idx + 1) * argMax(b.tokens, b.idx) > any(p.prompt_tokens))",
-            # Earliest request each prompt continues = the first turn; latest = the previous turn.
-            "links AS ("
+            "INNER JOIN (SELECT request_uid, arrival_ts_ns, prompt_tokens, output_tokens "
+            f"FROM {db}.requests_v) AS p ON b.request_uid = p.request_uid "
+            f"WHERE {parents_where} GROUP BY b.request_uid, b.tenant)",
+            "tails AS ("
+            "SELECT parent_uid, tenant, parent_arrival, parent_prompt, parent_output, "
+            "last_idx AS idx, last_hash AS block_hash FROM ends "
+            "UNION ALL SELECT parent_uid, tenant, parent_arrival, parent_prompt, parent_output, "
+            "prompt_idx AS idx, prompt_hash AS block_hash FROM ends "
+            "WHERE prompt_blocks > 0 AND prompt_idx != last_idx)",
+            # Each request's previous turn: the longest chain it continues.
+            "parents AS ("
             "SELECT s.request_uid AS request_uid, "
-            "argMin(t.parent_uid, (t.parent_arrival, t.parent_uid)) AS root_uid, "
-            "argMax(t.parent_uid, (t.parent_arrival, t.parent_uid)) AS parent_uid "
-            f"FROM {db}.kv_blocks_v AS q INNER JOIN scoped AS s ON q.request_uid = s.request_uid "
+            "argMax(t.parent_uid, (t.idx, s.prompt_tokens > t.parent_prompt + t.parent_output, "
+            "t.parent_arrival, t.parent_uid)) AS parent_uid "
+            f"FROM {db}.kv_blocks_v AS q INNER JOIN everyone AS s ON q.request_uid = s.request_uid "
             "INNER JOIN tails AS t ON q.block_hash = t.block_hash AND q.idx = t.idx AND s.tenant = t.tenant "
             "WHERE (q.idx + 1) * q.tokens <= s.prompt_tokens AND t.parent_arrival < s.arrival_ts_ns "
+            "AND toInt64(s.prompt_tokens) > "
+            "toInt64(t.parent_prompt) + intDiv(toInt64(t.parent_output) + 1, 2) "
             "GROUP BY s.request_uid)",
+            # Back along previous turns to the first, for the requests in scope (their earlier
+            # turns may lie before the range).
+            "climb AS ("
+            "SELECT p.request_uid AS request_uid, p.parent_uid AS up FROM parents AS p "
+            "INNER JOIN scoped AS s ON p.request_uid = s.request_uid "
+            "UNION ALL SELECT c.request_uid AS request_uid, pp.parent_uid AS up "
+            "FROM climb AS c INNER JOIN parents AS pp ON c.up = pp.request_uid)",
+            "links AS ("
+            "SELECT c.request_uid AS request_uid, "
+            "anyIf(c.up, c.up NOT IN (SELECT request_uid FROM parents)) AS root_uid, "
+            "any(p.parent_uid) AS parent_uid "
+            "FROM climb AS c INNER JOIN parents AS p ON c.request_uid = p.request_uid "
+            "GROUP BY c.request_uid)",
         ]
         inferred = "if(l.root_uid != '', l.root_uid, s.request_uid)"
         session = (
@@ -132,7 +170,7 @@ def _turns(db: str, *, source: str, scope: Scope) -> tuple[str, dict[str, Any]]:
         f"LEFT JOIN {db}.amortized_delta_v AS d ON n.request_uid = d.request_uid "
         "LEFT JOIN reuse AS u ON n.request_uid = u.request_uid)",
     ]
-    return "WITH " + ", ".join(clauses), params
+    return ("WITH " if source == "explicit" else "WITH RECURSIVE ") + ", ".join(clauses), params
 
 
 def sessions_sql(

@@ -215,3 +215,51 @@ def test_sessions_are_tenant_scoped_and_a_range_keeps_an_earlier_first_turn(q: Q
 def test_unknown_source_is_refused(q: Queries) -> None:
     with pytest.raises(QueryError, match="session source"):
         q.sessions(source="guess")
+
+
+def short_answers() -> list[dict[str, Any]]:
+    """Tenant C (issue 31: a real chat's turns came out as one-turn sessions, and one
+    conversation re-sent in a later engine run was merged with the first):
+
+      s1  prompt 10 (s0 s1)          output 1: no full block holds output; its tail is s1
+      k1  prompt 11 (s0 s1)          output 8: another conversation's first turn, same system prompt
+      s2  prompt 16 (s0 s1 s2 s3)    output 1: s1's prompt, its answer, a new message
+      s3  prompt 22 (s0 .. s4)       output 1: continues s2 (the longer chain), and s1 through it
+      r1  prompt 10 (s0 s1)          output 1: the conversation again, in a later run
+      r2  prompt 16 (s0 s1 s2 s3)    output 1: its second turn there
+    """
+    return [
+        turn("s1", 1, 10, 1, "s0 s1", tenant="C"),
+        turn("k1", 2, 11, 8, "s0 s1 k2 k3", reads=((0, 8, "s1"),), tenant="C"),
+        turn("s2", 3, 16, 1, "s0 s1 s2 s3", reads=((0, 8, "s1"),), tenant="C"),
+        turn("s3", 4, 22, 1, "s0 s1 s2 s3 s4", reads=((0, 16, "s2"),), tenant="C"),
+        turn("r1", 10, 10, 1, "s0 s1", reads=((0, 8, "s1"),), tenant="C"),
+        turn("r2", 11, 16, 1, "s0 s1 s2 s3", reads=((0, 16, "s2"),), tenant="C"),
+    ]
+
+
+def test_short_answers_siblings_and_a_conversation_sent_again(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    with throwaway_store(chdb_config(tmp_path_factory)) as s:
+        migrate(s)
+        sink = ClickHouseSink(s)
+        for i, rec in enumerate(short_answers()):
+            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        q = Queries(s)
+        assert members(q, "inferred") == {
+            ("C", uid("s1")): ["s1", "s2", "s3"],
+            ("C", uid("k1")): ["k1"],  # shares the system prompt, never continues s1
+            ("C", uid("r1")): ["r1", "r2"],  # the later run's conversation is its own
+        }
+        turns = {t["request_uid"]: t for t in q.sessions(source="inferred", session=uid("s1"))}
+        assert turns[uid("s3")]["continues_uid"] == uid("s2")  # the longest chain, not s1
+        # the range starts after s1 and s2: s3 still belongs to s1's conversation
+        later = Scope(since_ns=T0 + 4 * S)
+        assert [
+            r["session_id"] for r in q.sessions(source="inferred", scope=later) if r["tenant"] == "C"
+        ] == [
+            uid("s1"),
+            uid("r1"),
+        ]
