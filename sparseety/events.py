@@ -34,8 +34,8 @@ DEAD_LETTER = full_name("DeadLetter")
 
 CORE_STREAM = "core"
 
-#: RequestAccounting's schema-v1 token counts, also the UsageWindow counters (kept as they were:
-#: recomputed_tokens is both recompute senses, evicted_tokens is 0 in schema-v2 records).
+#: RequestAccounting's schema-v1 token counts (recomputed_tokens is both recompute senses), but
+#: evicted_tokens, whose meaning moved to window_released_tokens (:data:`MOVED_FIELDS`).
 TOKEN_COUNTS = (
     "cache_read_tokens",
     "uncached_computed_tokens",
@@ -43,7 +43,6 @@ TOKEN_COUNTS = (
     "draft_accepted_tokens",
     "draft_rejected_tokens",
     "skipped_tokens",
-    "evicted_tokens",
 )
 
 #: RequestAccounting's counts added with the two-axis position model (schema v2, docs/streams.md).
@@ -57,12 +56,48 @@ POSITION_COUNTS = (
 )
 
 
+#: Fields of the contract whose meaning moved to another field, by the field that counts them now.
+#: 0 in whatever is written now, they stay in the schema so that records written before still
+#: decode with their value (docs/streams.md, Deprecated fields). The store has
+#: no column for them: the sink adds a record's value to its successor's column, as migration 016
+#: did for the rows stored before.
+MOVED_FIELDS: dict[str, str] = {"evicted_tokens": "window_released_tokens"}
+
+
 @functools.cache
-def _defaults(name: str) -> dict[str, Any]:
+def _record(name: str) -> dict[str, Any]:
+    """The raw current schema of record ``name`` (full name), read once per process."""
     for raw in read_schema_files(schema_dir()):
         if full_name(raw["name"]) == name:
-            return {f["name"]: f["default"] for f in raw["fields"] if "default" in f}
+            return raw
     raise SchemaError(f"no record {name} in schemas/", name=name)
+
+
+@functools.cache
+def _defaults(name: str) -> dict[str, Any]:
+    return {f["name"]: f["default"] for f in _record(name)["fields"] if "default" in f}
+
+
+def field_types(record_name: str) -> dict[str, Any]:
+    """The fields of a record of ``schemas/`` (current version) and their Avro types, in schema
+    order: the one list of a record's fields that tables, states and checks derive theirs from
+    (at import time, never per event)."""
+    return {f["name"]: f["type"] for f in _record(full_name(record_name))["fields"]}
+
+
+def field_names(record_name: str) -> tuple[str, ...]:
+    """The field names of a record of ``schemas/`` (current version), in schema order."""
+    return tuple(field_types(record_name))
+
+
+#: UsageWindow's counters, in schema order: its numeric fields but the window's bounds. The worker
+#: keeps a window's counters as a list in this order (streams/state.py), so a counter is only ever
+#: appended to UsageWindow (tests/unit/test_contract.py: every earlier version's are a prefix).
+USAGE_COUNTERS = tuple(
+    name
+    for name, avro_type in field_types(USAGE_WINDOW).items()
+    if avro_type in ("long", "double") and name not in ("window_start_ns", "window_ns")
+)
 
 
 def with_defaults(record_name: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
+from sparseety.events import USAGE_COUNTERS
 
 #: Prefix of every epoch's key (``StateStore.keys(EPOCHS)`` lists the epochs).
 EPOCHS = "e|"
@@ -70,17 +70,9 @@ def kv_share_key(engine_id: str, group: int, block_hash: str, lifetime: int) -> 
     return f"k|{engine_id}|{group}|{block_hash}|{lifetime}"
 
 
-#: Window counter layout (UsageWindow fields, in this order).
-WINDOW_COUNTERS = (
-    "requests",
-    "incomplete_requests",
-    "prompt_tokens",
-    "output_tokens",
-    *TOKEN_COUNTS,
-    "gpu_time_ns",
-    "est_flops",
-    *POSITION_COUNTS,  # appended (schema v2): windows persisted before are a prefix of this layout
-)
+#: Window counter layout: UsageWindow's counters, in schema order. Counters are only appended to
+#: the schema (schema v2 appended the position classes), so windows persisted before are a prefix.
+WINDOW_COUNTERS = USAGE_COUNTERS
 
 
 _FIELD_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}

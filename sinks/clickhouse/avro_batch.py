@@ -36,14 +36,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparseety.events import MOVED_FIELDS, REQUEST_ACCOUNTING, field_types
 from sparseety.schema_store import WireSchema
 
 from .tables import (
+    BLOCK_FIELDS,
     EXPERT_LOAD,
     KV_BLOCKS,
     REQUEST_FIELDS,
     REQUEST_TOKENS,
     REQUESTS,
+    SEGMENT_FIELDS,
     TOKEN_SEGMENTS,
     Table,
 )
@@ -60,26 +63,15 @@ _VERSION = (
 )
 _HAS_EXPERTS = "notEmpty(expert_counts) AND expert_num_layers > 0"
 _HAS_TOKENS = "token_privacy != ''"
-#: Top-level string fields (each must be valid UTF-8, as fastavro requires).
-_STRINGS = (
-    "request_uid",
-    "engine_name",
-    "engine_id",
-    "request_id",
-    "tenant",
-    "model",
-    "engine_kind",
-    "finish_reason",
-    "session_id",
-    "token_privacy",
-    "external_request_id",
-    "parent_request_id",
-)
-_NULLABLE_STRINGS = ("lora_name", "incomplete_reason")
+_TOP = field_types(REQUEST_ACCOUNTING)
+#: Top-level string fields of the current schema (each must be valid UTF-8, as fastavro requires).
+_STRINGS = tuple(n for n, t in _TOP.items() if t == "string")
+_NULLABLE_STRINGS = tuple(n for n, t in _TOP.items() if isinstance(t, list) and "string" in t)
 #: Fields of the writer schema the SQL below reads (a writer without one of them keeps the Python path).
 FIELDS = frozenset(
     {
         *REQUEST_FIELDS,
+        *MOVED_FIELDS,
         *_STRINGS,
         *_NULLABLE_STRINGS,
         "timeline",
@@ -126,10 +118,10 @@ _KV_EXPRS = (
     _kv_total("slot_steps_allocated"),
     _kv_total("never_held_blocks"),
 )
-_SEGMENT_FIELDS = frozenset(
-    {"start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate"}
+#: The ``requests`` columns REQUEST_FIELDS fill, a moved field added to its successor's.
+_REQUEST_EXPRS = tuple(
+    " + ".join([f, *(old for old, new in MOVED_FIELDS.items() if new == f)]) for f in REQUEST_FIELDS
 )
-_BLOCK_FIELDS = frozenset({"block_hash", "lifetime_seq", "role", "tokens"})
 
 
 def _fields(schema: Any) -> dict[str, Any]:
@@ -158,8 +150,8 @@ def fits(writer: WireSchema) -> bool:
     segment, block = _fields(segments.get("items")), _fields(uses.get("items"))
     return (
         "attention_window" in timeline
-        and segment.keys() >= _SEGMENT_FIELDS
-        and block.keys() >= _BLOCK_FIELDS
+        and segment.keys() >= set(SEGMENT_FIELDS)
+        and block.keys() >= set(BLOCK_FIELDS)
         and _strings(segment) <= {"source_request_uid"}
         and not _strings(block)
         and not _strings(timeline)
@@ -266,7 +258,7 @@ def insert_sql(table: Table, target: str, source: str) -> str:
     src = source
     if table is REQUESTS:
         exprs = [
-            *REQUEST_FIELDS,
+            *_REQUEST_EXPRS,
             *_KV_EXPRS,
             "timeline.attention_window",
             "length(timeline.segments)",

@@ -16,6 +16,7 @@ from typing import Any
 from sparseety import events as ev
 
 from .tables import (
+    BLOCK_FIELDS,
     DEAD_LETTERS,
     EXPERT_LOAD,
     KV_BLOCKS,
@@ -23,6 +24,7 @@ from .tables import (
     REQUEST_FIELDS,
     REQUEST_TOKENS,
     REQUESTS,
+    SEGMENT_FIELDS,
     SINK_TABLES,
     TOKEN_SEGMENTS,
     USAGE,
@@ -30,11 +32,8 @@ from .tables import (
 )
 
 _TS_MASK = (1 << 63) - 1
-_USAGE_FIELDS = USAGE.columns
-_SEGMENT_FIELDS = ("start", "end", "kind", "status", "draft_accepted", "source_request_uid", "kv_fate")
-_segment_values = itemgetter(*_SEGMENT_FIELDS)
-_BLOCK_FIELDS = ("block_hash", "lifetime_seq", "role", "tokens")
-_block_values = itemgetter(*_BLOCK_FIELDS)
+_segment_values = itemgetter(*SEGMENT_FIELDS)
+_block_values = itemgetter(*BLOCK_FIELDS)
 _DLQ_FIELDS = DEAD_LETTERS.columns[3:]
 
 #: Records this module turns into rows.
@@ -80,6 +79,21 @@ def kv_totals(rec: Mapping[str, Any]) -> tuple[int | None, ...]:
     )
 
 
+_Append = Callable[[Any], None]
+
+
+def _appenders(
+    columns: dict[str, list[Any]], fields: tuple[str, ...]
+) -> tuple[list[tuple[_Append, str]], list[tuple[_Append, str, str]]]:
+    """The appenders of a record's ``fields`` into ``columns``: (append, field) for a field
+    copied as it is, (append, field, moved field) for one that also counts a moved field
+    (:data:`~sparseety.events.MOVED_FIELDS`)."""
+    into = {new: old for old, new in ev.MOVED_FIELDS.items()}
+    plain = [(columns[f].append, f) for f in fields if f not in into]
+    moved = [(columns[f].append, f, into[f]) for f in fields if f in into]
+    return plain, moved
+
+
 class RowBuffer:
     """Column-oriented rows for every sink table."""
 
@@ -87,15 +101,10 @@ class RowBuffer:
         self.columns: dict[str, dict[str, list[Any]]] = {
             t.name: {c: [] for c in t.columns} for t in SINK_TABLES
         }
-        req = self.columns[REQUESTS.name]
-        self._request_fields: list[tuple[Callable[[Any], None], str]] = [
-            (req[f].append, f) for f in REQUEST_FIELDS if f != "evicted_tokens"
-        ]
-        # Deprecated since the two-axis model: records written since omit it (0), older ones
-        # may carry window releases in it (the queries add it to window_released_tokens).
-        self._evicted = req["evicted_tokens"].append
-        use = self.columns[USAGE.name]
-        self._usage_fields = [(use[f].append, f) for f in _USAGE_FIELDS]
+        # A field whose meaning moved (events.MOVED_FIELDS: evicted_tokens, 0 in records written
+        # since schema v2, window release in older ones) is added to its successor's column.
+        self._request_fields, self._request_moved = _appenders(self.columns[REQUESTS.name], REQUEST_FIELDS)
+        self._usage_fields, self._usage_moved = _appenders(self.columns[USAGE.name], USAGE.columns)
         dlq = self.columns[DEAD_LETTERS.name]
         self._dlq_fields = [(dlq[f].append, f) for f in _DLQ_FIELDS]
         self._first_columns = [(t.name, self.columns[t.name][t.columns[0]]) for t in SINK_TABLES]
@@ -146,7 +155,8 @@ class RowBuffer:
         uses = rec["block_uses"]
         for append, f in self._request_fields:
             append(rec[f])
-        self._evicted(rec.get("evicted_tokens", 0))
+        for append, f, moved in self._request_moved:
+            append(rec[f] + rec.get(moved, 0))
         req = self.columns[REQUESTS.name]
         for col, kv_value in zip(KV_COLUMNS, kv_totals(rec), strict=True):
             req[col].append(kv_value)
@@ -163,7 +173,7 @@ class RowBuffer:
             seg["idx"].extend(range(k))
             seg["_version"].extend([version] * k)
             for f, values in zip(
-                _SEGMENT_FIELDS, zip(*map(_segment_values, segments), strict=True), strict=True
+                SEGMENT_FIELDS, zip(*map(_segment_values, segments), strict=True), strict=True
             ):
                 seg[f].extend(values)
             n += k
@@ -174,7 +184,7 @@ class RowBuffer:
             blk["request_uid"].extend([uid] * k)
             blk["idx"].extend(range(k))
             blk["_version"].extend([version] * k)
-            for f, values in zip(_BLOCK_FIELDS, zip(*map(_block_values, uses), strict=True), strict=True):
+            for f, values in zip(BLOCK_FIELDS, zip(*map(_block_values, uses), strict=True), strict=True):
                 blk[f].extend(values)
             n += k
 
@@ -215,6 +225,8 @@ class RowBuffer:
         """The row of one UsageWindow (final or correction)."""
         for append, f in self._usage_fields:
             append(rec[f])
+        for append, f, moved in self._usage_moved:
+            append(rec[f] + rec.get(moved, 0))
         return 1
 
     def add_dead_letter(

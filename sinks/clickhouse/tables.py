@@ -2,13 +2,14 @@
 
 The DDL lives in ``migrations/``; this module names the columns the writer fills, in insert
 order (materialized columns excluded). A unit test checks both agree with ``system.columns``.
+Where a table copies a record's fields, its columns are derived from ``schemas/`` at import.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparseety.events import POSITION_COUNTS, TOKEN_COUNTS
+from sparseety.events import DEAD_LETTER, MOVED_FIELDS, REQUEST_ACCOUNTING, USAGE_WINDOW, field_names
 
 #: KV memory-time columns of ``requests`` (migration 012), derived from RequestAccounting.kv_groups.
 KV_COLUMNS = (
@@ -39,56 +40,34 @@ class Table:
     key: tuple[str, ...]
 
 
+#: RequestAccounting fields that are no column of ``requests``: the arrays and the timeline (their
+#: own tables, or the counts and the attention window below), what the KV columns are derived from,
+#: the token records' privacy mode (``request_tokens``), and the fields whose meaning moved
+#: (:data:`~sparseety.events.MOVED_FIELDS`: the writer adds them to their successor's column).
+NOT_COPIED = frozenset(
+    {
+        "expert_counts",
+        "block_uses",
+        "timeline",
+        "token_privacy",
+        "prompt_token_ids",
+        "prompt_token_hashes",
+        "output_token_ids",
+        "kv_groups",
+        "kv_peak_bytes",
+        *MOVED_FIELDS,
+    }
+)
+
+#: RequestAccounting fields copied verbatim into ``requests``, in schema order: every other field of
+#: schemas/RequestAccounting.avsc (a field added there is a column a migration adds, appended: the
+#: unit test of the DDL checks both agree); the rest of the row is derived.
+REQUEST_FIELDS = tuple(f for f in field_names(REQUEST_ACCOUNTING) if f not in NOT_COPIED)
+
 REQUESTS = Table(
     "requests",
     (
-        "request_uid",
-        "engine_name",
-        "engine_id",
-        "request_id",
-        "tenant",
-        "model",
-        "lora_name",
-        "engine_kind",
-        "arrival_ts_ns",
-        "first_scheduled_ts_ns",
-        "first_token_ts_ns",
-        "finished_ts_ns",
-        "finish_reason",
-        "complete",
-        "incomplete_reason",
-        "seq_gap",
-        "prompt_tokens",
-        "output_tokens",
-        *TOKEN_COUNTS,
-        "scheduled_tokens",
-        "preemptions",
-        "steps",
-        "attention_pairs",
-        "attention_pairs_skipped",
-        "gpu_time_ns",
-        "est_flops",
-        "engine_prompt_tokens",
-        "engine_output_tokens",
-        "engine_cached_tokens",
-        "consistent",
-        "expert_num_layers",
-        "expert_num_experts",
-        # Added by migration 003 (issue 11: the two-axis position model).
-        *POSITION_COUNTS,
-        "session_id",  # added by migration 005 (issue 14: sessions)
-        # Added by migration 009 (issue 21: look-up by the client's id, n > 1 billed once).
-        "external_request_id",
-        "parent_request_id",
-        "choice_index",
-        "external_kv_tokens",  # added by migration 010 (issue 20: KV connectors, P/D)
-        # Added by migration 011 (issue 21: the fold's caveats, streams/caveats.py).
-        "warmup_gpu_time_ns",
-        "source_history_lost_ts_ns",
-        # Added by migration 013 (issue 23: reasoning tokens).
-        "reasoning_output_tokens",
-        "reasoning_spans",
-        "draft_unverified_tokens",  # added by migration 015 (issue 31: drafts reconcile with vLLM)
+        *REQUEST_FIELDS,
         # Added by migration 012 (issue 23: KV memory-time; NULL = not observed).
         *KV_COLUMNS,
         "attention_window",
@@ -99,29 +78,20 @@ REQUESTS = Table(
     ("tenant", "model", "request_uid"),
 )
 
-#: RequestAccounting fields copied verbatim into ``requests`` (the rest are derived).
-REQUEST_FIELDS = REQUESTS.columns[: REQUESTS.columns.index(KV_COLUMNS[0])]
+#: The columns of a TokenSegment (one ``token_segments`` row) and of a BlockUse (one ``kv_blocks``
+#: row), after the request's uid, the index in its list and the request's version.
+SEGMENT_FIELDS = field_names("TokenSegment")
+BLOCK_FIELDS = field_names("BlockUse")
 
 TOKEN_SEGMENTS = Table(
     "token_segments",
-    (
-        "request_uid",
-        "idx",
-        "_version",
-        "start",
-        "end",
-        "kind",
-        "status",
-        "draft_accepted",
-        "source_request_uid",
-        "kv_fate",
-    ),
+    ("request_uid", "idx", "_version", *SEGMENT_FIELDS),
     ("request_uid", "idx"),
 )
 
 KV_BLOCKS = Table(
     "kv_blocks",
-    ("request_uid", "idx", "_version", "block_hash", "lifetime_seq", "role", "tokens"),
+    ("request_uid", "idx", "_version", *BLOCK_FIELDS),
     ("request_uid", "idx"),
 )
 
@@ -141,45 +111,23 @@ EXPERT_LOAD = Table(
     ("model", "request_uid"),
 )
 
+_USAGE_KEY = ("tenant", "model", "window_start_ns", "engine_name", "usage_id")
+
+#: One row per UsageWindow: its key first, then every other field of schemas/UsageWindow.avsc in
+#: schema order but the moved ones (the writer adds evicted_tokens to window_released_tokens).
 USAGE = Table(
     "usage_1m",
     (
-        "tenant",
-        "model",
-        "window_start_ns",
-        "engine_name",
-        "usage_id",
-        "kind",
-        "window_ns",
-        "requests",
-        "incomplete_requests",
-        "prompt_tokens",
-        "output_tokens",
-        *TOKEN_COUNTS,
-        "gpu_time_ns",
-        "est_flops",
-        *POSITION_COUNTS,  # added by migration 003
-        "lora_name",  # added by migration 013 (issue 23: windows per adapter)
+        *_USAGE_KEY,
+        *(f for f in field_names(USAGE_WINDOW) if f not in _USAGE_KEY and f not in MOVED_FIELDS),
     ),
-    ("tenant", "model", "window_start_ns", "engine_name", "usage_id"),
+    _USAGE_KEY,
 )
 
 DEAD_LETTERS = Table(
     "dead_letters",
-    (
-        "dlq_topic",
-        "dlq_partition",
-        "dlq_offset",
-        "error_type",
-        "reason",
-        "component",
-        "topic",
-        "partition",
-        "offset",
-        "key",
-        "value",
-        "ts_ns",
-    ),
+    # the letter's own position in the dlq topic, then the DeadLetter record
+    ("dlq_topic", "dlq_partition", "dlq_offset", *field_names(DEAD_LETTER)),
     # the input's identity, not the dlq message's (migration 014): a column ClickHouse derives
     # from component, topic, partition and offset, so a re-sent dead letter replaces its copy
     ("letter_key",),

@@ -135,8 +135,13 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         "sparseety.attention.pairs": int(record["attention_pairs"]),
         "sparseety.attention.pairs_skipped": int(record["attention_pairs_skipped"]),
     }
-    for name in (*ev.TOKEN_COUNTS, *ev.POSITION_COUNTS, "draft_unverified_tokens", "scheduled_tokens"):
-        attrs[f"sparseety.usage.{name}"] = int(record.get(name, 0))
+    usage = {
+        name: int(record.get(name, 0))
+        for name in (*ev.TOKEN_COUNTS, *ev.POSITION_COUNTS, "draft_unverified_tokens", "scheduled_tokens")
+    }
+    for moved, into in ev.MOVED_FIELDS.items():  # window release in a schema-v1 record's evicted_tokens
+        usage[into] += int(record.get(moved, 0))
+    attrs.update({f"sparseety.usage.{name}": value for name, value in usage.items()})
     for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
         value = int(record[f"engine_{name}"])
         if value >= 0:  # -1: the engine did not report it

@@ -15,7 +15,7 @@ ORDERS = ("recent", "varied")
 #: How many kinds of token fate a request shows: "varied" lists the most telling timelines first.
 _VARIETY = (
     "(cache_read_tokens > 0) + (recomputed_tokens > 0) + (skipped_tokens > 0) "
-    "+ (window_released_tokens + evicted_tokens > 0) + (draft_cut_tokens > 0) "
+    "+ (window_released_tokens > 0) + (draft_cut_tokens > 0) "
     "+ (draft_accepted_tokens > 0) + (draft_rejected_tokens > 0) + (uncached_computed_tokens > 0)"
 )
 
@@ -57,7 +57,7 @@ def requests_sql(
         "tenant, model, engine_name, engine_kind, finished_at, finish_reason, complete, "
         "consistent, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
         "recomputed_tokens, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_accepted_tokens, "
-        "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, evicted_tokens, window_released_tokens, "
+        "draft_rejected_tokens, draft_cut_tokens, skipped_tokens, window_released_tokens, "
         f"gpu_time_ns FROM {db}.requests_v WHERE {where} ORDER BY {by} LIMIT {{limit:UInt32}}"
     )
     return sql, params

@@ -637,7 +637,7 @@ def token_statistics_sql(db: str, request_uid: str, *, scope: Scope) -> tuple[st
         "SELECT prompt_tokens AS input_token_count, output_tokens AS output_token_count, "
         "uncached_computed_tokens AS computed_token_count, "
         "cache_read_tokens AS cached_token_count, skipped_tokens AS skipped_token_count, "
-        "toInt64(window_released_tokens) + evicted_tokens AS kv_cache_evicted_count, "
+        "toInt64(window_released_tokens) AS kv_cache_evicted_count, "
         "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "
         "recomputed_preemption_tokens, recomputed_tokens) AS recomputed_preemption_count, "
         "if(recomputed_preemption_tokens + recomputed_eviction_tokens = recomputed_tokens, "

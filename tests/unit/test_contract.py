@@ -274,6 +274,19 @@ def test_usage_window_written_with_schema_v1_decodes_with_defaults() -> None:
     assert back == f.usage_window()
 
 
+def test_usage_counters_are_only_appended() -> None:
+    """The worker persists a window's counters as a list in events.USAGE_COUNTERS order (derived
+    from schemas/UsageWindow.avsc; streams/state.py): every earlier version's are a prefix."""
+    for path in sorted((schema_dir() / "history").glob("UsageWindow.*.avsc")):
+        fields = json.loads(path.read_text())["fields"]
+        counters = tuple(
+            x["name"]
+            for x in fields
+            if x["type"] in ("long", "double") and x["name"] not in ("window_start_ns", "window_ns")
+        )
+        assert len(counters) > 10 and ev.USAGE_COUNTERS[: len(counters)] == counters, path.name
+
+
 def test_records_written_before_sessions_decode_with_no_session() -> None:
     """EngineEvent and RequestAccounting v2 (before session_id) resolve from schemas/history."""
     old_events = json.loads((schema_dir() / "history" / "EngineEvent.v2.avsc").read_text())

@@ -252,20 +252,22 @@ def rows_of_a_store_from_001(store: Store, *, before_013: bool) -> None:
     """Rows in the columns of migration 001, by plain INSERTs: requests (one of them a hidden
     vllm_log copy, one an adapter request), their segments and blocks, usage windows, prices,
     expert load and dead letters. ``before_013``: the adapter request and its usage window as
-    they were written before issue 23 (the adapter in `model`; migration 013 rewrites them), else
-    as the writer writes them now (the base model in `model`)."""
+    they were written before issue 23 (the adapter in `model`; migration 013 rewrites them), and
+    window release in `evicted_tokens` as schema v1 wrote it (migration 016 moves it), else as the
+    writer writes them now (the base model in `model`, window release in window_released_tokens)."""
     db = store.database
     adapter_model = "ad1" if before_013 else "m1"
+    released = "evicted_tokens" if before_013 else "window_released_tokens"
     store.command(
-        f"INSERT INTO {db}.requests ({_REQUEST_COLUMNS}) VALUES "
+        f"INSERT INTO {db}.requests ({_REQUEST_COLUMNS}, {released}) VALUES "
         f"('e1@1/r1', 'e1', 'e1@1', 'x1', 'A', 'm1', NULL, 'vllm', {T0 + MIN}, 'stop', 1, "
-        f"4000, 500, 0, 4499, 0, 0, 0, 4499, {2 * S}, 0, 100, 0, 1), "
+        f"4000, 500, 0, 4499, 0, 0, 0, 4499, {2 * S}, 0, 100, 0, 1, 0), "
         f"('e1@1/r2', 'e1', 'e1@1', 'x2', 'B', '{adapter_model}', 'ad1', 'vllm', {T0 + 2 * MIN}, 'abort', 0, "
-        f"3000, 200, 2000, 1000, 300, 50, 30, 1580, {S}, 2000, 100, 40, 2), "
+        f"3000, 200, 2000, 1000, 300, 50, 30, 1580, {S}, 2000, 100, 40, 2, 0), "
         f"('log1@1/x1', 'log1', 'log1@1', 'x1', 'A', 'm1', NULL, 'vllm_log', {T0 + MIN}, 'stop', 1, "
-        f"4000, 500, 0, 4000, 0, 0, 0, 0, 0, -1, 0, 0, 3), "
+        f"4000, 500, 0, 4000, 0, 0, 0, 0, 0, -1, 0, 0, 3, 0), "
         f"('e2@1/r3', 'e2', 'e2@1', 'x3', 'C', 'm2', NULL, 'vllm', {T0 + 3 * MIN}, 'length', 1, "
-        f"1000, 10, 0, 1009, 0, 0, 0, 1009, {S // 2}, 0, 0, 0, 4)"
+        f"1000, 10, 0, 1009, 0, 0, 0, 1009, {S // 2}, 0, 0, 0, 4, 600)"
     )
     store.command(
         f"INSERT INTO {db}.token_segments (request_uid, idx, _version, start, end, kind, status, "
@@ -286,7 +288,7 @@ def rows_of_a_store_from_001(store: Store, *, before_013: bool) -> None:
         "tenant, model, window_start_ns, engine_name, usage_id, kind, window_ns, requests, "
         "incomplete_requests, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, "
         "recomputed_tokens, "
-        "draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops"
+        f"draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, {released}, gpu_time_ns, est_flops"
     )
     adapter_window = (
         f"('B', '{adapter_model}', {WS}, 'e1', 'u2', 'final', {W}, 1, 1, 3000, 200, 2000, 1000, 300, "
@@ -296,7 +298,7 @@ def rows_of_a_store_from_001(store: Store, *, before_013: bool) -> None:
         f"INSERT INTO {db}.usage_1m ({usage}) VALUES "
         f"('A', 'm1', {WS}, 'e1', 'u1', 'final', {W}, 1, 0, 4000, 500, 0, 4499, 0, 0, 0, 0, 0, {S}, 1.5), "
         f"('A', 'm1', {WS}, 'log1', 'u3', 'final', {W}, 1, 0, 4000, 500, 0, 4000, 0, 0, 0, 0, 0, 0, 0), "
-        f"('C', 'm2', {WS}, 'e2', 'u4', 'correction', {W}, 1, 0, 1000, 10, 0, 1009, 0, 0, 0, 0, 0, 0, 0)"
+        f"('C', 'm2', {WS}, 'e2', 'u4', 'correction', {W}, 1, 0, 1000, 10, 0, 1009, 0, 0, 0, 0, 600, 0, 0)"
     )
     if before_013:
         store.command(f"INSERT INTO {db}.usage_1m ({usage}) VALUES {adapter_window})")
@@ -380,9 +382,61 @@ def test_a_store_migrated_from_001_is_a_fresh_store(
             f"SELECT model, lora_name FROM {old.database}.requests_v WHERE request_id = 'x2'"
         )
         assert adapter == {"model": "m1", "lora_name": "ad1"}
+        # schema v1's window release: the views added evicted_tokens to it, 016 moved it (same answer)
+        (released,) = old.query(
+            f"SELECT window_released_tokens FROM {old.database}.request_costs_v WHERE request_uid = 'e2@1/r3'"
+        )
+        (window,) = old.query(f"SELECT window_released_tokens FROM {old.database}.usage_v WHERE tenant = 'C'")
+        assert released["window_released_tokens"] == window["window_released_tokens"] == 600
         assert all(
             got[name] for name in ("request_costs_v", "usage_v", "amortized_delta_v", "sparsity_signals_v")
         )
+
+
+def test_evicted_tokens_move_once_however_often_016_runs(store: Store) -> None:
+    """Migration 016 adds an old row's evicted_tokens to window_released_tokens (every version of
+    a request) and drops the column; a run interrupted after the update, or after the drop, and
+    applied again adds nothing twice."""
+    migrations = mg.load_migrations()
+    (m016,) = [m for m in migrations if m.name == "evicted_tokens_folded"]
+    mg.migrate(store, migrations[: m016.version - 1])
+    db = store.database
+    for version, evicted, released in ((1, 7, 2), (2, 9, 0)):
+        store.command(
+            f"INSERT INTO {db}.requests (request_uid, tenant, model, evicted_tokens, window_released_tokens, "
+            f"_version) VALUES ('u1', 'A', 'm', {evicted}, {released}, {version})"
+        )
+    store.command(
+        f"INSERT INTO {db}.requests (request_uid, tenant, model, window_released_tokens, _version) "
+        "VALUES ('u2', 'A', 'm', 4, 1)"
+    )
+    store.command(
+        f"INSERT INTO {db}.usage_1m (tenant, model, window_start_ns, engine_name, usage_id, evicted_tokens, "
+        "window_released_tokens) VALUES ('A', 'm', 0, 'e', 'w', 5, 1)"
+    )
+
+    def released() -> list[tuple[str, int, int]]:
+        rows = store.query(f"SELECT request_uid, _version, window_released_tokens AS w FROM {db}.requests")
+        (usage,) = store.query(f"SELECT window_released_tokens AS w FROM {db}.usage_1m FINAL")
+        return [*sorted((r["request_uid"], r["_version"], r["w"]) for r in rows), ("usage", 0, usage["w"])]
+
+    expected = [("u1", 1, 9), ("u1", 2, 9), ("u2", 1, 4), ("usage", 0, 6)]
+    statements = mg.render(m016.template, database=db)
+    for statement in statements[:2]:  # requests: the column ensured, then the update
+        store.command(statement)
+    assert [m.version for m in mg.migrate(store)] == [
+        m016.version,
+        *range(m016.version + 1, len(migrations) + 1),
+        mg.VIEWS_VERSION,
+    ]
+    assert released() == expected
+    for statement in statements:  # after the drop: applied again
+        store.command(statement)
+    assert released() == expected
+    columns = store.query(
+        f"SELECT table FROM system.columns WHERE database = '{db}' AND name = 'evicted_tokens'"
+    )
+    assert columns == []
 
 
 def earlier_checksums(store: Store, versions: set[int]) -> None:

@@ -12,7 +12,7 @@
 -- store without logs builds an empty set.
 CREATE OR REPLACE VIEW {db}.log_duplicates_v{on_cluster} AS
 SELECT request_uid, request_id, tenant, model, engine_name, finished_ts_ns, complete,
-       prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
+       prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
 FROM {db}.requests FINAL
 WHERE engine_kind = 'vllm_log'
   AND request_id IN (SELECT request_id FROM {db}.requests
@@ -101,9 +101,10 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
 -- effective_from <= finished). Over requests_v, so a hidden log copy is not counted
 -- (sparsity_signals_v, amortized_delta_v and every cost query read this view).
 -- Rows written before schema v2 cannot split recompute: their recomputed_tokens count as
--- preemption recompute (the old meaning of waste), and their evicted_tokens (window release) as
--- window_released_tokens. List mode does not charge an aborted request for prompt positions it
--- never computed: its list input is at most what it computed of the prompt for the first time.
+-- preemption recompute (the old meaning of waste); their window release, which schema v1 counted
+-- in evicted_tokens, is in window_released_tokens (migration 016). List mode does not charge an
+-- aborted request for prompt positions it never computed: its list input is at most what it
+-- computed of the prompt for the first time.
 -- `list` bills the prompt of an API request once: the n choices of one parent (same engine_id and
 -- parent_request_id) are one invoice line, whose prompt (and its cache hits) is carried by one
 -- choice, the one that finished last (ties: the highest choice_index), as vLLM's usage reports
@@ -124,7 +125,7 @@ SELECT
     r.uncached_computed_tokens AS uncached_computed_tokens,
     r.recomputed_tokens AS recomputed_tokens, r.draft_accepted_tokens AS draft_accepted_tokens,
     r.draft_rejected_tokens AS draft_rejected_tokens, r.skipped_tokens AS skipped_tokens,
-    r.evicted_tokens AS evicted_tokens, r.preemptions AS preemptions, r.gpu_time_ns AS gpu_time_ns,
+    r.preemptions AS preemptions, r.gpu_time_ns AS gpu_time_ns,
     r.est_flops AS est_flops, r.complete AS complete,
     -- The engine's cold first step is engine overhead, not the tenants' (issue 31): gpu mode
     -- bills gpu_time_ns less the request's share of its epoch's first step.
@@ -139,7 +140,7 @@ SELECT
                r.recomputed_eviction_tokens, 0)) AS recomputed_eviction_tokens,
     toInt64(r.draft_cut_tokens) AS draft_cut_tokens,
     toInt64(r.draft_unverified_tokens) AS draft_unverified_tokens,
-    toInt64(r.window_released_tokens + r.evicted_tokens) AS window_released_tokens,
+    toInt64(r.window_released_tokens) AS window_released_tokens,
     toInt64(r.evicted_blocks_recomputed) AS evicted_blocks_recomputed,
     recomputed_preemption_tokens + toInt64(r.draft_rejected_tokens) + draft_cut_tokens AS waste_tokens,
     toInt64(least(if(r.engine_cached_tokens >= 0, r.engine_cached_tokens, r.cache_read_tokens), r.prompt_tokens))
@@ -275,7 +276,6 @@ SELECT
     sum(draft_accepted_tokens) AS draft_accepted_tokens,
     sum(draft_rejected_tokens) AS draft_rejected_tokens,
     sum(skipped_tokens) AS skipped_tokens,
-    sum(evicted_tokens) AS evicted_tokens,
     sum(gpu_time_ns) AS gpu_time_ns,
     sum(est_flops) AS est_flops,
     sum(recomputed_preemption_tokens) AS recomputed_preemption_tokens,
@@ -286,7 +286,7 @@ SELECT
     sum(waste_tokens) AS waste_tokens
 FROM (
     SELECT tenant, model, lora_name, engine_name, window_start_ns, window_ns, toString(kind) AS kind,
-           requests, incomplete_requests, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, evicted_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
+           requests, incomplete_requests, prompt_tokens, output_tokens, cache_read_tokens, uncached_computed_tokens, recomputed_tokens, draft_accepted_tokens, draft_rejected_tokens, skipped_tokens, gpu_time_ns, est_flops, recomputed_preemption_tokens, recomputed_eviction_tokens, draft_cut_tokens, window_released_tokens, evicted_blocks_recomputed, waste_tokens
     FROM {db}.usage_1m FINAL
     UNION ALL
     SELECT d.tenant AS tenant, d.model AS model, '' AS lora_name, d.engine_name AS engine_name,
@@ -302,7 +302,6 @@ FROM (
         -toInt64(d.draft_accepted_tokens) AS draft_accepted_tokens,
         -toInt64(d.draft_rejected_tokens) AS draft_rejected_tokens,
         -toInt64(d.skipped_tokens) AS skipped_tokens,
-        -toInt64(d.evicted_tokens) AS evicted_tokens,
         -toInt64(d.gpu_time_ns) AS gpu_time_ns,
         -d.est_flops AS est_flops,
         -toInt64(d.recomputed_preemption_tokens) AS recomputed_preemption_tokens,
