@@ -70,19 +70,7 @@ def synthetic(
         ),
     )
     shared = [i.to_bytes(8, "big") for i in range(4)]
-    add(
-        ev.KV_STORED,
-        {
-            "block_hashes": shared,
-            "parent_block_hash": None,
-            "block_size": BS,
-            "num_tokens": 4 * BS,
-            "lora_id": None,
-            "medium": "GPU",
-            "group_kind": "full_attention",
-            "sliding_window": None,
-        },
-    )
+    add(ev.KV_STORED, f.kv_stored(shared, block_size=BS))
     live: dict[str, int] = {}
     next_id = 0
 

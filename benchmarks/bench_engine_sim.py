@@ -194,12 +194,11 @@ def main() -> None:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    from sparseety.broker import EmbeddedBroker
-    from sparseety.config import load_config, to_env
+    from sparseety.config import to_env
     from sparseety.kafka import ensure_topics
     from sparseety.stack.tiny_models import build_tiny_model
     from tests.e2e.conftest import MODEL_CACHE, environ
-    from tests.helpers import free_port
+    from tests.helpers import running_broker
 
     model = build_tiny_model("llama", MODEL_CACHE / "llama")
     batches = [int(b) for b in args.batches.split(",")]
@@ -216,83 +215,81 @@ def main() -> None:
         return statistics.median(r[key] for r in runs)
 
     rows, walls = [], []
-    with tempfile.TemporaryDirectory(prefix="sparseety-bench-sim-") as tmp:
-        cfg = load_config(data_dir=tmp, broker={"port": free_port()})
-        broker = EmbeddedBroker(cfg)
-        broker.start(create_topics=False)
-        try:
-            ecfg = broker.client_config().replace(
-                data_dir=tmp,
-                topics={
-                    **cfg.topics.model_dump(),
-                    "engine_events": "bench-sim.engine-events",
-                    "partitions": 1,
-                },
-                producer={"engine_name": "bench-sim"},
-            )
-            ensure_topics(ecfg, [ecfg.topics.engine_events])
-            with environ(to_env(ecfg)):
-                for batch in batches:
-                    on: list[dict[str, float]] = []
-                    off: list[dict[str, float]] = []
-                    aa: list[dict[str, float]] = []
-                    for _ in range(args.rounds):
-                        on.append(one_round(model, batch, args.steps, True))
-                        off.append(one_round(model, batch, args.steps, False))
-                        aa.append(one_round(model, batch, args.steps, False))
-                    row = {
-                        "batch": batch,
-                        "vllm_us": med(off, "vllm_us"),
-                        "hooks_us": med(on, "hooks_us"),
-                        "inproc_us": med(on, "inproc_us"),
-                        "relay_us": med(on, "relay_us"),
-                        "relay_rss_mib": max(r["relay_rss_mib"] for r in on),
-                        "thread_ratio": med(on, "engine_us") / med(off, "engine_us"),
-                        "aa_ratio": med(aa, "engine_us") / med(off, "engine_us"),
-                        "dropped": sum(r["dropped"] for r in on),
-                    }
-                    row["hooks_per_req"] = row["hooks_us"] / batch
-                    row["ratio"] = (row["hooks_us"] + row["inproc_us"]) / row["vllm_us"]
-                    row["relay_per_k"] = row["relay_us"] / batch * 1000 / 1e3  # ms per 1,000 request-steps
-                    rows.append(row)
-                    print(
-                        f"batch {batch:4d}: vllm {row['vllm_us']:8.1f} us/step; "
-                        f"hooks {row['hooks_us']:6.1f} ({row['hooks_per_req']:.2f}/request); "
-                        f"in-proc {row['inproc_us']:6.1f}; (hooks+in-proc)/vllm {row['ratio']:.3f}; "
-                        f"thread on/off {row['thread_ratio']:.3f} (A/A {row['aa_ratio']:.3f}); "
-                        f"relay {row['relay_us']:7.1f} us/step = {row['relay_per_k']:.2f} ms per 1k "
-                        f"request-steps, peak RSS {row['relay_rss_mib']:.0f} MiB; "
-                        f"dropped {row['dropped']:.0f}",
-                        flush=True,
-                    )
-                for batch, ms in wall:
-                    on, off, aa = [], [], []
-                    for _ in range(args.wall_rounds):
-                        on.append(one_round(model, batch, args.wall_steps, True, ms))
-                        off.append(one_round(model, batch, args.wall_steps, False, ms))
-                        aa.append(one_round(model, batch, args.wall_steps, False, ms))
-                    w = {
-                        "batch": batch,
-                        "gpu_ms": ms,
-                        "tps": med(on, "tokens_per_s") / med(off, "tokens_per_s"),
-                        "aa": med(aa, "tokens_per_s") / med(off, "tokens_per_s"),
-                        "p50": (med(on, "tpot_p50_ms"), med(off, "tpot_p50_ms"), med(aa, "tpot_p50_ms")),
-                        "p99": (med(on, "tpot_p99_ms"), med(off, "tpot_p99_ms"), med(aa, "tpot_p99_ms")),
-                        "dropped": sum(r["dropped"] for r in on),
-                        "delivered": all(r["delivered"] for r in on),
-                    }
-                    walls.append(w)
-                    print(
-                        f"wall batch {batch:4d}, GPU step {ms:g} ms: tokens/s on/off {w['tps']:.3f} "
-                        f"(A/A {w['aa']:.3f}); TPOT p50 on/off/A-A "
-                        + "/".join(f"{x:.2f}" for x in w["p50"])
-                        + " ms, p99 "
-                        + "/".join(f"{x:.2f}" for x in w["p99"])
-                        + f" ms; dropped {w['dropped']:.0f}, all delivered {w['delivered']}",
-                        flush=True,
-                    )
-        finally:
-            broker.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="sparseety-bench-sim-") as tmp,
+        running_broker(Path(tmp)) as broker,
+    ):
+        cfg = broker.client_config()
+        ecfg = cfg.replace(
+            data_dir=tmp,
+            topics={
+                **cfg.topics.model_dump(),
+                "engine_events": "bench-sim.engine-events",
+                "partitions": 1,
+            },
+            producer={"engine_name": "bench-sim"},
+        )
+        ensure_topics(ecfg, [ecfg.topics.engine_events])
+        with environ(to_env(ecfg)):
+            for batch in batches:
+                on: list[dict[str, float]] = []
+                off: list[dict[str, float]] = []
+                aa: list[dict[str, float]] = []
+                for _ in range(args.rounds):
+                    on.append(one_round(model, batch, args.steps, True))
+                    off.append(one_round(model, batch, args.steps, False))
+                    aa.append(one_round(model, batch, args.steps, False))
+                row = {
+                    "batch": batch,
+                    "vllm_us": med(off, "vllm_us"),
+                    "hooks_us": med(on, "hooks_us"),
+                    "inproc_us": med(on, "inproc_us"),
+                    "relay_us": med(on, "relay_us"),
+                    "relay_rss_mib": max(r["relay_rss_mib"] for r in on),
+                    "thread_ratio": med(on, "engine_us") / med(off, "engine_us"),
+                    "aa_ratio": med(aa, "engine_us") / med(off, "engine_us"),
+                    "dropped": sum(r["dropped"] for r in on),
+                }
+                row["hooks_per_req"] = row["hooks_us"] / batch
+                row["ratio"] = (row["hooks_us"] + row["inproc_us"]) / row["vllm_us"]
+                row["relay_per_k"] = row["relay_us"] / batch * 1000 / 1e3  # ms per 1,000 request-steps
+                rows.append(row)
+                print(
+                    f"batch {batch:4d}: vllm {row['vllm_us']:8.1f} us/step; "
+                    f"hooks {row['hooks_us']:6.1f} ({row['hooks_per_req']:.2f}/request); "
+                    f"in-proc {row['inproc_us']:6.1f}; (hooks+in-proc)/vllm {row['ratio']:.3f}; "
+                    f"thread on/off {row['thread_ratio']:.3f} (A/A {row['aa_ratio']:.3f}); "
+                    f"relay {row['relay_us']:7.1f} us/step = {row['relay_per_k']:.2f} ms per 1k "
+                    f"request-steps, peak RSS {row['relay_rss_mib']:.0f} MiB; "
+                    f"dropped {row['dropped']:.0f}",
+                    flush=True,
+                )
+            for batch, ms in wall:
+                on, off, aa = [], [], []
+                for _ in range(args.wall_rounds):
+                    on.append(one_round(model, batch, args.wall_steps, True, ms))
+                    off.append(one_round(model, batch, args.wall_steps, False, ms))
+                    aa.append(one_round(model, batch, args.wall_steps, False, ms))
+                w = {
+                    "batch": batch,
+                    "gpu_ms": ms,
+                    "tps": med(on, "tokens_per_s") / med(off, "tokens_per_s"),
+                    "aa": med(aa, "tokens_per_s") / med(off, "tokens_per_s"),
+                    "p50": (med(on, "tpot_p50_ms"), med(off, "tpot_p50_ms"), med(aa, "tpot_p50_ms")),
+                    "p99": (med(on, "tpot_p99_ms"), med(off, "tpot_p99_ms"), med(aa, "tpot_p99_ms")),
+                    "dropped": sum(r["dropped"] for r in on),
+                    "delivered": all(r["delivered"] for r in on),
+                }
+                walls.append(w)
+                print(
+                    f"wall batch {batch:4d}, GPU step {ms:g} ms: tokens/s on/off {w['tps']:.3f} "
+                    f"(A/A {w['aa']:.3f}); TPOT p50 on/off/A-A "
+                    + "/".join(f"{x:.2f}" for x in w["p50"])
+                    + " ms, p99 "
+                    + "/".join(f"{x:.2f}" for x in w["p99"])
+                    + f" ms; dropped {w['dropped']:.0f}, all delivered {w['delivered']}",
+                    flush=True,
+                )
     big = max(rows, key=lambda r: r["batch"])
     cpu_bound = min(walls, key=lambda w: w["gpu_ms"]) if walls else None
     tail = (

@@ -37,6 +37,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from sparseety import events as ev
@@ -156,56 +157,61 @@ def drop(store: Store) -> None:
     store.close()
 
 
-def bench_write(path: str, records: list[dict[str, Any]], batch: int) -> tuple[float, int]:
+def timed_writes(
+    path: str,
+    items: list[Any],
+    batch: int,
+    add: Callable[[ClickHouseSink, int, Any], None],
+    ready: Callable[[ClickHouseSink], bool] | None = None,
+    **sink_kw: Any,
+) -> tuple[float, int]:
+    """Seconds and rows to write ``items`` to a fresh store through one sink, a flush every
+    ``batch``: ``add(sink, i, item)`` hands it the i-th; ``ready(sink)`` must hold before."""
     store = fresh(path)
     try:
-        sink = ClickHouseSink(store, batch_max_rows=10**9)
+        sink = ClickHouseSink(store, batch_max_rows=10**9, **sink_kw)
+        assert ready is None or ready(sink)
         started = time.perf_counter()
         rows = 0
-        for start in range(0, len(records), batch):
-            for i, rec in enumerate(records[start : start + batch], start):
-                sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=i % 4, offset=i)
+        for start in range(0, len(items), batch):
+            for i, item in enumerate(items[start : start + batch], start):
+                add(sink, i, item)
             rows += sink.flush().total_rows
         return time.perf_counter() - started, rows
     finally:
         drop(store)
+
+
+def bench_write(path: str, records: list[dict[str, Any]], batch: int) -> tuple[float, int]:
+    def add(sink: ClickHouseSink, i: int, rec: dict[str, Any]) -> None:
+        sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=i % 4, offset=i)
+
+    return timed_writes(path, records, batch, add)
 
 
 def bench_decode_write(path: str, payloads: list[bytes], cfg: Config, batch: int) -> tuple[float, int]:
-    store = fresh(path)
     decoder = make_decoder(cfg)
-    try:
-        sink = ClickHouseSink(store, batch_max_rows=10**9)
-        started = time.perf_counter()
-        rows = 0
-        for start in range(0, len(payloads), batch):
-            for i, raw in enumerate(payloads[start : start + batch], start):
-                name, rec = decoder.decode(raw)
-                sink.add(name, rec, topic="timelines", partition=i % 4, offset=i)
-            rows += sink.flush().total_rows
-        return time.perf_counter() - started, rows
-    finally:
-        drop(store)
+
+    def add(sink: ClickHouseSink, i: int, raw: bytes) -> None:
+        name, rec = decoder.decode(raw)
+        sink.add(name, rec, topic="timelines", partition=i % 4, offset=i)
+
+    return timed_writes(path, payloads, batch, add)
 
 
 def bench_undecoded_write(path: str, payloads: list[bytes], cfg: Config, batch: int) -> tuple[float, int]:
     """The sink process's fast path without Kafka: header read, bodies handed to chDB as Avro."""
-    store = fresh(path)
     decoder = make_decoder(cfg)
-    try:
-        sink = ClickHouseSink(store, batch_max_rows=10**9, encoded=True)
-        assert sink.takes_encoded(decoder.store.wire("RequestAccounting"), decoder.store)
-        started = time.perf_counter()
-        rows = 0
-        for start in range(0, len(payloads), batch):
-            for i, raw in enumerate(payloads[start : start + batch], start):
-                writer = decoder.header(raw)
-                assert writer is not None  # the consumer asks takes_encoded once per writer schema
-                sink.add_encoded(writer, raw, key=None, topic="timelines", partition=i % 4, offset=i)
-            rows += sink.flush().total_rows
-        return time.perf_counter() - started, rows
-    finally:
-        drop(store)
+
+    def ready(sink: ClickHouseSink) -> bool:
+        return sink.takes_encoded(decoder.store.wire("RequestAccounting"), decoder.store)
+
+    def add(sink: ClickHouseSink, i: int, raw: bytes) -> None:
+        writer = decoder.header(raw)
+        assert writer is not None  # the consumer asks takes_encoded once per writer schema
+        sink.add_encoded(writer, raw, key=None, topic="timelines", partition=i % 4, offset=i)
+
+    return timed_writes(path, payloads, batch, add, ready, encoded=True)
 
 
 def bench_replay(path: str, payloads: list[bytes], runs: int) -> list[tuple[float, int, int]]:

@@ -33,7 +33,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import vllm
 
-    from tests.e2e.conftest import ServerEngine, engine_config, tiny_model
+    from tests.e2e.conftest import ServerEngine, engine_config, server_args, tiny_model
     from tests.helpers import read_topic, running_broker
     from tests.recorded import pack
 
@@ -41,25 +41,14 @@ def main() -> None:
     os.environ["VLLM_LOGGING_COLOR"] = "0"
     os.environ["NO_COLOR"] = "1"
     model = tiny_model("llama")
-    args = [
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--enable-prefix-caching",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "4",
-        "--enforce-eager",
-        "--enable-prompt-tokens-details",
+    args = server_args(
+        model,
         "--enable-log-requests",
         "--enable-log-outputs",
         "--shutdown-timeout",
         "10",
-    ]
+        max_num_seqs=4,
+    )
     system = "You answer questions about invoices, tenants and token prices, in one short paragraph. " * 3
     truth: list[dict[str, object]] = []
     with (

@@ -41,6 +41,18 @@ SYSTEMS = [
 ]
 
 Workload = list[tuple[str, dict[str, Any]]]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _engine(max_model_len: int, **over: Any) -> dict[str, Any]:
+    """A scenario's engine arguments: prefix caching on 32-token blocks, eager, then ``over``."""
+    return {
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "max_model_len": max_model_len,
+        "enforce_eager": True,
+        **over,
+    }
 
 
 def _phase(prompts: list[str], **params: Any) -> Workload:
@@ -51,61 +63,28 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "prefix_reuse": {
         "model": "llama",
         "doc": "Shared system prompts across tenants, then second and third turns of the same chats.",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 1024,
-            "enforce_eager": True,
-        },
+        "engine": _engine(1024),
     },
     "spec_ngram": {
         "model": "llama",
         "doc": "ngram speculative decoding (k=3): drafts proposed, accepted and rejected per step.",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 512,
-            "enforce_eager": True,
-            "speculative_config": {
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2,
-            },
-        },
+        "engine": _engine(512, speculative_config=NGRAM),
     },
     "moe_routing": {
         "model": "mixtral",
         "doc": "Tiny Mixtral (4 experts, top-2) with routing capture: MoeRouting per step on worker-0.",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 512,
-            "enforce_eager": True,
-        },
+        "engine": _engine(512),
         "producer": {"routing_capture": True},
     },
     "sliding_window": {
         "model": "mistral-sw",
         "doc": "Sliding window 64: long prompts with a shared prefix, decodes past the window.",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 512,
-            "enforce_eager": True,
-        },
+        "engine": _engine(512),
     },
     "preemption_eviction": {
         "model": "llama",
         "doc": "A 20-block KV cache: distinct prompts evict blocks, then long decodes preempt requests.",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 320,
-            "num_gpu_blocks_override": 20,
-            "max_num_seqs": 8,
-            "enforce_eager": True,
-        },
+        "engine": _engine(320, num_gpu_blocks_override=20, max_num_seqs=8),
     },
     "sessions": {
         "model": "llama",
@@ -114,12 +93,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             " and answer + a new message) under one system prompt, with session ids (tenant"
             " sessions-a) and without (sessions-b); truth.json names each request's conversation."
         ),
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 1024,
-            "enforce_eager": True,
-        },
+        "engine": _engine(1024),
         "multi_turn": True,
     },
     # Issue 15: counterfactual and regression checks. Each reruns an earlier scenario's workload
@@ -131,54 +105,28 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "doc": "prefix_reuse's workload again with prefix caching disabled (the no-cache what-if's truth).",
         "workload": "prefix_reuse",
         "engine_name": "fixture-prefix_reuse",
-        "engine": {
-            "enable_prefix_caching": False,
-            "block_size": 32,
-            "max_model_len": 1024,
-            "enforce_eager": True,
-        },
+        "engine": _engine(1024, enable_prefix_caching=False),
     },
     "prefix_reuse_again": {
         "model": "llama",
         "doc": "prefix_reuse unchanged, a second run on the same engine name (no regression expected).",
         "workload": "prefix_reuse",
         "engine_name": "fixture-prefix_reuse",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 1024,
-            "enforce_eager": True,
-        },
+        "engine": _engine(1024),
     },
     "spec_ngram_again": {
         "model": "llama",
         "doc": "spec_ngram unchanged, a second run on the same engine name (no regression expected).",
         "workload": "spec_ngram",
         "engine_name": "fixture-spec_ngram",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 512,
-            "enforce_eager": True,
-            "speculative_config": {
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2,
-            },
-        },
+        "engine": _engine(512, speculative_config=NGRAM),
     },
     "spec_ngram_off": {
         "model": "llama",
         "doc": "spec_ngram's workload with speculative decoding off, same engine name (drafts stop).",
         "workload": "spec_ngram",
         "engine_name": "fixture-spec_ngram",
-        "engine": {
-            "enable_prefix_caching": True,
-            "block_size": 32,
-            "max_model_len": 512,
-            "enforce_eager": True,
-        },
+        "engine": _engine(512),
     },
     "sparsity_truth": {
         "model": "gemma3-hybrid",
@@ -292,19 +240,22 @@ def _phases(llm: Any, name: str) -> list[dict[str, Any]]:
             )
         outs = llm.generate(prompts, params, use_tqdm=False)
         answers = [o.outputs[0].text for o in outs]
-        for o, sp in zip(outs, params, strict=True):
-            requests.append(
-                {
-                    "request_id": o.request_id,
-                    "prompt_token_ids": list(o.prompt_token_ids),
-                    "output_token_ids": list(o.outputs[0].token_ids),
-                    "num_cached_tokens": o.num_cached_tokens,
-                    "finish_reason": o.outputs[0].finish_reason,
-                    "tenant": (sp.extra_args or {}).get("tenant", ""),
-                    "max_tokens": sp.max_tokens,
-                }
-            )
+        requests += [_truth(o, sp) for o, sp in zip(outs, params, strict=True)]
     return requests
+
+
+def _truth(o: Any, sp: Any, **more: Any) -> dict[str, Any]:
+    """vLLM's view of one request: its RequestOutput ``o`` for SamplingParams ``sp``, then ``more``."""
+    return {
+        "request_id": o.request_id,
+        "prompt_token_ids": list(o.prompt_token_ids),
+        "output_token_ids": list(o.outputs[0].token_ids),
+        "num_cached_tokens": o.num_cached_tokens,
+        "finish_reason": o.outputs[0].finish_reason,
+        "tenant": (sp.extra_args or {}).get("tenant", ""),
+        "max_tokens": sp.max_tokens,
+        **more,
+    }
 
 
 SESSION_SYSTEM = "You are the assistant of the serving fleet; answer each question from the report. " * 5
@@ -340,20 +291,8 @@ def _multi_turn(llm: Any) -> list[dict[str, Any]]:
             ]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             for i, (o, sp) in enumerate(zip(outs, params, strict=True)):
-                requests.append(
-                    {
-                        "request_id": o.request_id,
-                        "prompt_token_ids": list(o.prompt_token_ids),
-                        "output_token_ids": list(o.outputs[0].token_ids),
-                        "num_cached_tokens": o.num_cached_tokens,
-                        "finish_reason": o.outputs[0].finish_reason,
-                        "tenant": tenant,
-                        "max_tokens": sp.max_tokens,
-                        "session": (sp.extra_args or {}).get("session", ""),
-                        "conversation": f"{tenant}-{i}",
-                        "turn": turn,
-                    }
-                )
+                session = (sp.extra_args or {}).get("session", "")
+                requests.append(_truth(o, sp, session=session, conversation=f"{tenant}-{i}", turn=turn))
             follow = tok.encode(
                 f" Thanks. Now question {turn + 1}, please: why is that so?", add_special_tokens=False
             )

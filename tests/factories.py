@@ -161,25 +161,34 @@ def request_finished(
     }
 
 
+def kv_stored(hashes: list[bytes], *, block_size: int = 4, **over: Any) -> dict[str, Any]:
+    """A KvBlocksStored payload: full blocks ``hashes`` of ``block_size`` tokens, no parent, on
+    the GPU, in the full-attention group."""
+    return {
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "block_size": block_size,
+        "num_tokens": len(hashes) * block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "group_kind": "full_attention",
+        "sliding_window": None,
+        **over,
+    }
+
+
+def kv_removed(hashes: list[bytes]) -> dict[str, Any]:
+    """A KvBlocksRemoved payload: ``hashes`` removed from the GPU's full-attention group."""
+    return {"block_hashes": hashes, "medium": "GPU", "group_kind": "full_attention"}
+
+
 def one_of_each() -> list[dict[str, Any]]:
     """One envelope per payload type, seq 0.."""
     payloads = [
         (ev.ENGINE_STARTED, engine_started()),
         (ev.REQUEST_STARTED, request_started()),
         (ev.STEP_BATCH, step_batch(0, [("r1", 10, 0, [7])], spec=[(0, 0)])),
-        (
-            ev.KV_STORED,
-            {
-                "block_hashes": [b"h0", b"h1"],
-                "parent_block_hash": None,
-                "block_size": 4,
-                "num_tokens": 8,
-                "lora_id": None,
-                "medium": "GPU",
-                "group_kind": "full_attention",
-                "sliding_window": None,
-            },
-        ),
+        (ev.KV_STORED, kv_stored([b"h0", b"h1"])),
         (
             ev.MOE_ROUTING,
             {
@@ -192,7 +201,7 @@ def one_of_each() -> list[dict[str, Any]]:
         ),
         (ev.STEP_BATCH, step_batch(1, [("r1", 1, 10, [8])])),
         (ev.REQUEST_FINISHED, request_finished(output=2)),
-        (ev.KV_REMOVED, {"block_hashes": [b"h0"], "medium": "GPU", "group_kind": "full_attention"}),
+        (ev.KV_REMOVED, kv_removed([b"h0"])),
         (ev.KV_CLEARED, {"medium": None}),
         (ev.HEARTBEAT, {"queued": 0, "produced": 9, "dropped": 0, "spilled": 0, "drained": 0}),
         (ev.ENGINE_STOPPED, {"reason": "shutdown"}),
@@ -216,16 +225,7 @@ def long_request(
             "page_size_bytes": 0,
         }
     ]
-    stored = {
-        "block_hashes": hashes[: len(hashes) // 2],
-        "parent_block_hash": None,
-        "block_size": block_size,
-        "num_tokens": prompt // 2,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
+    stored = kv_stored(hashes[: len(hashes) // 2], block_size=block_size, num_tokens=prompt // 2)
     events = [
         wrap(0, ev.ENGINE_STARTED, engine_started(block_size=block_size, kv_cache_groups=groups)),
         wrap(1, ev.KV_STORED, stored),
@@ -252,22 +252,12 @@ def history_loss(ts0: int = 0, *, cold_step_ns: int = 1_000_000) -> list[dict[st
     """An epoch whose prefix history is lost: r1 computes blocks a, b (the epoch's first step, of
     ``cold_step_ns``); seq 3, the KvBlocksStored of both, is the one to drop; r2 then reads both
     from the cache (streams/caveats.py). Event times are ``ts0 + 1000 * (seq + 1)``."""
-    stored = {
-        "block_hashes": [b"a", b"b"],
-        "parent_block_hash": None,
-        "block_size": 4,
-        "num_tokens": 8,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
     prompt = list(range(8))
     bodies = [
         (ev.ENGINE_STARTED, engine_started()),
         (ev.REQUEST_STARTED, request_started("r1", prompt, hashes=[b"a", b"b"])),
         (ev.STEP_BATCH, step_batch(0, [("r1", 8, 0, [1])], duration_ns=cold_step_ns)),
-        (ev.KV_STORED, stored),
+        (ev.KV_STORED, kv_stored([b"a", b"b"])),
         (ev.REQUEST_FINISHED, request_finished("r1", prompt=8, output=1)),
         (ev.REQUEST_STARTED, request_started("r2", [*prompt, 9], cached=8, hashes=[b"a", b"b"])),
         (ev.STEP_BATCH, step_batch(1, [("r2", 1, 8, [5])])),
@@ -366,6 +356,85 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
     }
     rec.update(over)
     return rec
+
+
+def counted(
+    uid: str,
+    *,
+    P: int,
+    C: int,
+    O: int,  # noqa: E741 - the cost model's names
+    S: int,
+    R: int = 0,
+    E: int = 0,
+    A: int = 0,
+    J: int = 0,
+    K: int = 0,
+    **over: Any,
+) -> dict[str, Any]:
+    """A RequestAccounting of ``uid`` ("<engine>@<epoch>/<request id>") in the cost model's counts:
+    P prompt, C cache-read and O output tokens (the engine's own counts the same), S scheduled
+    positions, of them R recomputed after preemption, E after eviction (1000-token blocks), A/J/K
+    drafts accepted/rejected/cut, the rest computed for the first time; ``over`` wins."""
+    eid = uid.rsplit("/", 1)[0]
+    counts = {
+        "engine_name": eid.split("@")[0],
+        "engine_id": eid,
+        "prompt_tokens": P,
+        "output_tokens": O,
+        "cache_read_tokens": C,
+        "engine_prompt_tokens": P,
+        "engine_output_tokens": O,
+        "engine_cached_tokens": C,
+        "scheduled_tokens": S,
+        "uncached_computed_tokens": S - R - E - A - J - K,
+        "recomputed_tokens": R + E,
+        "recomputed_preemption_tokens": R,
+        "recomputed_eviction_tokens": E,
+        "evicted_blocks_recomputed": E // 1000,
+        "draft_accepted_tokens": A,
+        "draft_rejected_tokens": J,
+        "draft_cut_tokens": K,
+        "waste_tokens": R + J + K,
+    }
+    return accounting(uid, **{**counts, **over})
+
+
+def block_uses(role: str, *blocks: str, tokens: int = 1000) -> list[dict[str, Any]]:
+    """RequestAccounting block uses of ``blocks`` in one role: "b1@10" is block b1 in lifetime 10."""
+    return [
+        {"block_hash": b.encode(), "lifetime_seq": int(lifetime), "role": role, "tokens": tokens}
+        for b, lifetime in (spec.split("@") for spec in blocks)
+    ]
+
+
+def kv_group(**over: Any) -> dict[str, Any]:
+    """A KvGroupUse (RequestAccounting.kv_groups): one full-attention group's memory-time."""
+    return {
+        "kind": "full_attention",
+        "block_size": 16,
+        "bytes_per_block": 1 << 20,
+        "peak_blocks": 4,
+        "never_held_blocks": 0,
+        "block_steps": 30,
+        "block_ns": 3_000_000_000,
+        "block_steps_amortized": 20,
+        "block_ns_amortized": 2_000_000_001,
+        "block_steps_actual": 10,
+        "block_ns_actual": 999_999,
+        "slot_steps_used": 400,
+        "slot_steps_allocated": 480,
+        **over,
+    }
+
+
+def experts(counts: list[int] | None) -> dict[str, Any]:
+    """RequestAccounting's MoE routing fields: ``counts`` over 2 layers x 4 experts, or none."""
+    return {
+        "expert_num_layers": 2 if counts else 0,
+        "expert_num_experts": 4 if counts else 0,
+        "expert_counts": counts or [],
+    }
 
 
 def usage_window(**over: Any) -> dict[str, Any]:

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from sparseety import events as ev
@@ -29,6 +30,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def stack_env(data: Path, broker_port: int, **settings: str) -> dict[str, str]:
+    """The environment of a ``sparseety up`` stack: this process's without its SPARSEETY_*
+    variables, the data dir ``data``, the broker on ``broker_port``, the API on a free port, a 6 s
+    worker session timeout, then ``settings`` (``api_port="8080"`` is SPARSEETY_API_PORT)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    return env | {
+        "SPARSEETY_DATA_DIR": str(data),
+        "SPARSEETY_BROKER_PORT": str(broker_port),
+        "SPARSEETY_API_PORT": str(free_port()),
+        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
+        **{f"SPARSEETY_{k.upper()}": v for k, v in settings.items()},
+    }
 
 
 def produce_events(cfg: Config, events: Iterable[dict[str, Any]], topic: str | None = None) -> int:
@@ -99,6 +114,30 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.5, what: str = 
         time.sleep(interval)
 
 
+def wait_folded(cfg: Config, worker: ComponentProcess, expected: int, timeout: float, what: str) -> None:
+    """Wait until the timelines topic holds ``expected`` requests (the last record of each key);
+    the worker must stay alive meanwhile."""
+    wait_for(
+        lambda: len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= expected or not worker.alive(),
+        timeout,
+        2,
+        what,
+    )
+    assert worker.alive(), worker.tail()
+
+
+def finished_job(client: Any, job: dict[str, Any], headers: dict[str, str], timeout_s: float = 60.0) -> Any:
+    """``job`` (an API job's JSON) polled through ``client`` until it is neither queued nor
+    running; it must have succeeded."""
+    deadline = time.monotonic() + timeout_s
+    while job["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, f"job did not finish: {job}"
+        time.sleep(0.2)
+        job = client.get(f"/api/v1/jobs/{job['id']}", headers=headers).json()
+    assert job["state"] == "succeeded", job
+    return job
+
+
 class ComponentProcess:
     """A ``sparseety`` subcommand in its own process, configured through SPARSEETY_* variables.
 
@@ -140,6 +179,29 @@ class ComponentProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
 
+@contextlib.contextmanager
+def serving(app: Any, what: str = "the app") -> Iterator[str]:
+    """``app`` (ASGI) served by uvicorn on a free local port in a thread: yields its base URL;
+    stopped afterwards."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
 def chdb_config(tmp_path_factory: Any, database: str | None = None, **overrides: Any) -> Config:
     """A config on the test process's one chDB path (chDB allows one per process), own database."""
     path = tmp_path_factory.getbasetemp() / "chdb-unit"
@@ -158,6 +220,64 @@ def throwaway_store(cfg: Config) -> Iterator[Any]:
     finally:
         store.command(f"DROP DATABASE IF EXISTS {store.database}")
         store.close()
+
+
+def write_accounting(
+    store: Any, records: Iterable[dict[str, Any]], prices: Sequence[Any] = (), *, partitions: int = 1
+) -> None:
+    """Migrate ``store``, write ``records`` (RequestAccounting) through the sink, the i-th to
+    partition i % ``partitions`` at offset i, and set ``prices``."""
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.prices import set_prices
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+
+    migrate(store)
+    sink = ClickHouseSink(store)
+    for i, rec in enumerate(records):
+        sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=i % partitions, offset=i)
+    sink.flush()
+    set_prices(store, list(prices))
+
+
+def table_rows(store: Any) -> dict[str, list[tuple[Any, ...]]]:
+    """Every sink table's content under FINAL, in key order (the store as queries see it)."""
+    from sparseety.sinks.clickhouse.tables import SINK_TABLES
+
+    out = {}
+    for t in SINK_TABLES:
+        _, rows = store.query_rows(
+            f"SELECT {', '.join(t.columns)} FROM {store.table(t.name)} FINAL ORDER BY {', '.join(t.key)}"
+        )
+        out[t.name] = rows
+    return out
+
+
+@contextlib.contextmanager
+def accounting_store(
+    tmp_path_factory: Any, records: Iterable[dict[str, Any]], prices: Sequence[Any] = (), **kw: Any
+) -> Iterator[Any]:
+    """A throwaway chDB store holding ``records`` and ``prices`` (:func:`write_accounting`)."""
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        write_accounting(store, records, prices, **kw)
+        yield store
+
+
+def store_fixtures(fill: Callable[[Any], None], data_dir: str = "store") -> tuple[Any, Any]:
+    """Module-scoped fixtures for a test module: ``cfg``, a chDB config with a data dir of its own,
+    and ``store``, its throwaway store filled once by ``fill``. Bind them to those names:
+    ``cfg, store = store_fixtures(seed)``."""
+
+    @pytest.fixture(scope="module")
+    def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
+        return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp(data_dir)))
+
+    @pytest.fixture(scope="module")
+    def store(cfg: Config) -> Iterator[Any]:
+        with throwaway_store(cfg) as s:
+            fill(s)
+            yield s
+
+    return cfg, store
 
 
 @contextlib.contextmanager

@@ -103,19 +103,10 @@ class SimEngine:
             self.cache[h] = self.cache.get(h, 0) + 1
             self.cache.move_to_end(h)
         if new:
-            self._emit(
-                ev.KV_STORED,
-                {
-                    "block_hashes": new,
-                    "parent_block_hash": None,
-                    "block_size": self.bs,
-                    "num_tokens": len(new) * self.bs,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "group_kind": self._group_kind(),
-                    "sliding_window": self.window,
-                },
+            payload = f.kv_stored(
+                new, block_size=self.bs, group_kind=self._group_kind(), sliding_window=self.window
             )
+            self._emit(ev.KV_STORED, payload)
         self._evict()
 
     def _group_kind(self) -> str:

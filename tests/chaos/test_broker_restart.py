@@ -36,6 +36,7 @@ from tests.helpers import (
     produce_events,
     read_topic,
     running_broker,
+    stack_env,
     stored_uids,
     wait_for,
 )
@@ -62,16 +63,9 @@ def emit(em: Emitter, events: list[dict[str, Any]]) -> None:
 def test_requests_before_during_and_after_a_broker_restart_are_stored_exactly_once(tmp_path: Path) -> None:
     data = tmp_path / "data"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-    env |= {
-        "SPARSEETY_DATA_DIR": str(data),
-        "SPARSEETY_BROKER_PORT": str(port),
-        "SPARSEETY_API_PORT": str(free_port()),
-        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
-        # the fresh worker meets the engine mid-stream (what it folded before died with the
-        # broker); it declares the seqs below the journal's lost after this much event time
-        "SPARSEETY_WORKER_ALLOWED_LATENESS_S": "5",
-    }
+    # the fresh worker meets the engine mid-stream (what it folded before died with the broker);
+    # it declares the seqs below the journal's lost after this much event time
+    env = stack_env(data, port, worker_allowed_lateness_s="5")
     cfg = load_config(
         data_dir=str(data),
         kafka={"bootstrap": f"127.0.0.1:{port}"},

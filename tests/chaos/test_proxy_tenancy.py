@@ -17,12 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from sparseety import events as ev
 from sparseety.config import Config
 from sparseety.producers.proxy.app import ProxyProducer, create_app
-from tests.helpers import free_port, read_topic, wait_for
+from tests.helpers import free_port, read_topic, serving, wait_for
 
 #: The upstream answers by the request's model: these bodies go back byte for byte.
 BAD_USAGE = b'{"id": "cmpl-abc", "choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": "abc"}}'
@@ -83,21 +82,8 @@ def upstream() -> Iterator[str]:
 @contextlib.contextmanager
 def proxy(cfg: Config, url: str, **kw: Any) -> Iterator[str]:
     producer = ProxyProducer(cfg, url, engine_name=f"chaos-proxy-{free_port()}", read_timeout_s=1.0, **kw)
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(producer), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "proxy did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+    with serving(create_app(producer), "proxy") as url:
+        yield url
 
 
 def _chat(url: str, model: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:

@@ -37,6 +37,27 @@ def tiny_model(kind: str) -> Path:
     return build_tiny_model(kind, MODEL_CACHE / kind)
 
 
+def server_args(model: Path, *extra: str, max_num_seqs: int = 8) -> list[str]:
+    """The vLLM server arguments the e2e servers share (``model`` served as "tiny", prefix
+    caching on 32-token blocks, 1024 positions, eager, prompt token details), then ``extra``."""
+    return [
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--enable-prefix-caching",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        *extra,
+    ]
+
+
 @contextlib.contextmanager
 def environ(updates: dict[str, str]) -> Iterator[None]:
     """Set variables for engines started inside the block (spawned processes copy them)."""

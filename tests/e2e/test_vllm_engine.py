@@ -13,7 +13,7 @@ from sparseety import events as ev
 from sparseety.config import Config
 from tests.e2e.conftest import EnginePool, OfflineEngine, engine_config, start_offline, tiny_model
 from tests.e2e.engine_events import ZmqKvSubscriber, engine_events, engine_rid, finished_ids, kv_view
-from tests.helpers import free_port
+from tests.helpers import accounting_store, free_port
 from tests.recorded import reconstruct, seq_gaps
 
 SYSTEM = [
@@ -209,11 +209,8 @@ def test_inferred_sessions_equal_the_explicit_ids_on_a_multi_turn_workload(
 ) -> None:
     from sparseety.config import WorkerConfig
     from sparseety.queries.registry import Queries, Scope
-    from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore
-    from tests.helpers import chdb_config, throwaway_store
 
     with_ids = _conversations(llama, "sessions-a", ["Who runs it?", "What is a block?", "Name a GPU."], True)
     without = _conversations(llama, "sessions-b", ["Why cache?", "How big is it?", "Is it fast?"], False)
@@ -228,12 +225,7 @@ def test_inferred_sessions_equal_the_explicit_ids_on_a_multi_turn_workload(
             for c in convs
         }
 
-    with throwaway_store(chdb_config(tmp_path_factory)) as store:
-        migrate(store)
-        sink = ClickHouseSink(store)
-        for i, rec in enumerate(records):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    with accounting_store(tmp_path_factory, records) as store:
         q = Queries(store)
 
         def partition(tenant: str, source: str) -> set[tuple[str, ...]]:
@@ -304,11 +296,8 @@ def test_token_records_restore_vllm_ids_and_text(
 
     from sparseety.config import WorkerConfig
     from sparseety.queries.registry import Queries
-    from sparseety.sinks.clickhouse.migrate import migrate
-    from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore
-    from tests.helpers import chdb_config, throwaway_store
 
     prompts = [("one two three four " * 6) + f"five {i}" for i in range(6)]
     params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True) for _ in prompts]
@@ -319,12 +308,7 @@ def test_token_records_restore_vllm_ids_and_text(
     accounts = [o.record for o in out if o.topic == TIMELINES]
     model = str(tiny_model("llama"))
     tok = AutoTokenizer.from_pretrained(model)
-    with throwaway_store(chdb_config(tmp_path_factory)) as store:
-        migrate(store)
-        sink = ClickHouseSink(store)
-        for i, rec in enumerate(accounts):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    with accounting_store(tmp_path_factory, accounts) as store:
         q = Queries(store)
         drafts = cached = 0
         for o in first + second:

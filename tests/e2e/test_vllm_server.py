@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,9 @@ from sparseety.broker import EmbeddedBroker
 from sparseety.config import Config
 from sparseety.kafka import ensure_topics
 from sparseety.stack.tiny_models import THINK_TOKENS, build_tiny_lora
-from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, environ, tiny_model
+from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, environ, server_args, tiny_model
 from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
-from tests.helpers import free_port, running_broker
+from tests.helpers import accounting_store, running_broker, serving
 from tests.recorded import reconstruct, seq_gaps
 
 SYSTEMS = [
@@ -65,20 +64,8 @@ def server(engine_pool: EnginePool, server_broker: EmbeddedBroker, e2e_dir: Path
     # for every test of the module, so no engine starts for them alone.
     model = tiny_model("llama-think")
     lora = build_tiny_lora(model, e2e_dir / "lora-sql")
-    args = [
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--enable-prefix-caching",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "8",
-        "--enforce-eager",
-        "--enable-prompt-tokens-details",
+    args = server_args(
+        model,
         "--kv-events-config",
         json.dumps({"enable_kv_cache_events": True, "publisher": "null"}),
         "--middleware",
@@ -96,7 +83,7 @@ def server(engine_pool: EnginePool, server_broker: EmbeddedBroker, e2e_dir: Path
         "deepseek_r1",
         "--logits-processors",
         "tests.e2e.think_logits:ThinkFirst",
-    ]
+    )
     with environ({"PYTHONPATH": str(REPO)}):  # the engine process imports the logits processor
         srv = ServerEngine(cfg, args, e2e_dir / "server.log")
     try:
@@ -201,8 +188,6 @@ def test_concurrent_clients_each_request_attributed_and_equal_to_usage(server: S
 
 @pytest.fixture(scope="module")
 def proxy(server: ServerEngine, broker: Config, e2e_dir: Path) -> Iterator[tuple[str, Config]]:
-    import uvicorn
-
     from sparseety.producers.proxy.app import ProxyProducer, create_app
 
     cfg = engine_config(broker, e2e_dir / "proxy", "proxy")
@@ -210,21 +195,8 @@ def proxy(server: ServerEngine, broker: Config, e2e_dir: Path) -> Iterator[tuple
     producer = ProxyProducer(
         cfg, server.url, api_keys={"key-a": "tenant-a"}, engine_name="e2e-proxy", trust_tenant_header=True
     )
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(producer), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "proxy did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", cfg
-    finally:
-        srv.should_exit = True
-        thread.join(30)
+    with serving(create_app(producer), "proxy") as url:
+        yield url, cfg
 
 
 def _sse(text: str) -> list[dict[str, Any] | str]:
@@ -354,12 +326,9 @@ def test_found_by_response_id_and_n2_list_cost_equals_usage(
     from sparseety.config import WorkerConfig
     from sparseety.errors import AmbiguousIdError
     from sparseety.queries.registry import Queries, Scope
-    from sparseety.sinks.clickhouse.migrate import migrate
     from sparseety.sinks.clickhouse.prices import Price, set_prices
-    from sparseety.sinks.clickhouse.writer import ClickHouseSink
     from sparseety.streams.assembler import TIMELINES, Assembler
     from sparseety.streams.state import MemoryStore
-    from tests.helpers import chdb_config, throwaway_store
 
     tag = f"n{random.randrange(1 << 30):x}"
     tenant = f"ids-{tag}"
@@ -402,12 +371,7 @@ def test_found_by_response_id_and_n2_list_cost_equals_usage(
     records = [o.record for e in events for o in asm.apply(e) if o.topic == TIMELINES]
     ours = [r for r in records if r["tenant"] in (tenant, tenant + "-n2")]
     assert len(ours) == 3, [r["request_id"] for r in ours]
-    with throwaway_store(chdb_config(tmp_path_factory)) as store:
-        migrate(store)
-        sink = ClickHouseSink(store)
-        for i, rec in enumerate(ours):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    with accounting_store(tmp_path_factory, ours) as store:
         d = Decimal
         set_prices(store, [Price("tiny", "input", d("10"), 0), Price("tiny", "cached_input", d("2.5"), 0)])
         set_prices(store, [Price("tiny", "output", d("40"), 0)])

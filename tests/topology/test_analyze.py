@@ -12,7 +12,7 @@ from sparseety.config import Config
 from sparseety.kafka import ensure_topics
 from sparseety.offline.analyze import analyze
 from sparseety.sinks.clickhouse.client import Store
-from tests.helpers import ComponentProcess, latest_by_key, produce_raw, read_topic, wait_for
+from tests.helpers import ComponentProcess, produce_raw, read_topic, wait_folded, wait_for
 from tests.recorded import DATA, load_scenario, raw_events, scenarios
 from tests.topology.test_sink_consumer import all_committed, committed
 from tests.topology.test_worker import worker_cfg
@@ -54,15 +54,7 @@ def test_analyze_stores_what_the_streaming_pipeline_stores(
         cfg, ["sink", "--commit-interval", "0.5", "--loglevel", "info"], tmp_path / "sink.log"
     ).start()
     try:
-        wait_for(
-            lambda: (
-                len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= expected or not worker.alive()
-            ),
-            300,
-            2,
-            "every recorded request folded",
-        )
-        assert worker.alive(), worker.tail()
+        wait_folded(cfg, worker, expected, 300, "every recorded request folded")
         worker.stop()  # nothing more will be produced: the topics' ends are final
         last: dict[tuple[str, int], int] = {}
         for topic in (cfg.topics.timelines, cfg.topics.usage):

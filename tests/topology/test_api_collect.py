@@ -4,7 +4,6 @@ ingested to engine-events then folded into the store by a replay job, both query
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import Price, set_prices
 from tests import factories as f
-from tests.helpers import read_topic
+from tests.helpers import finished_job, read_topic
 
 S = 10**9
 T0 = 1_700_000_000 * S
@@ -54,13 +53,7 @@ def run_job(client: TestClient, spec: dict[str, Any], timeout_s: float = 60.0) -
     assert r.status_code == 202, r.text
     job = r.json()
     assert job["state"] in ("queued", "running") and job["kind"] == spec["kind"]
-    deadline = time.monotonic() + timeout_s
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, f"job did not finish: {job}"
-        time.sleep(0.2)
-        job = client.get(f"/api/v1/jobs/{job['id']}", headers=ADMIN).json()
-    assert job["state"] == "succeeded", job
-    return job
+    return finished_job(client, job, ADMIN, timeout_s)
 
 
 def test_replay_job_of_a_timelines_range(kafka_cfg: Config, api: TestClient) -> None:

@@ -41,6 +41,11 @@ def cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def store_process(cfg: Config, log: Path) -> ComponentProcess:
+    """``sparseety store``, started."""
+    return ComponentProcess(cfg, ["store", "--session-timeout", "6", "--loglevel", "warning"], log).start()
+
+
 def started(proc: ComponentProcess, cfg: Config) -> str:
     def ready() -> str | None:
         assert proc.alive(), proc.tail()
@@ -65,10 +70,7 @@ def produce(cfg: Config) -> list[dict[str, Any]]:
 
 
 def test_store_process_serves_its_sink_and_the_cli_goes_through_it(cfg: Config, tmp_path: Path) -> None:
-    store = ComponentProcess(
-        cfg, ["store", "--session-timeout", "6", "--loglevel", "warning"], tmp_path / "store.log"
-    )
-    store.start()
+    store = store_process(cfg, tmp_path / "store.log")
     try:
         url = started(store, cfg)
         admin = read_admin_token(cfg.data_path)

@@ -24,7 +24,7 @@ from sparseety.api.server import ApiServer
 from sparseety.config import Config
 from sparseety.queries.registry import Scope
 from sparseety.sinks.clickhouse.client import Store
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import store_fixtures
 from tests.unit.test_api_data import MIN, T0, seed, uid
 
 CHROMIUM = "/usr/bin/chromium"
@@ -57,16 +57,7 @@ CHARTS = [
 ]  # one MoE model
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("dash")))
-
-
-@pytest.fixture(scope="module")
-def store(cfg: Config) -> Iterator[Store]:
-    with throwaway_store(cfg) as s:
-        seed(s)
-        yield s
+cfg, store = store_fixtures(seed, "dash")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from sparseety.config import Config
 from sparseety.errors import SparseetyError
 from sparseety.kafka import ensure_topics
 from sparseety.producers.emitter import Emitter
+from tests import factories as f
 from tests.helpers import read_topic, running_broker, wait_for
 
 
@@ -27,18 +28,10 @@ def own_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
 
 
 def _finished(i: int) -> tuple[str, dict[str, Any]]:
-    return ev.REQUEST_FINISHED, {
-        "request_id": f"request-{i}-" + "x" * 200,
-        "finish_reason": "stop",
-        "stop_reason": None,
-        "num_prompt_tokens": i,
-        "num_output_tokens": 1,
-        "num_cached_tokens": 0,
-        "num_preemptions": 0,
-        "output_block_hashes": [i.to_bytes(8, "big")] * 8,
-        "first_token_ts_ns": 0,
-        "chunk_arrival_ns": [],
-    }
+    rid = f"request-{i}-" + "x" * 200
+    return ev.REQUEST_FINISHED, f.request_finished(
+        rid, prompt=i, output=1, finish_reason="stop", output_block_hashes=[i.to_bytes(8, "big")] * 8
+    )
 
 
 def _seqs(cfg: Config) -> list[int]:

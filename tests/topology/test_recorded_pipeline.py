@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from sparseety.config import Config
-from tests.helpers import ComponentProcess, latest_by_key, produce_raw, read_topic, wait_for
+from tests.helpers import ComponentProcess, latest_by_key, produce_raw, read_topic, wait_folded
 from tests.recorded import load_scenario, raw_events, scenarios
 from tests.topology.test_worker import worker_cfg
 
@@ -50,15 +50,7 @@ def pipeline(broker: Config, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         expected += len(truth["requests"])
     worker = ComponentProcess(cfg, ["worker"], tmp / "worker.log").start()
     try:
-        wait_for(
-            lambda: (
-                len(latest_by_key(read_topic(cfg, cfg.topics.timelines))) >= expected or not worker.alive()
-            ),
-            240,
-            2,
-            "every recorded request",
-        )
-        assert worker.alive(), worker.tail()
+        wait_folded(cfg, worker, expected, 240, "every recorded request")
         accounts = [v for v in latest_by_key(read_topic(cfg, cfg.topics.timelines)).values()]
         usage = list(latest_by_key(read_topic(cfg, cfg.topics.usage)).values())
         dead = read_topic(cfg, cfg.topics.dlq)

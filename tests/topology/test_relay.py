@@ -43,18 +43,7 @@ def _cfg(broker: EmbeddedBroker, tmp_path: Path, topic: str, **producer: Any) ->
 
 
 def _finished(i: int) -> tuple[str, dict[str, Any]]:
-    return ev.REQUEST_FINISHED, {
-        "request_id": f"request-{i}",
-        "finish_reason": "stop",
-        "stop_reason": None,
-        "num_prompt_tokens": i,
-        "num_output_tokens": 1,
-        "num_cached_tokens": 0,
-        "num_preemptions": 0,
-        "output_block_hashes": [],
-        "first_token_ts_ns": 0,
-        "chunk_arrival_ns": [],
-    }
+    return ev.REQUEST_FINISHED, f.request_finished(f"request-{i}", prompt=i, output=1, finish_reason="stop")
 
 
 def _events(cfg: Config) -> list[dict[str, Any]]:

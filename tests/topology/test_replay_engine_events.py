@@ -13,13 +13,12 @@ import pytest
 from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.tables import SINK_TABLES
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.sinks.processors import processor_for_topic
 from sparseety.sinks.replay import Bound, Replay, ReplayReport
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
-from tests.helpers import produce_events
+from tests.helpers import produce_events, table_rows
 from tests.sim import SimEngine, workload
 
 
@@ -43,16 +42,6 @@ def replay(cfg: Config, store: Store, start: Bound) -> tuple[ReplayReport, Any]:
         ).run(), processor
     finally:
         sink.close()
-
-
-def table_rows(store: Store) -> dict[str, Any]:
-    out = {}
-    for t in SINK_TABLES:
-        _, rows = store.query_rows(
-            f"SELECT {', '.join(t.columns)} FROM {store.table(t.name)} FINAL ORDER BY {', '.join(t.key)}"
-        )
-        out[t.name] = rows
-    return out
 
 
 def test_replay_rebuilds_what_the_fold_produces_and_twice_changes_nothing(

@@ -17,7 +17,7 @@ from sparseety.config import load_config, to_env
 from sparseety.producers.delivery import STATE_FILE
 from sparseety.producers.emitter import Emitter
 from sparseety.stack.engines import engine_rows, journals
-from tests.helpers import VENV_BIN, free_port
+from tests.helpers import VENV_BIN, free_port, wait_for
 from tests.topology.test_producer_outage import _finished
 
 
@@ -39,10 +39,7 @@ def test_wrong_bootstrap_is_a_silent_engine_in_status(
         for i in range(4000):  # ~1.4 MB: past the 1 MiB bound, so it spills while Kafka is away
             em.emit(_finished, i)
         journal = cfg.spill_path / "wrong-bootstrap" / "core"
-        deadline = time.monotonic() + 30
-        while not any(journal.glob("*.seg")):
-            assert time.monotonic() < deadline, "nothing was spilled"
-            time.sleep(0.2)
+        wait_for(lambda: any(journal.glob("*.seg")), 30, 0.2, "a spilled journal segment")
         # the engine said where it spills, and which setting to check (the relay's lines go to
         # the engine's stderr)
         text = caplog.text + capfd.readouterr().err

@@ -96,6 +96,15 @@ def sink_process(kafka_cfg: Config, unique: str, tmp_path: Path) -> Iterator[Cal
         p.stop()
 
 
+def settled(cfg: Config, sink: ComponentProcess, last: Positions) -> bool:
+    """Whether the (live) sink dead-lettered three records and committed everything, the dead
+    letters' own offsets in the DLQ too."""
+    assert sink.alive(), sink.tail()
+    dead = read_topic(cfg, cfg.topics.dlq, decode=False, quiet_s=0.3)
+    dlq_last = {(cfg.topics.dlq, p): o for p, o, _, _ in dead}
+    return len(dead) == 3 and all_committed(cfg, {**last, **dlq_last})
+
+
 def open_store(cfg: Config) -> Store:
     return Store.open(cfg)
 
@@ -121,13 +130,7 @@ def test_records_land_and_bad_bytes_go_to_the_dlq(
     last = produce(cfg, items)
     sink = sink_process()
 
-    def dlq_consumed() -> bool:
-        assert sink.alive(), sink.tail()
-        dead = read_topic(cfg, cfg.topics.dlq, decode=False, quiet_s=0.3)
-        dlq_last = {(cfg.topics.dlq, p): o for p, o, _, _ in dead}
-        return len(dead) == 3 and all_committed(cfg, {**last, **dlq_last})
-
-    wait_for(dlq_consumed, 120, 1, "every record written and committed")
+    wait_for(lambda: settled(cfg, sink, last), 120, 1, "every record written and committed")
     sink.stop()
     assert not sink.alive()
 
@@ -285,13 +288,12 @@ def test_a_corrupt_body_on_the_fast_path_is_dead_lettered_and_the_rest_stored(
     last = produce(cfg, items)
     sink = sink_process()
 
-    def done() -> bool:
-        assert sink.alive(), sink.tail()
-        dead = read_topic(cfg, cfg.topics.dlq, decode=False, quiet_s=0.3)
-        dlq_last = {(cfg.topics.dlq, p): o for p, o, _, _ in dead}
-        return len(dead) == 3 and all_committed(cfg, {**last, **dlq_last})
-
-    wait_for(done, 120, 1, "every record written or dead-lettered, and committed")
+    wait_for(
+        lambda: settled(cfg, sink, last),
+        120,
+        1,
+        "every record written or dead-lettered, and committed",
+    )
     log = sink.tail(400)
     sink.stop()
     assert "decoding them in Python" in log  # the fast path refused the batch, then fell back

@@ -3,14 +3,13 @@ the data dir; the status table and exit codes say what runs."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import httpx
 
 from sparseety.config import load_config
-from tests.helpers import VENV_BIN, finished_uids, free_port, produce_events, stored_uids, wait_for
+from tests.helpers import VENV_BIN, finished_uids, free_port, produce_events, stack_env, stored_uids, wait_for
 from tests.sim import SimEngine, workload
 
 
@@ -22,13 +21,7 @@ def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.Com
 
 def test_up_status_down(tmp_path: Path) -> None:
     api_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-    env |= {
-        "SPARSEETY_DATA_DIR": str(tmp_path / "data"),
-        "SPARSEETY_BROKER_PORT": str(free_port()),
-        "SPARSEETY_API_PORT": str(api_port),
-        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
-    }
+    env = stack_env(tmp_path / "data", free_port(), api_port=str(api_port))
     try:
         stopped = cli(env, "status")
         assert stopped.returncode == 0 and "stopped" in stopped.stdout
@@ -67,13 +60,7 @@ def test_broker_start_alone_puts_the_stack_on_the_new_log(tmp_path: Path) -> Non
     ``up`` does; a request sent afterwards is stored without another ``up``."""
     data = tmp_path / "data"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-    env |= {
-        "SPARSEETY_DATA_DIR": str(data),
-        "SPARSEETY_BROKER_PORT": str(port),
-        "SPARSEETY_API_PORT": str(free_port()),
-        "SPARSEETY_WORKER_SESSION_TIMEOUT_S": "6",
-    }
+    env = stack_env(data, port)
     cfg = load_config(data_dir=str(data), kafka={"bootstrap": f"127.0.0.1:{port}"})
     try:
         assert cli(env, "up").returncode == 0

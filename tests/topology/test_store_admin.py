@@ -13,8 +13,8 @@ import pytest
 
 from sparseety.api.auth import read_admin_token
 from sparseety.config import Config
-from tests.helpers import ComponentProcess, wait_for
-from tests.topology.test_api_store_process import N, cli, produce, started
+from tests.helpers import wait_for
+from tests.topology.test_api_store_process import N, cli, produce, started, store_process
 
 
 @pytest.fixture
@@ -23,10 +23,7 @@ def cfg(kafka_cfg: Config) -> Config:
 
 
 def test_prices_status_and_sql_while_the_store_runs(cfg: Config, tmp_path: Path) -> None:
-    store = ComponentProcess(
-        cfg, ["store", "--session-timeout", "6", "--loglevel", "warning"], tmp_path / "store.log"
-    )
-    store.start()
+    store = store_process(cfg, tmp_path / "store.log")
     try:
         url = started(store, cfg)
         produce(cfg)

@@ -8,7 +8,6 @@ import csv
 import io
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from sparseety import events as ev
 from sparseety.api.collect import LOG_REPORT_COLUMNS
 from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
-from tests.helpers import produce_raw, read_topic
+from tests.helpers import finished_job, produce_raw, read_topic
 from tests.recorded import DATA, unpack
 from tests.topology.test_api_collect import ADMIN, api  # noqa: F401  (api: the fixture)
 from tests.topology.test_api_collect import run_job as run_kind_job
@@ -50,13 +49,7 @@ def run_job(client: TestClient, spec: dict[str, Any]) -> dict[str, Any]:
     r = client.post("/api/v1/collect", json=spec, headers=ADMIN)
     assert r.status_code == 202, r.text
     job: dict[str, Any] = r.json()
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, f"job did not finish: {job}"
-        time.sleep(0.2)
-        job = client.get(f"/api/v1/jobs/{job['id']}", headers=ADMIN).json()
-    assert job["state"] == "succeeded", job
-    return job
+    return finished_job(client, job, ADMIN)
 
 
 def body(path: Path, **over: object) -> dict[str, object]:

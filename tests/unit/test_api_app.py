@@ -23,7 +23,7 @@ from sparseety.cli import main
 from sparseety.config import Config
 from sparseety.queries.registry import QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import store_fixtures
 from tests.unit.test_api_data import MIN, T0, dataset, seed, uid
 
 NOW = T0 + 10 * MIN
@@ -33,16 +33,7 @@ ACME = {"Authorization": "Bearer tok-acme"}
 GI = {"Authorization": "Bearer tok-gi"}
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("api-data")))
-
-
-@pytest.fixture(scope="module")
-def store(cfg: Config) -> Iterator[Store]:
-    with throwaway_store(cfg) as s:
-        seed(s)
-        yield s
+cfg, store = store_fixtures(seed, "api-data")
 
 
 @pytest.fixture(scope="module")

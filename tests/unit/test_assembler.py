@@ -85,20 +85,7 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
     prompt = list(range(12))
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
-        f.wrap(
-            1,
-            ev.KV_STORED,
-            {
-                "block_hashes": [b"a", b"b", b"c"],
-                "parent_block_hash": None,
-                "block_size": 4,
-                "num_tokens": 12,
-                "lora_id": None,
-                "medium": "GPU",
-                "group_kind": "full_attention",
-                "sliding_window": None,
-            },
-        ),
+        f.wrap(1, ev.KV_STORED, f.kv_stored([b"a", b"b", b"c"])),
         f.wrap(2, ev.REQUEST_STARTED, f.request_started("r1", prompt, hashes=[b"a", b"b", b"c"])),
         f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("r1", 12, 0, [1])])),
         f.wrap(4, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=12, output=1)),
@@ -137,21 +124,12 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
 
 
 def test_block_evicted_then_computed_again_is_recomputed() -> None:
-    kv = {
-        "parent_block_hash": None,
-        "block_size": 4,
-        "num_tokens": 4,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
-        f.wrap(1, ev.KV_STORED, {"block_hashes": [b"a"], **kv}),
-        f.wrap(2, ev.KV_REMOVED, {"block_hashes": [b"a"], "medium": "GPU", "group_kind": "full_attention"}),
+        f.wrap(1, ev.KV_STORED, f.kv_stored([b"a"])),
+        f.wrap(2, ev.KV_REMOVED, f.kv_removed([b"a"])),
         f.wrap(3, ev.REQUEST_STARTED, f.request_started("r1", list(range(6)), hashes=[b"a"])),
-        f.wrap(4, ev.KV_STORED, {"block_hashes": [b"a"], **kv}),
+        f.wrap(4, ev.KV_STORED, f.kv_stored([b"a"])),
         f.wrap(5, ev.STEP_BATCH, f.step_batch(0, [("r1", 6, 0, [1])])),
         f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=6, output=1)),
     ]
@@ -571,25 +549,15 @@ def test_segments_assign_keeps_coverage_and_merges() -> None:
 
 # --- the two-axis position model (issue 11) ---------------------------------------------------
 
-KV = {
-    "parent_block_hash": None,
-    "block_size": 4,
-    "num_tokens": 4,
-    "lora_id": None,
-    "medium": "GPU",
-    "group_kind": "full_attention",
-    "sliding_window": None,
-}
+KV = f.kv_stored([b"x"])  # one 4-token block; callers replace the hashes (num_tokens stays 4)
 
 
 def stored(seq: int, *hashes: bytes) -> dict[str, Any]:
-    return f.wrap(seq, ev.KV_STORED, {**KV, "block_hashes": list(hashes), "num_tokens": 4 * len(hashes)})
+    return f.wrap(seq, ev.KV_STORED, f.kv_stored(list(hashes)))
 
 
 def removed(seq: int, *hashes: bytes) -> dict[str, Any]:
-    return f.wrap(
-        seq, ev.KV_REMOVED, {"block_hashes": list(hashes), "medium": "GPU", "group_kind": "full_attention"}
-    )
+    return f.wrap(seq, ev.KV_REMOVED, f.kv_removed(list(hashes)))
 
 
 def test_recompute_after_eviction_counts_only_evicted_blocks() -> None:

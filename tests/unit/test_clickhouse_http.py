@@ -5,26 +5,20 @@ all-tenant token."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import clickhouse_connect
 import httpx
 import pytest
-import uvicorn
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
 from sparseety.queries.registry import Queries
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
-from tests.helpers import chdb_config, free_port, throwaway_store
+from tests.helpers import chdb_config, serving, throwaway_store, write_accounting
 
 TOKENS = {"tok-admin": ["*"], "tok-acme": ["acme"]}
 
@@ -33,28 +27,16 @@ TOKENS = {"tok-admin": ["*"], "tok-acme": ["acme"]}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Any]]:
     cfg = chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("ch-http")))
     with throwaway_store(cfg) as store:
-        migrate(store)
-        sink = ClickHouseSink(store)
-        for i, tenant in enumerate(["acme", "acme", "globex"]):
-            rec = f.accounting(f"{f.EID}/r{i}", tenant=tenant, prompt_tokens=10 + i)
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        backend = Backend(cfg, store, tokens=TokenTable(TOKENS))
-        port = free_port()
-        srv = uvicorn.Server(
-            uvicorn.Config(create_api(backend), host="127.0.0.1", port=port, log_level="warning")
+        tenants = ["acme", "acme", "globex"]
+        write_accounting(
+            store,
+            [f.accounting(f"{f.EID}/r{i}", tenant=t, prompt_tokens=10 + i) for i, t in enumerate(tenants)],
         )
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline, "the API did not start"
-            time.sleep(0.05)
+        backend = Backend(cfg, store, tokens=TokenTable(TOKENS))
         try:
-            yield port, store
+            with serving(create_api(backend), "the API") as url:
+                yield int(url.rsplit(":", 1)[1]), store
         finally:
-            srv.should_exit = True
-            thread.join(30)
             backend.close()
 
 

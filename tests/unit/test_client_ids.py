@@ -37,13 +37,11 @@ from sparseety.errors import AmbiguousIdError
 from sparseety.producers.vllm.request_ids import request_identity
 from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import store_fixtures, write_accounting
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -129,40 +127,30 @@ def test_fold_keeps_the_identity() -> None:
 
 
 def _row(
-    engine: str,
-    rid: str,
-    tenant: str,
-    minute: int,
-    *,
-    P: int,
-    C: int,
-    O: int,  # noqa: E741 - the cost model's names
-    ident: bool = True,
-    **over: Any,
+    engine: str, rid: str, tenant: str, minute: int, *, ident: bool = True, **counts: Any
 ) -> dict[str, Any]:
-    eid = f"{engine}@1"
-    return f.accounting(
-        f"{eid}/{rid}",
-        engine_name=engine,
-        engine_id=eid,
+    """A row of ``counts`` (f.counted's P, C, O and any field) scheduling P - C + O - 1 positions."""
+    return f.counted(
+        f"{engine}@1/{rid}",
         request_id=rid,
         tenant=tenant,
         model="m1",
         finished_ts_ns=T0 + minute * MIN,
-        prompt_tokens=P,
-        output_tokens=O,
-        cache_read_tokens=C,
-        uncached_computed_tokens=P - C + O - 1,
-        scheduled_tokens=P - C + O - 1,
-        engine_prompt_tokens=P,
-        engine_output_tokens=O,
-        engine_cached_tokens=C,
+        S=counts["P"] - counts["C"] + counts["O"] - 1,
         block_uses=[],
         **(request_identity(rid, randomized=True) if ident else {}),
-        **over,
+        **counts,
     )
 
 
+# speculative decoding with cut drafts: 8 accepted, 2 rejected, 2 cut (1 by the stop after the
+# verifier accepted it, 1 scheduled in the step the request ended in, never verified)
+CUT_DRAFTS = {
+    "draft_accepted_tokens": 8,
+    "draft_rejected_tokens": 2,
+    "draft_cut_tokens": 2,
+    "draft_unverified_tokens": 1,
+}
 ROWS = [
     _row("e1", "0_cmpl-nn-0-aaaa1111", "acme", 1, P=1000, C=0, O=100),
     _row("e1", "1_cmpl-nn-0-aaaa1111", "acme", 2, P=1000, C=0, O=150),
@@ -170,21 +158,7 @@ ROWS = [
     _row("e1", "chatcmpl-dup-cccc3333", "acme", 4, P=10, C=0, O=1),
     _row("e2", "chatcmpl-dup-dddd4444", "globex", 5, P=10, C=0, O=1),
     _row("e1", "chatcmpl-old-eeee5555", "acme", 6, P=10, C=0, O=1, ident=False),
-    # speculative decoding with cut drafts: 8 accepted, 2 rejected, 2 cut (1 by the stop after
-    # the verifier accepted it, 1 scheduled in the step the request ended in, never verified)
-    _row(
-        "e3",
-        "chatcmpl-spec-ffff6666",
-        "initech",
-        7,
-        P=10,
-        C=0,
-        O=9,
-        draft_accepted_tokens=8,
-        draft_rejected_tokens=2,
-        draft_cut_tokens=2,
-        draft_unverified_tokens=1,
-    ),
+    _row("e3", "chatcmpl-spec-ffff6666", "initech", 7, P=10, C=0, O=9, **CUT_DRAFTS),
 ]
 PRICES = [
     Price("m1", "input", D("10"), 0),
@@ -193,21 +167,7 @@ PRICES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("client-ids")))
-
-
-@pytest.fixture(scope="module")
-def store(cfg: Config) -> Iterator[Store]:
-    with throwaway_store(cfg) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(ROWS):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(s, PRICES)
-        yield s
+cfg, store = store_fixtures(lambda s: write_accounting(s, ROWS, PRICES), "client-ids")
 
 
 @pytest.fixture

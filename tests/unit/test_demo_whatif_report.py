@@ -9,17 +9,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
 from sparseety.api.client import RemoteQueries
 from sparseety.config import Config
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.stack.demo import _whatif_and_regressions
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import chdb_config, throwaway_store, write_accounting
 from tests.unit.test_regressions import MIN, _req
 
 
@@ -29,11 +26,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 
 def _api(cfg: Config, store: Store, records: list[dict[str, Any]]) -> Iterator[RemoteQueries]:
-    migrate(store)
-    sink = ClickHouseSink(store)
-    for i, rec in enumerate(records):
-        sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-    sink.flush()
+    write_accounting(store, records)
     b = Backend(cfg, store, tokens=TokenTable({}, admin_token="tok-process-admin"))
     try:
         with TestClient(create_api(b)) as client:

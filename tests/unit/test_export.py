@@ -24,7 +24,7 @@ from sparseety.cli import main
 from sparseety.config import Config
 from sparseety.queries.registry import BY_NAME, QUERIES, Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import store_fixtures
 from tests.unit.test_api_data import seed, uid
 
 ARGS: dict[str, dict[str, Any]] = {"cost": {"mode": "amortized", "by": ["tenant", "model"], "bucket": "1h"}}
@@ -35,16 +35,7 @@ def parquet(data: bytes | None) -> list[dict[str, Any]]:
     return pq.read_table(io.BytesIO(data)).to_pylist()  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return chdb_config(tmp_path_factory, data_dir=str(tmp_path_factory.mktemp("export")))
-
-
-@pytest.fixture(scope="module")
-def store(cfg: Config) -> Iterator[Store]:
-    with throwaway_store(cfg) as s:
-        seed(s)
-        yield s
+cfg, store = store_fixtures(seed, "export")
 
 
 @pytest.fixture(scope="module")

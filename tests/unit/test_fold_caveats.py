@@ -10,17 +10,14 @@ from typing import Any
 
 import pytest
 
-from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.queries.caveats import SOURCE_LOST
 from sparseety.queries.registry import Queries, Scope
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store
 
 T0 = 1_700_000_000 * 1_000_000_000  # 2023-11-14 22:13:20 UTC
 COLD_NS = 2_600_000_000  # the cold first step a real GPU server showed (issue 21)
@@ -37,19 +34,10 @@ def q(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) 
     events = f.history_loss(T0, cold_step_ns=COLD_NS)
     if request.param == "lost":
         events = [e for e in events if e["seq"] != 3]  # the KvBlocksStored never arrives
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        set_prices(
-            s,
-            [
-                Price("tiny", c, Decimal(p))
-                for c, p in (("input", "10"), ("cached_input", "1"), ("output", "40"))
-            ],
-        )
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(fold(events)):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    prices = [
+        Price("tiny", c, Decimal(p)) for c, p in (("input", "10"), ("cached_input", "1"), ("output", "40"))
+    ]
+    with accounting_store(tmp_path_factory, fold(events), prices) as s:
         yield Queries(s)
 
 

@@ -19,7 +19,6 @@ import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
-from sparseety import events as ev
 from sparseety.api.app import create_api
 from sparseety.api.auth import TokenTable
 from sparseety.api.backend import Backend
@@ -30,7 +29,6 @@ from sparseety.producers.logs.errors import BadTraceLineError
 from sparseety.producers.logs.jsonl import parse_line
 from sparseety.producers.vllm.middleware import TenantHeaderMiddleware
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.prices import (
     PRICE_CLASSES,
     Price,
@@ -41,10 +39,9 @@ from sparseety.sinks.clickhouse.prices import (
     set_prices,
     unseen_models,
 )
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.tenants import INVALID_TENANT, MAX_TENANT_CHARS, check_tenant, engine_tenant, tenant_problem
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store, chdb_config, write_accounting
 from tests.unit.test_ingest_jsonl import line
 
 # --- prices ----------------------------------------------------------------------------------
@@ -83,12 +80,7 @@ def test_plain_prices_pass_and_print_as_written() -> None:
 
 @pytest.fixture
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        sink.add(ev.REQUEST_ACCOUNTING, f.accounting(model="seen-model"), topic="t", partition=0, offset=0)
-        sink.flush()
-        sink.close()
+    with accounting_store(tmp_path_factory, [f.accounting(model="seen-model")]) as s:
         yield s
 
 
@@ -111,11 +103,7 @@ def cli_env(tmp_path_factory: pytest.TempPathFactory, unique: str) -> Iterator[d
     env = {"SPARSEETY_CLICKHOUSE_DSN": f"chdb://{path}", "SPARSEETY_CLICKHOUSE_DATABASE": db}
     cfg = load_config(env=env)
     with Store.open(cfg) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        sink.add(ev.REQUEST_ACCOUNTING, f.accounting(model="tiny"), topic="t", partition=0, offset=0)
-        sink.flush()
-        sink.close()
+        write_accounting(s, [f.accounting(model="tiny")])
     yield env
     with Store.open(cfg) as s:
         s.command(f"DROP DATABASE IF EXISTS {db}")

@@ -18,12 +18,10 @@ import pytest
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.queries.registry import Queries
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store
 from tests.recorded import load_scenario
 
 pytestmark = pytest.mark.unit
@@ -46,13 +44,8 @@ def _fold(name: str) -> list[dict[str, Any]]:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Queries, list[dict[str, Any]]]]:
     records = _fold("prefix_reuse") + _fold("sglang_radix")
     models = {r["model"] for r in records}
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(records):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(s, [Price(m, kind, price, 0) for m in models for kind, price in PER_MILLION.items()])
+    prices = [Price(m, kind, price, 0) for m in models for kind, price in PER_MILLION.items()]
+    with accounting_store(tmp_path_factory, records, prices) as s:
         yield Queries(s), records
 
 

@@ -26,75 +26,44 @@ from sparseety import events as ev
 from sparseety.queries.registry import Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
+from sparseety.sinks.clickhouse.prices import Price
 from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store, chdb_config, throwaway_store
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
 D = Decimal
 
 
-def req(
-    rid: str,
-    tenant: str,
-    *,
-    P: int,
-    C: int,
-    O: int,  # noqa: E741 - the cost model's names
-    S_: int,
-    R: int = 0,
-    J: int = 0,
-    **over: Any,
-) -> dict[str, Any]:
-    return f.accounting(
-        f"e1@1/{rid}",
-        engine_name="e1",
-        engine_id="e1@1",
-        tenant=tenant,
-        model=over.pop("model", "m1"),
-        finished_ts_ns=T0 + S,
-        finish_reason=over.pop("finish_reason", "stop"),
-        prompt_tokens=P,
-        output_tokens=O,
-        cache_read_tokens=C,
-        engine_cached_tokens=C,
-        engine_prompt_tokens=P,
-        engine_output_tokens=O,
-        scheduled_tokens=S_,
-        uncached_computed_tokens=S_ - R - J,
-        recomputed_tokens=R,
-        recomputed_preemption_tokens=R,
-        draft_rejected_tokens=J,
-        waste_tokens=R + J,
-        **over,
-    )
+def req(rid: str, tenant: str, **over: Any) -> dict[str, Any]:
+    defaults = {"model": "m1", "finish_reason": "stop"}
+    return f.counted(f"e1@1/{rid}", tenant=tenant, finished_ts_ns=T0 + S, **{**defaults, **over})
 
 
 def dataset() -> list[dict[str, Any]]:
     return [
-        req("a1", "A", P=4000, C=0, O=10, S_=4010, finish_reason="length"),
-        req("a2", "A", P=1000, C=900, O=100, S_=200),
-        req("a3", "A", P=1000, C=0, O=100, S_=1300, R=200),
-        req("a4", "A", P=500, C=0, O=40, S_=640, J=100),
-        req("a5", "A", P=1000, C=1000, O=1000, S_=1000),
-        req("b1", "B", P=100, C=0, O=10, S_=110),
-        req("b2", "B", P=100, C=0, O=0, S_=100),  # no output: no cost per output token
+        req("a1", "A", P=4000, C=0, O=10, S=4010, finish_reason="length"),
+        req("a2", "A", P=1000, C=900, O=100, S=200),
+        req("a3", "A", P=1000, C=0, O=100, S=1300, R=200),
+        req("a4", "A", P=500, C=0, O=40, S=640, J=100),
+        req("a5", "A", P=1000, C=1000, O=1000, S=1000),
+        req("b1", "B", P=100, C=0, O=10, S=110),
+        req("b2", "B", P=100, C=0, O=0, S=100),  # no output: no cost per output token
         # reasoning: 60 of 100 output positions in the think section, m2 prices them at 10
-        req("r1", "R", P=100, C=0, O=100, S_=200, model="m2", reasoning_output_tokens=60),
-        req("r2", "R", P=100, C=0, O=100, S_=200, reasoning_output_tokens=None),  # not observed
-        req("r3", "R2", P=100, C=0, O=100, S_=200, reasoning_output_tokens=60),  # m1: as output
+        req("r1", "R", P=100, C=0, O=100, S=200, model="m2", reasoning_output_tokens=60),
+        req("r2", "R", P=100, C=0, O=100, S=200, reasoning_output_tokens=None),  # not observed
+        req("r3", "R2", P=100, C=0, O=100, S=200, reasoning_output_tokens=60),  # m1: as output
         # adapters: one base model, two adapters
-        req("l1", "L", P=100, C=0, O=10, S_=110, lora_name="sql"),
-        req("l2", "L", P=100, C=0, O=10, S_=110, lora_name="sql"),
-        req("l3", "L", P=100, C=0, O=10, S_=110, lora_name="chat"),
-        req("l4", "L", P=100, C=0, O=10, S_=110),
+        req("l1", "L", P=100, C=0, O=10, S=110, lora_name="sql"),
+        req("l2", "L", P=100, C=0, O=10, S=110, lora_name="sql"),
+        req("l3", "L", P=100, C=0, O=10, S=110, lora_name="chat"),
+        req("l4", "L", P=100, C=0, O=10, S=110),
         # KV memory-time: k1 held 8x what k2 and k3 did; k4 has none observed (NULL, never a driver)
-        req("k1", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(8_000_000_000)]),
-        req("k2", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(1_000_000_000)]),
-        req("k3", "K", P=100, C=0, O=10, S_=110, kv_groups=[kv_group(1_000_000_000)]),
-        req("k4", "K", P=100, C=0, O=10, S_=110),
+        req("k1", "K", P=100, C=0, O=10, S=110, kv_groups=[kv_group(8_000_000_000)]),
+        req("k2", "K", P=100, C=0, O=10, S=110, kv_groups=[kv_group(1_000_000_000)]),
+        req("k3", "K", P=100, C=0, O=10, S=110, kv_groups=[kv_group(1_000_000_000)]),
+        req("k4", "K", P=100, C=0, O=10, S=110),
     ]
 
 
@@ -121,13 +90,7 @@ PRICES = [
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(dataset()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(s, PRICES)
+    with accounting_store(tmp_path_factory, dataset(), PRICES) as s:
         yield s
 
 
@@ -242,12 +205,15 @@ def test_migration_013_rewrites_rows_whose_model_held_the_adapter(
             sink.add(ev.USAGE_WINDOW, w, topic="usage", partition=0, offset=i)
         sink.flush()
         for _ in range(2):  # as the store did when 013 first ran on it, and once more (idempotent)
+            # a store before 016 still had evicted_tokens, which 013 copies (016 drops it again)
+            for table in ("requests", "usage_1m"):
+                s.command(f"ALTER TABLE {s.database}.{table} ADD COLUMN IF NOT EXISTS evicted_tokens Int64")
             s.command(
-                f"ALTER TABLE {s.database}.schema_migrations DELETE WHERE version = 13 "
+                f"ALTER TABLE {s.database}.schema_migrations DELETE WHERE version IN (13, 16) "
                 "SETTINGS mutations_sync = 2"
             )
-            # 013, then the views again (they are applied after any numbered migration)
-            assert [m.version for m in migrate(s)] == [13, 0]
+            # 013 (and 016), then the views again (they are applied after any numbered migration)
+            assert [m.version for m in migrate(s)] == [13, 16, 0]
             got = {
                 r["request_uid"]: (r["model"], r["lora_name"])
                 for r in s.query(f"SELECT request_uid, model, lora_name FROM {s.database}.requests_v")

@@ -14,6 +14,7 @@ from sparseety import events as ev
 from sparseety.config import Config, load_config
 from sparseety.kafka import make_decoder
 from sparseety.producers.emitter import Emitter
+from tests import factories as f
 
 
 class _Err:
@@ -96,19 +97,17 @@ def _cfg(tmp_path: Path, **producer: Any) -> Config:
     return load_config(data_dir=str(tmp_path), producer={**base, **producer})
 
 
+def _emitter(tmp_path: Path, **producer: Any) -> tuple[Config, World, Emitter]:
+    """An emitter of engine "e" (epoch 1) producing through a fresh :class:`World`."""
+    cfg = _cfg(tmp_path, **producer)
+    world = World()
+    return cfg, world, Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+
+
 def _payload(i: int, pad: int = 0) -> tuple[str, dict[str, Any]]:
-    return ev.REQUEST_FINISHED, {
-        "request_id": f"r{i}" + "x" * pad,
-        "finish_reason": "stop",
-        "stop_reason": None,
-        "num_prompt_tokens": 1,
-        "num_output_tokens": 1,
-        "num_cached_tokens": 0,
-        "num_preemptions": 0,
-        "output_block_hashes": [],
-        "first_token_ts_ns": 0,
-        "chunk_arrival_ns": [],
-    }
+    return ev.REQUEST_FINISHED, f.request_finished(
+        f"r{i}" + "x" * pad, prompt=1, output=1, finish_reason="stop"
+    )
 
 
 def _seqs(cfg: Config, values: list[bytes]) -> list[int]:
@@ -124,9 +123,7 @@ def _wait(pred: Any, timeout: float = 20.0) -> None:
 
 
 def test_events_arrive_in_seq_order(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path)
     for i in range(500):
         em.emit(_payload, i)
     stats = em.close()
@@ -135,9 +132,7 @@ def test_events_arrive_in_seq_order(tmp_path: Path) -> None:
 
 
 def test_outage_spills_past_the_memory_bound_then_drains_in_order(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path)
     for i in range(50):
         em.emit(_payload, i)
     _wait(lambda: len(world.delivered) == 50)
@@ -182,9 +177,7 @@ def test_full_queue_drops_and_leaves_a_gap(tmp_path: Path) -> None:
 
 
 def test_unbuildable_event_is_dropped_not_fatal(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path)
     em.emit(_payload, 0)
     em.emit(lambda: (ev.STEP_BATCH, {"bad": 1}))
     em.emit(_payload, 2)
@@ -246,9 +239,7 @@ def test_shutdown_while_kafka_is_away_journals_and_next_start_drains_first(tmp_p
 
 
 def test_heartbeats_carry_the_counters(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, heartbeat_interval_s=0.1)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path, heartbeat_interval_s=0.1)
     for i in range(10):
         em.emit(_payload, i)
     time.sleep(0.5)
@@ -262,9 +253,7 @@ def test_heartbeats_carry_the_counters(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_emit_never_raises_after_close(tmp_path: Path, n: int) -> None:
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    _, _, em = _emitter(tmp_path)
     em.close()
     for i in range(n):
         em.emit(_payload, i)
@@ -287,9 +276,7 @@ def test_unbound_emitter_connects_first_and_names_its_stream_later(tmp_path: Pat
 
 
 def test_emit_many_takes_consecutive_seqs_and_a_short_builder_leaves_gaps(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path)
     em.emit(_payload, 0)
     em.emit_many(3, lambda: [_payload(i) for i in (1, 2, 3)])
     em.emit_many(3, lambda: [_payload(4)])  # announced 3, built 1: seqs 5 and 6 are lost
@@ -309,9 +296,7 @@ def test_the_emitter_yields_the_gil_between_back_to_back_events_only(
 
     yields: list[int] = []
     monkeypatch.setattr(supervisor, "_yield_gil", lambda: yields.append(1))
-    cfg = _cfg(tmp_path)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    cfg, world, em = _emitter(tmp_path)
     em.close()  # the thread is gone; drive its loop body by hand
     sup = em._supervisor
     sup._service(idle=True)
@@ -338,9 +323,7 @@ def test_a_busy_emitter_hands_the_gil_to_a_waiting_engine_thread(tmp_path: Path)
             pass
         return _payload(i)
 
-    cfg = _cfg(tmp_path, queue_max_events=100_000)
-    world = World()
-    em = Emitter(cfg, engine_name="e", epoch="1", producer_factory=world.factory)
+    _, _, em = _emitter(tmp_path, queue_max_events=100_000)
     for i in range(5000):
         em.emit(slow_payload, i)
     waits = []

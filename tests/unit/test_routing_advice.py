@@ -18,13 +18,10 @@ from typing import Any
 
 import pytest
 
-from sparseety import events as ev
 from sparseety.queries.registry import Queries, Scope
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -62,13 +59,8 @@ def dataset() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def q(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Queries]:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(dataset()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(s, [Price("m1", c, Decimal(p), 0) for c, p in (("input", "10"), ("output", "40"))])
+    prices = [Price("m1", c, Decimal(p), 0) for c, p in (("input", "10"), ("output", "40"))]
+    with accounting_store(tmp_path_factory, dataset(), prices) as s:
         yield Queries(s)
 
 

@@ -23,26 +23,11 @@ CFG = WorkerConfig(reorder_max_events=1, closed_retention_s=0)
 PROMPT = list(range(8))
 
 
-def _kv(kind: str) -> dict[str, Any]:
-    if kind == ev.KV_REMOVED:
-        return {"block_hashes": [b"a", b"b"], "medium": "GPU", "group_kind": "full_attention"}
-    return {
-        "block_hashes": [b"a", b"b"],
-        "parent_block_hash": None,
-        "block_size": 4,
-        "num_tokens": 8,
-        "lora_id": None,
-        "medium": "GPU",
-        "group_kind": "full_attention",
-        "sliding_window": None,
-    }
-
-
 def workload(observed: bool) -> list[dict[str, Any]]:
     """r1 computes blocks a, b; r2 reads both; the cache evicts them; r3 computes them again. The
     KV events are there only when the producer observes them."""
-    kv = [(ev.KV_STORED, _kv(ev.KV_STORED))] if observed else []
-    removed = [(ev.KV_REMOVED, _kv(ev.KV_REMOVED))] if observed else []
+    kv = [(ev.KV_STORED, f.kv_stored([b"a", b"b"]))] if observed else []
+    removed = [(ev.KV_REMOVED, f.kv_removed([b"a", b"b"]))] if observed else []
     bodies = [
         (ev.ENGINE_STARTED, f.engine_started(engine_kind="sglang", kv_events_observed=observed)),
         (ev.REQUEST_STARTED, f.request_started("r1", PROMPT, hashes=[b"a", b"b"])),

@@ -48,6 +48,8 @@ def shapes() -> list[dict[str, Any]]:
             token_privacy="",
             prompt_token_ids=[],
             output_token_ids=[],
+            evicted_tokens=5,  # schema v1's window release: both paths add it to window_released_tokens
+            window_released_tokens=3,
         ),
         f.accounting(  # experts, window, hashed tokens, every segment enum, a LoRA
             f"{u}3",
@@ -114,23 +116,7 @@ def shapes() -> list[dict[str, Any]]:
 
 
 def _kv(**over: Any) -> dict[str, Any]:
-    g = {
-        "kind": "full_attention",
-        "block_size": 16,
-        "bytes_per_block": 1 << 20,
-        "peak_blocks": 4,
-        "never_held_blocks": 1,
-        "block_steps": 30,
-        "block_ns": 3_000_000_001,
-        "block_steps_amortized": 20,
-        "block_ns_amortized": 2_000_000_003,
-        "block_steps_actual": 10,
-        "block_ns_actual": 999_999,
-        "slot_steps_used": 400,
-        "slot_steps_allocated": 480,
-    }
-    g.update(over)
-    return g
+    return f.kv_group(never_held_blocks=1, block_ns=3_000_000_001, block_ns_amortized=2_000_000_003, **over)
 
 
 def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
@@ -177,6 +163,10 @@ def test_fast_path_writes_the_rows_the_python_path_writes(stores: tuple[Store, S
     expected = snapshot(py_store)
     assert all(expected[t.name] for t in avro_batch.TABLES)  # every table gets rows
     assert snapshot(fast_store) == expected
+    (moved,) = py_store.query(
+        f"SELECT window_released_tokens FROM {py_store.database}.requests WHERE request_uid = '{f.EID}/r2'"
+    )
+    assert moved["window_released_tokens"] == 3 + 5  # evicted_tokens added (events.MOVED_FIELDS)
     # rows per table are ClickHouse's count over the same file, equal to what Python appended
     assert fast_result.rows == py_result.rows
     assert sorted(fast_result.written, key=str) == sorted(py_result.written, key=str)

@@ -99,12 +99,13 @@ def test_prices_and_queries(env: dict[str, str], tmp_path: Path) -> None:
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[0] == (
-        "tenant,requests,input_tokens,cached_tokens,prompt_tokens,output_tokens,"
-        "reasoning_output_tokens,reasoning_observed_requests,cost_usd,unpriced_requests"
+        "tenant,requests,sequences,input_tokens,cached_tokens,billed_prompt_tokens,prompt_tokens,"
+        "output_tokens,reasoning_output_tokens,reasoning_observed_requests,cost_usd,unpriced_requests"
     )
     # t0: r0 and r2, each 6 uncached x $10/M + 4 cached x $2.5/M + 3 output x $40.000001/M
-    # prompt = input + cached; reasoning not observed (no parser): empty, not 0
-    assert lines[1] == "t0,2,12,8,20,6,,0,0.000380000006,0"
+    # billed prompt = input + cached = prompt (nothing aborted); reasoning not observed (no
+    # parser): empty, not 0
+    assert lines[1] == "t0,2,2,12,8,20,20,6,,0,0.000380000006,0"
     code, out = run(
         env, "query", "cost", "--by", "tenant", "--by", "model", "--bucket", "1h", "--since", "2023-11-14"
     )

@@ -27,14 +27,11 @@ from typing import Any
 
 import pytest
 
-from sparseety import events as ev
 from sparseety.queries.registry import ANOTHER_TENANT, Queries, QueryError, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S  # 2023-11-14 22:13:20 UTC
@@ -42,170 +39,56 @@ MIN = 60 * S
 D = Decimal
 
 
-def block(name: str, lifetime: int, role: str) -> dict[str, Any]:
-    return {"block_hash": name.encode(), "lifetime_seq": lifetime, "role": role, "tokens": 1000}
-
-
 def req(
     rid: str,
     tenant: str,
     model: str,
     engine: str,
+    minute: int,
     *,
-    finished: int,
-    P: int,
-    C: int,
-    O: int,  # noqa: E741 - the cost model's names
-    S_: int,
-    R: int = 0,
-    E: int = 0,
-    A: int = 0,
-    J: int = 0,
     gpu_s: float = 0.0,
     warmup_s: float = 0.0,
     blocks: list[dict[str, Any]] | None = None,
     experts: list[int] | None = None,
+    **counts: int,
 ) -> dict[str, Any]:
-    eid = f"{engine}@1"
-    return f.accounting(
-        f"{eid}/{rid}",
-        engine_name=engine,
-        engine_id=eid,
+    return f.counted(
+        f"{engine}@1/{rid}",
+        preemptions=1 if rid == "r3" else 0,
         tenant=tenant,
         model=model,
-        finished_ts_ns=finished,
-        prompt_tokens=P,
-        output_tokens=O,
-        cache_read_tokens=C,
-        uncached_computed_tokens=S_ - R - E - A - J,
-        recomputed_tokens=R + E,
-        recomputed_preemption_tokens=R,
-        recomputed_eviction_tokens=E,
-        evicted_blocks_recomputed=E // 1000,
-        waste_tokens=R + J,
-        draft_accepted_tokens=A,
-        draft_rejected_tokens=J,
-        scheduled_tokens=S_,
-        preemptions=1 if rid == "r3" else 0,
+        finished_ts_ns=T0 + minute * MIN,
         gpu_time_ns=int(gpu_s * S),
         warmup_gpu_time_ns=int(warmup_s * S),
-        engine_prompt_tokens=P,
-        engine_output_tokens=O,
-        engine_cached_tokens=C,
         block_uses=blocks or [],
-        expert_num_layers=2 if experts else 0,
-        expert_num_experts=4 if experts else 0,
-        expert_counts=experts or [],
+        **f.experts(experts),
+        **counts,
     )
 
 
+uses = f.block_uses
+
+
 def dataset() -> list[dict[str, Any]]:
+    # fmt: off
     return [
-        req(
-            "r1",
-            "A",
-            "m1",
-            "e1",
-            finished=T0 + 1 * MIN,
-            P=4000,
-            C=0,
-            O=500,
-            S_=4499,
-            gpu_s=2,
-            blocks=[
-                block("b1", 10, "computed"),
-                block("b2", 11, "computed"),
-                block("b3", 12, "computed"),
-                block("b4", 13, "computed"),
-            ],
-        ),
-        req(
-            "r2",
-            "B",
-            "m1",
-            "e1",
-            finished=T0 + 2 * MIN,
-            P=3000,
-            C=2000,
-            O=200,
-            S_=1229,
-            A=50,
-            J=30,
-            gpu_s=1,
+        req("r1", "A", "m1", "e1", 1, P=4000, C=0, O=500, S=4499, gpu_s=2,
+            blocks=uses("computed", "b1@10", "b2@11", "b3@12", "b4@13")),
+        req("r2", "B", "m1", "e1", 2, P=3000, C=2000, O=200, S=1229, A=50, J=30, gpu_s=1,
             warmup_s=0.5,  # half of it in its engine's cold first step
-            blocks=[block("b1", 10, "cached"), block("b2", 11, "cached"), block("b5", 20, "computed")],
-        ),
-        req(
-            "r3",
-            "A",
-            "m1",
-            "e1",
-            finished=T0 + 3 * MIN,
-            P=2000,
-            C=1000,
-            O=100,
-            S_=1599,
-            R=500,
-            gpu_s=1.5,
-            blocks=[block("b1", 10, "cached"), block("b6", 30, "computed")],
-        ),
-        req(
-            "r4",
-            "B",
-            "m1",
-            "e2",
-            finished=T0 + 4 * MIN,
-            P=1000,
-            C=0,
-            O=10,
-            S_=1009,
-            gpu_s=0.5,
-            blocks=[block("b1", 5, "computed")],
-        ),
-        req(
-            "r5",
-            "C",
-            "m1",
-            "e1",
-            finished=T0 + 6 * MIN,
-            P=1000,
-            C=0,
-            O=10,
-            S_=1009,
-            E=1000,
-            gpu_s=0.5,
-            blocks=[block("b2", 50, "recomputed")],
-        ),
-        req(
-            "r6",
-            "A",
-            "m2",
-            "e3",
-            finished=T0 + 5 * MIN,
-            P=1000,
-            C=0,
-            O=100,
-            S_=1099,
-            gpu_s=1,
-            blocks=[block("c1", 7, "computed")],
-            experts=[10, 0, 5, 5, 0, 20, 0, 0],
-        ),
-        req(
-            "r7",
-            "A",
-            "m2",
-            "e3",
-            finished=T0 + 15 * MIN,
-            P=1000,
-            C=0,
-            O=100,
-            S_=1099,
-            gpu_s=1,
-            blocks=[block("c1", -1, "cached")],
-            experts=[0, 10, 5, 5, 10, 0, 0, 10],
-        ),
-        req("r8", "D", "m3", "e4", finished=T0 + 20 * MIN, P=100, C=0, O=10, S_=109),
+            blocks=uses("cached", "b1@10", "b2@11") + uses("computed", "b5@20")),
+        req("r3", "A", "m1", "e1", 3, P=2000, C=1000, O=100, S=1599, R=500, gpu_s=1.5,
+            blocks=uses("cached", "b1@10") + uses("computed", "b6@30")),
+        req("r4", "B", "m1", "e2", 4, P=1000, C=0, O=10, S=1009, gpu_s=0.5, blocks=uses("computed", "b1@5")),
+        req("r5", "C", "m1", "e1", 6, P=1000, C=0, O=10, S=1009, E=1000, gpu_s=0.5,
+            blocks=uses("recomputed", "b2@50")),
+        req("r6", "A", "m2", "e3", 5, P=1000, C=0, O=100, S=1099, gpu_s=1, blocks=uses("computed", "c1@7"),
+            experts=[10, 0, 5, 5, 0, 20, 0, 0]),
+        req("r7", "A", "m2", "e3", 15, P=1000, C=0, O=100, S=1099, gpu_s=1, blocks=uses("cached", "c1@-1"),
+            experts=[0, 10, 5, 5, 10, 0, 0, 10]),
+        req("r8", "D", "m3", "e4", 20, P=100, C=0, O=10, S=109),
     ]
+    # fmt: on
 
 
 PRICES = [
@@ -223,13 +106,7 @@ PRICES = [
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """One database for the module: the queries only read the crafted data set."""
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(dataset()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=i % 2, offset=i)
-        sink.flush()
-        set_prices(s, PRICES)
+    with accounting_store(tmp_path_factory, dataset(), PRICES, partitions=2) as s:
         yield s
 
 
@@ -418,11 +295,7 @@ def test_prefix_evictions(q: Queries) -> None:
 def test_legacy_rows_count_their_recompute_as_preemption(tmp_path_factory: pytest.TempPathFactory) -> None:
     # A schema-v1 row has recomputed_tokens but no split: read in its old meaning (waste).
     legacy = f.accounting("e9@1/old", tenant="L", model="m1", recomputed_tokens=7, finished_ts_ns=T0 + MIN)
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        sink.add(ev.REQUEST_ACCOUNTING, legacy, topic="timelines", partition=0, offset=0)
-        sink.flush()
+    with accounting_store(tmp_path_factory, [legacy]) as s:
         (row,) = Queries(s).waste(by=["tenant"])
     assert (row["recomputed_preemption_tokens"], row["evictable_tokens"], row["waste_tokens"]) == (7, 0, 7)
 
@@ -520,12 +393,7 @@ def test_another_tenants_source_request_is_hidden(tmp_path_factory: pytest.TempP
         rec("e1@1/a2", "A", "e1@1/a1"),
         rec("e1@1/b2", "B", "e1@1/gone"),  # a source not stored: not shown to a scoped reader
     ]
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, r in enumerate(records):
-            sink.add(ev.REQUEST_ACCOUNTING, r, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    with accounting_store(tmp_path_factory, records) as s:
         q = Queries(s)
 
         def source(uid: str, scope: Scope) -> Any:
@@ -545,25 +413,10 @@ def test_list_mode_does_not_charge_an_aborted_request_for_prompt_it_never_comput
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     # 1000-token prompt, aborted after computing 300 of it (700 not_computed), nothing cached.
-    aborted = f.accounting(
-        "e1@1/ab",
-        tenant="A",
-        model="m1",
-        finished_ts_ns=T0 + MIN,
-        finish_reason="abort",
-        prompt_tokens=1000,
-        output_tokens=0,
-        cache_read_tokens=0,
-        engine_cached_tokens=0,
-        uncached_computed_tokens=300,
-        scheduled_tokens=300,
-        skipped_tokens=700,
+    aborted = f.counted(
+        "e1@1/ab", P=1000, C=0, O=0, S=300, skipped_tokens=700, finish_reason="abort", tenant="A", model="m1"
     )
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        set_prices(s, PRICES)
-        sink = ClickHouseSink(s)
-        sink.add(ev.REQUEST_ACCOUNTING, aborted, topic="timelines", partition=0, offset=0)
-        sink.flush()
+    aborted["finished_ts_ns"] = T0 + MIN
+    with accounting_store(tmp_path_factory, [aborted], PRICES) as s:
         (row,) = Queries(s).cost(mode="list", by=["tenant"])
     assert row["cost_usd"] == D("0.003")  # 300 input tokens x $10 / 1M, not 1000

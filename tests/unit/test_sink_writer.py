@@ -17,10 +17,10 @@ from sparseety.sinks import base
 from sparseety.sinks.clickhouse.client import Store
 from sparseety.sinks.clickhouse.migrate import migrate
 from sparseety.sinks.clickhouse.rows import request_version
-from sparseety.sinks.clickhouse.tables import KV_COLUMNS, SINK_TABLES
+from sparseety.sinks.clickhouse.tables import KV_COLUMNS
 from sparseety.sinks.clickhouse.writer import ClickHouseSink, is_data_error
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import chdb_config, table_rows, throwaway_store
 
 
 @pytest.fixture
@@ -45,17 +45,6 @@ def rich(uid: str, **over: Any) -> dict[str, Any]:
     )
 
 
-def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
-    """Every table's content under FINAL, in key order (the store as queries see it)."""
-    out = {}
-    for t in SINK_TABLES:
-        _, rows = store.query_rows(
-            f"SELECT {', '.join(t.columns)} FROM {store.table(t.name)} FINAL ORDER BY {', '.join(t.key)}"
-        )
-        out[t.name] = rows
-    return out
-
-
 def write(sink: ClickHouseSink, records: list[tuple[str, dict[str, Any]]], topic: str = "t") -> None:
     for i, (name, rec) in enumerate(records):
         sink.add(name, rec, topic=topic, partition=i % 2, offset=i)
@@ -78,6 +67,7 @@ def test_every_field_lands(store: Store) -> None:
             "kv_groups",
             "kv_peak_bytes",
             *TOKEN_FIELDS,
+            *ev.MOVED_FIELDS,  # no column: added to window_released_tokens (rich() has 0)
         ):
             assert row[field] == value, field
     (tokens,) = store.query(f"SELECT * FROM {store.database}.request_tokens_v")
@@ -100,7 +90,10 @@ def test_every_field_lands(store: Store) -> None:
     )
     assert experts == {"num_layers": 2, "num_experts": 2, "counts": [3, 1, 0, 4]}
     (usage,) = store.query(f"SELECT * FROM {store.database}.usage_1m FINAL")
-    assert {k: usage[k] for k in f.usage_window()} == f.usage_window()
+    moved = set(ev.MOVED_FIELDS)
+    assert {k: usage[k] for k in f.usage_window() if k not in moved} == {
+        k: v for k, v in f.usage_window().items() if k not in moved
+    }
 
 
 def test_dead_letters_keep_raw_bytes_and_position(store: Store) -> None:
@@ -130,11 +123,11 @@ def test_writing_the_same_records_again_changes_nothing(store: Store) -> None:
     records += [(ev.USAGE_WINDOW, f.usage_window(usage_id=f"u{i}")) for i in range(3)]
     records += [(ev.DEAD_LETTER, f.dead_letter())]
     write(ClickHouseSink(store), records)
-    first = snapshot(store)
+    first = table_rows(store)
     assert len(first["requests"]) == 5 and len(first["token_segments"]) == 15
     write(ClickHouseSink(store), records)  # a crash between write and commit, then a re-read
     write(ClickHouseSink(store), list(reversed(records[:5])), topic="other")  # a replay in another order
-    assert snapshot(store) == first
+    assert table_rows(store) == first
     raw = store.query(f"SELECT count() AS n FROM {store.table('requests')}")[0]["n"]
     assert raw >= 5  # duplicates may still be unmerged: FINAL hides them
 
@@ -375,30 +368,10 @@ def test_a_missing_table_is_no_data_error(store: Store) -> None:
     assert not is_data_error(caught.value)
 
 
-def _kv_group(**over: Any) -> dict[str, Any]:
-    g = {
-        "kind": "full_attention",
-        "block_size": 16,
-        "bytes_per_block": 1 << 20,
-        "peak_blocks": 4,
-        "never_held_blocks": 0,
-        "block_steps": 30,
-        "block_ns": 3_000_000_000,
-        "block_steps_amortized": 20,
-        "block_ns_amortized": 2_000_000_001,
-        "block_steps_actual": 10,
-        "block_ns_actual": 999_999,
-        "slot_steps_used": 400,
-        "slot_steps_allocated": 480,
-    }
-    g.update(over)
-    return g
-
-
 def test_kv_memory_time_lands_and_old_rows_read_not_observed(store: Store) -> None:
     """Migration 012's columns: sums over the groups, byte-ms floored once; a record without
     kv_groups (written before, or request level) reads NULL, never 0."""
-    groups = [_kv_group(), _kv_group(kind="sliding_window", bytes_per_block=1000, never_held_blocks=2)]
+    groups = [f.kv_group(), f.kv_group(kind="sliding_window", bytes_per_block=1000, never_held_blocks=2)]
     now = time.time_ns()
     with_kv = rich(f"{f.EID}/kv", finished_ts_ns=now, kv_groups=groups, kv_peak_bytes=5 << 20)
     old = rich(f"{f.EID}/old", finished_ts_ns=now)
@@ -425,7 +398,7 @@ def test_query_cost_prices_kv_memory_time_per_gib_hour(store: Store) -> None:
 
     gib_ms_hour = (1 << 30) * 3_600_000  # one GiB held for one hour, in byte-ms
     # block_ns x bytes / 1e6 = byte-ms: 3.6e12 ns x 2^30 B = one GiB-hour held; actual half of it
-    one = _kv_group(bytes_per_block=1 << 30, block_ns=3_600_000_000_000)
+    one = f.kv_group(bytes_per_block=1 << 30, block_ns=3_600_000_000_000)
     one.update(block_ns_actual=1_800_000_000_000, block_ns_amortized=2_700_000_000_000)
     now = time.time_ns()
     recs = [

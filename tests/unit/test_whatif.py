@@ -6,9 +6,9 @@ no price. Blocks hold 1000 tokens; engine e1@1; times are seconds after T0.
 
   w1 A m1: P4000 C0    O500 S4499 G2s          computes b1@10, b2@11; admitted 0, finished 10
   w2 B m1: P3000 C2000 O200 S1239 G1s A50 J30 K10 steps 150; reads b1@10, b2@11; finished 20
-  w3 A m1: P1000 C0 O10 S1009 G1s V1000        recomputes b1@20; admitted 40 (gap 40-20 = 20 s), finished 45
-  w4 C m1: P1000 C0 O10 S1009 G1s V1000        recomputes b2@21; admitted 45 (gap 45-20 = 25 s)
-  w5 C m1: P1000 C0 O10 S1009 G1s V1000        recomputes b1@30; admitted 115 (gap 115-45 = 70 s)
+  w3 A m1: P1000 C0 O10 S1009 G1s E1000        recomputes b1@20; admitted 40 (gap 40-20 = 20 s), finished 45
+  w4 C m1: P1000 C0 O10 S1009 G1s E1000        recomputes b2@21; admitted 45 (gap 45-20 = 25 s)
+  w5 C m1: P1000 C0 O10 S1009 G1s E1000        recomputes b1@30; admitted 115 (gap 115-45 = 70 s)
   w6 A msw: window 64, P100 O21, no cache: 120 queries [0, 120)
 
 The engine's cache time T_hat = the shortest gap = 20 s. K = 1.5 avoids gaps < 30 s (w3, w4),
@@ -34,7 +34,7 @@ from sparseety.sinks.clickhouse.writer import ClickHouseSink
 from sparseety.streams.assembler import TIMELINES, Assembler
 from sparseety.streams.state import MemoryStore
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store, chdb_config, throwaway_store
 from tests.recorded import load_scenario
 
 S = 1_000_000_000
@@ -43,149 +43,41 @@ D = Decimal
 PICO = D(10**12)
 
 
-def blk(name: str, lifetime: int, role: str) -> dict[str, Any]:
-    return {"block_hash": name.encode(), "lifetime_seq": lifetime, "role": role, "tokens": 1000}
-
-
-def req(
-    rid: str,
-    tenant: str,
-    *,
-    admitted: int,
-    finished: int,
-    P: int,
-    C: int,
-    O: int,  # noqa: E741 - the cost model's names
-    S_: int,
-    V: int = 0,
-    A: int = 0,
-    J: int = 0,
-    K: int = 0,
-    gpu_s: float = 1.0,
-    steps: int = 10,
-    blocks: list[dict[str, Any]] | None = None,
-    model: str = "m1",
-    **over: Any,
-) -> dict[str, Any]:
-    rec = f.accounting(
+def req(rid: str, tenant: str, *, admitted: int, finished: int, **over: Any) -> dict[str, Any]:
+    at = T0 + admitted * S
+    defaults = {"model": "m1", "steps": 10, "gpu_time_ns": S, "block_uses": []}
+    return f.counted(
         f"e1@1/{rid}",
-        engine_name="e1",
-        engine_id="e1@1",
         tenant=tenant,
-        model=model,
-        arrival_ts_ns=T0 + admitted * S,
-        first_scheduled_ts_ns=T0 + admitted * S,
-        first_token_ts_ns=T0 + admitted * S,
+        arrival_ts_ns=at,
+        first_scheduled_ts_ns=at,
+        first_token_ts_ns=at,
         finished_ts_ns=T0 + finished * S,
-        prompt_tokens=P,
-        output_tokens=O,
-        cache_read_tokens=C,
-        uncached_computed_tokens=S_ - V - A - J - K,
-        recomputed_tokens=V,
-        recomputed_preemption_tokens=0,
-        recomputed_eviction_tokens=V,
-        evicted_blocks_recomputed=V // 1000,
-        draft_accepted_tokens=A,
-        draft_rejected_tokens=J,
-        draft_cut_tokens=K,
-        waste_tokens=J + K,
-        scheduled_tokens=S_,
-        steps=steps,
-        gpu_time_ns=int(gpu_s * S),
-        engine_prompt_tokens=P,
-        engine_output_tokens=O,
-        engine_cached_tokens=C,
-        block_uses=blocks or [],
+        **{**defaults, **over},
     )
-    rec.update(over)
-    return rec
 
 
 def dataset() -> list[dict[str, Any]]:
     sw = f.accounting()["timeline"]
     sw = {"segments": sw["segments"], "attention_window": 64}
+    # fmt: off
     return [
-        req(
-            "w1",
-            "A",
-            admitted=0,
-            finished=10,
-            P=4000,
-            C=0,
-            O=500,
-            S_=4499,
-            gpu_s=2,
-            blocks=[blk("b1", 10, "computed"), blk("b2", 11, "computed")],
-        ),
-        req(
-            "w2",
-            "B",
-            admitted=5,
-            finished=20,
-            P=3000,
-            C=2000,
-            O=200,
-            S_=1239,
-            A=50,
-            J=30,
-            K=10,
-            steps=150,
-            blocks=[blk("b1", 10, "cached"), blk("b2", 11, "cached")],
-        ),
-        req(
-            "w3",
-            "A",
-            admitted=40,
-            finished=45,
-            P=1000,
-            C=0,
-            O=10,
-            S_=1009,
-            V=1000,
-            blocks=[blk("b1", 20, "recomputed")],
-        ),
-        req(
-            "w4",
-            "C",
-            admitted=45,
-            finished=50,
-            P=1000,
-            C=0,
-            O=10,
-            S_=1009,
-            V=1000,
-            blocks=[blk("b2", 21, "recomputed")],
-        ),
-        req(
-            "w5",
-            "C",
-            admitted=115,
-            finished=120,
-            P=1000,
-            C=0,
-            O=10,
-            S_=1009,
-            V=1000,
-            blocks=[blk("b1", 30, "recomputed")],
-        ),
-        req(
-            "w6",
-            "A",
-            admitted=130,
-            finished=140,
-            P=100,
-            C=0,
-            O=21,
-            S_=120,
-            model="msw",
+        req("w1", "A", admitted=0, finished=10, P=4000, C=0, O=500, S=4499, gpu_time_ns=2 * S,
+            block_uses=f.block_uses("computed", "b1@10", "b2@11")),
+        req("w2", "B", admitted=5, finished=20, P=3000, C=2000, O=200, S=1239, A=50, J=30, K=10, steps=150,
+            block_uses=f.block_uses("cached", "b1@10", "b2@11")),
+        req("w3", "A", admitted=40, finished=45, P=1000, C=0, O=10, S=1009, E=1000,
+            block_uses=f.block_uses("recomputed", "b1@20")),
+        req("w4", "C", admitted=45, finished=50, P=1000, C=0, O=10, S=1009, E=1000,
+            block_uses=f.block_uses("recomputed", "b2@21")),
+        req("w5", "C", admitted=115, finished=120, P=1000, C=0, O=10, S=1009, E=1000,
+            block_uses=f.block_uses("recomputed", "b1@30")),
+        req("w6", "A", admitted=130, finished=140, P=100, C=0, O=21, S=120, model="msw",
             # full causal pairs over [0, 120) = 7260; a 64 window attends 2080 + 56 * 64 = 5664
-            attention_pairs=5664,
-            attention_pairs_skipped=1596,
-            window_released_tokens=32,
-            skipped_tokens=24,
-            timeline=sw,
-        ),
+            attention_pairs=5664, attention_pairs_skipped=1596, window_released_tokens=32,
+            skipped_tokens=24, timeline=sw),
     ]
+    # fmt: on
 
 
 PRICES = [
@@ -198,13 +90,7 @@ PRICES = [
 
 @pytest.fixture(scope="module")
 def q(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Queries]:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(dataset()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(s, PRICES)
+    with accounting_store(tmp_path_factory, dataset(), PRICES) as s:
         yield Queries(s)
 
 
