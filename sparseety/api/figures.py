@@ -7,6 +7,7 @@ that ``Plotly.newPlot`` draws. Nothing here touches the store or the file system
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -300,6 +301,35 @@ def pick_bucket(span_s: float) -> str:
     return BUCKETS[-1][0]
 
 
+def _instant(value: Any) -> datetime:
+    """A bucket's start (a datetime from the store, an ISO string through the API), in UTC."""
+    t = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace(" ", "T"))
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def bucket_axis(rows: Sequence[Mapping[str, Any]], bucket: str) -> list[datetime]:
+    """Every bucket from the first to the last that ``rows`` have, at ``bucket``'s step: a line
+    drawn over these drops to 0 in a minute without requests instead of joining its neighbours
+    (issue 31: lines ran across empty minutes)."""
+    if not rows:
+        return []
+    have = sorted({_instant(r["bucket"]) for r in rows})
+    step = timedelta(seconds=dict(BUCKETS).get(bucket, 60))
+    out: list[datetime] = []
+    t = have[0]
+    while t <= have[-1] and len(out) <= 10 * MAX_BUCKETS:
+        out.append(t)
+        t += step
+    return out
+
+
+def _zero_filled(
+    rows: Sequence[Mapping[str, Any]], axis: list[datetime], value: Any
+) -> tuple[list[str], list[Any]]:
+    by_bucket = {_instant(r["bucket"]): value(r) for r in rows}
+    return [t.strftime("%Y-%m-%d %H:%M:%S") for t in axis], [by_bucket.get(t, 0) for t in axis]
+
+
 def over_time_figure(
     cost_rows: Sequence[Mapping[str, Any]], list_rows: Sequence[Mapping[str, Any]], bucket: str
 ) -> Figure:
@@ -316,23 +346,28 @@ def over_time_figure(
     if not tenants:
         return _empty(title, "no requests in scope")
     data: list[dict[str, Any]] = []
+    axis = bucket_axis([*cost_rows, *list_rows], bucket)
     for i, t in enumerate(tenants):
         color = PALETTE[i % len(PALETTE)]
-        mine = sorted((r for r in cost_rows if str(r["tenant"]) == t), key=lambda r: str(r["bucket"]))
+        mine = [r for r in cost_rows if str(r["tenant"]) == t]
+        x, cost = _zero_filled(mine, axis, lambda r: r.get("cost_usd", 0))
         data.append(
             {
                 "type": "scatter",
                 "mode": "lines+markers",
                 "name": t or "(none)",
                 "legendgroup": t,
-                "x": [str(r["bucket"]) for r in mine],
-                "y": [_usd(r.get("cost_usd", 0)) for r in mine],
-                "text": [f"${r.get('cost_usd', 0)}" for r in mine],
+                "x": x,
+                "y": [_usd(c) for c in cost],
+                "text": [f"${c}" for c in cost],
                 "line": {"color": color},
                 "hovertemplate": f"{t or '(none)'} %{{x}}: %{{text}} (actual)<extra></extra>",
             }
         )
-        billed = sorted((r for r in list_rows if str(r["tenant"]) == t), key=lambda r: str(r["bucket"]))
+        billed = [r for r in list_rows if str(r["tenant"]) == t]
+        x, tokens = _zero_filled(
+            billed, axis, lambda r: int(r["input_tokens"]) + int(r["cached_tokens"]) + int(r["output_tokens"])
+        )
         data.append(
             {
                 "type": "scatter",
@@ -342,10 +377,8 @@ def over_time_figure(
                 "showlegend": False,
                 "xaxis": "x",
                 "yaxis": "y2",
-                "x": [str(r["bucket"]) for r in billed],
-                "y": [
-                    int(r["input_tokens"]) + int(r["cached_tokens"]) + int(r["output_tokens"]) for r in billed
-                ],
+                "x": x,
+                "y": tokens,
                 "line": {"color": color, "dash": "dot"},
                 "hovertemplate": f"{t or '(none)'} %{{x}}: %{{y}} tokens billed<extra></extra>",
             }
