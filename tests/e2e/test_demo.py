@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparseety.config import load_config
+from sparseety.queries.registry import Queries
+from sparseety.sinks.clickhouse.client import Store
 from sparseety.stack.demo import CHECK_LINE, TOKEN_CLASSES, run_demo
+from sparseety.stack.engine import phases
 from sparseety.stack.supervisor import Stack
 from tests.helpers import free_port
 
@@ -55,6 +58,24 @@ def test_demo(tmp_path: Path) -> None:
     assert any("progress" in line or "visible in SQL" in line for line in lines)
     # The demo shuts the stack down cleanly.
     assert all(row.state == "stopped" for row in Stack(cfg).status())
+    # Sessions inferred from prefix chains alone (issue 31; the demo sends no session ids): each
+    # conversation's three turns are one session (turn N re-sends turn 1's prompt and the last
+    # answer as text, re-tokenized), the documents are sessions of one turn. vLLM numbers the
+    # requests in submission order, phase by phase, so conversation i's turns are requests
+    # i, p1 + i and p1 + p2 + i.
+    p1, p2, _ = (len(phase) for phase in phases(4, quick=False))
+    with Store.open(cfg) as store:
+        q = Queries(store)
+        found = sorted(
+            [
+                int(t["request_uid"].rsplit("/", 1)[1].split("-")[0])
+                for t in q.sessions(source="inferred", session=s)
+            ]
+            for s in (row["session_id"] for row in q.sessions(source="inferred"))
+        )
+    conversations = [[i, p1 + i, p1 + p2 + i] for i in range(p2)]
+    documents = [[i] for i in range(p2, p1)]
+    assert found == sorted(conversations + documents)
 
 
 def test_demo_sglang(tmp_path: Path) -> None:
