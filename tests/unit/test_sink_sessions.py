@@ -21,15 +21,12 @@ from typing import Any
 
 import pytest
 
-from sparseety import events as ev
 from sparseety.errors import QueryError
 from sparseety.queries.registry import Queries, Scope
 from sparseety.sinks.clickhouse.client import Store
-from sparseety.sinks.clickhouse.migrate import migrate
-from sparseety.sinks.clickhouse.prices import Price, set_prices
-from sparseety.sinks.clickhouse.writer import ClickHouseSink
+from sparseety.sinks.clickhouse.prices import Price
 from tests import factories as f
-from tests.helpers import chdb_config, throwaway_store
+from tests.helpers import accounting_store
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -116,20 +113,12 @@ def dataset() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(dataset()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
-        set_prices(
-            s,
-            [
-                Price("tiny", "input", Decimal("10"), 0),
-                Price("tiny", "cached_input", Decimal("1"), 0),
-                Price("tiny", "output", Decimal("40"), 0),
-            ],
-        )
+    prices = [
+        Price("tiny", "input", Decimal("10"), 0),
+        Price("tiny", "cached_input", Decimal("1"), 0),
+        Price("tiny", "output", Decimal("40"), 0),
+    ]
+    with accounting_store(tmp_path_factory, dataset(), prices) as s:
         yield s
 
 
@@ -241,12 +230,7 @@ def short_answers() -> list[dict[str, Any]]:
 def test_short_answers_siblings_and_a_conversation_sent_again(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    with throwaway_store(chdb_config(tmp_path_factory)) as s:
-        migrate(s)
-        sink = ClickHouseSink(s)
-        for i, rec in enumerate(short_answers()):
-            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
-        sink.flush()
+    with accounting_store(tmp_path_factory, short_answers()) as s:
         q = Queries(s)
         assert members(q, "inferred") == {
             ("C", uid("s1")): ["s1", "s2", "s3"],
