@@ -33,6 +33,7 @@ KINDS: Final = (
     "llama4-chunked",
     "llama-think",
     "mixtral-sw-think",
+    "idefics3",
 )
 MARKER: Final = ".sparseety-tiny-model.json"
 """Written last; its presence means the checkpoint directory is complete."""
@@ -43,6 +44,25 @@ _SPECIAL_TOKENS: Final = ("<unk>", "<s>", "</s>", "<pad>")
 #: ``llama-think``: the think delimiters of vLLM's ``deepseek_r1`` reasoning parser, added tokens
 #: that are not special (they stay in the decoded text, as in DeepSeek-R1's tokenizer).
 THINK_TOKENS: Final = ("<think>", "</think>")
+#: ``idefics3``: the special tokens of Idefics3's processor (``<global-img>`` is a plain added
+#: token there), and its image geometry: a 32-pixel image, 8-pixel patches and a pixel-shuffle
+#: scale of 2 give ``(32 // 8) ** 2 // 2 ** 2 = 4`` image tokens, which the processor wraps as
+#: ``<fake_token_around_image><global-img><image>*4<fake_token_around_image>`` (7 placeholders).
+IDEFICS3_TOKENS: Final = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+IDEFICS3_IMAGE_SIZE: Final = 32
+IDEFICS3_IMAGE_SEQ_LEN: Final = 4
+#: A chat template that places an ``{"type": "image"}`` content part as ``<image>``.
+_MM_CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 _CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -148,6 +168,9 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
     import transformers
 
     tokenizer = _train_tokenizer()
+    if kind == "idefics3":
+        _write_idefics3(tokenizer, out, seed)
+        return
     if kind.endswith("-think"):  # the base kind, with THINK_TOKENS in its vocabulary
         from tokenizers import AddedToken
 
@@ -213,6 +236,74 @@ def _write_checkpoint(kind: str, out: Path, seed: int) -> None:
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+
+
+def _write_idefics3(tokenizer: PreTrainedTokenizerFast, out: Path, seed: int) -> None:
+    """A tiny random Idefics3 (SigLIP-style vision tower + Llama text model) with its processor
+    (``Idefics3ImageProcessorPil``: the venv has no torchvision), no image splitting."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS]}
+    )
+    tokenizer.chat_template = _MM_CHAT_TEMPLATE
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+        max_image_size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+        do_image_splitting=False,
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=IDEFICS3_IMAGE_SEQ_LEN,
+        chat_template=_MM_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    text = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IDEFICS3_IMAGE_SIZE,
+        patch_size=8,
+    )
+    config = transformers.Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.bfloat16)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
