@@ -86,6 +86,14 @@ def _lookahead(vllm_config: Any) -> int:
         return 0
 
 
+def kv_role(vllm_config: Any) -> str | None:
+    """The engine's KV connector role (``kv_producer``, ``kv_consumer``, ``kv_both``), None
+    without a connector."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    role = getattr(ktc, "kv_role", None) if ktc is not None else None
+    return str(role) if role else None
+
+
 def dp_rank(vllm_config: Any) -> int:
     """The engine's data-parallel index (0 without data parallelism)."""
     pc = vllm_config.parallel_config

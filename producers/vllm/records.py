@@ -20,8 +20,9 @@ from sparseety import events as ev
 from sparseety.tenants import engine_tenant
 
 from ..privacy import PromptPolicy
+from .multimodal import EncoderTally, mm_inputs
 from .reasoning import ReasoningSplit
-from .request_ids import request_identity
+from .request_ids import pd_fields, request_identity
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,6 +52,8 @@ class RecordBuilder:
         spec_enabled: Whether the engine runs speculative decoding (spec columns are filled).
         reasoning: The engine's reasoning parser (which output positions are reasoning); None:
             the engine runs none.
+        kv_role: The engine's KV connector role (``kv_producer``, ``kv_consumer``, ``kv_both``;
+            None without a connector): a request's P/D role when its ``kv_transfer_params`` say none.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class RecordBuilder:
         group_kinds: list[str],
         spec_enabled: bool,
         reasoning: ReasoningSplit | None = None,
+        kv_role: str | None = None,
     ) -> None:
         self.policy = policy
         self.served = served_model_name
@@ -71,6 +75,8 @@ class RecordBuilder:
         self.group_kinds = group_kinds or ["full_attention"]
         self.spec_enabled = spec_enabled
         self.reasoning = reasoning or ReasoningSplit(None, None)
+        self.kv_role = kv_role
+        self.encoders = EncoderTally()
         self._admitted_cached: dict[str, int] = {}
         #: (steps scheduled, wall clock) when each request's KV blocks were freed (set in
         #: on_free, read once).
@@ -110,6 +116,11 @@ class RecordBuilder:
         session = getattr(req, "session_id", None) or ours
         lora = getattr(req, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+        identity = request_identity(rid)
+        transfer = getattr(req, "kv_transfer_params", None)
+        pd = pd_fields(str(identity["external_request_id"]), transfer, self.kv_role)
+        items = mm_inputs(req)
+        self.encoders.admitted(rid, items)
         return ev.REQUEST_STARTED, {
             "request_id": rid,
             "arrival_ts_ns": int((req.arrival_time or 0) * 1e9),
@@ -126,7 +137,9 @@ class RecordBuilder:
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
             "session_id": str(session) if session else "",
-            **request_identity(rid),  # the client's response id, the n choices' parent
+            **identity,  # the client's response id, the n choices' parent
+            **pd,
+            "mm_inputs": items,
         }
 
     def requests_started(self, items: list[tuple[Any, int, int]]) -> list[tuple[str, dict[str, Any]]]:
@@ -164,6 +177,7 @@ class RecordBuilder:
             "reasoning_spans": self.reasoning.spans(req),
             "kv_freed_before_step": freed[0],
             "kv_freed_ts_ns": freed[1],
+            **self.encoders.finished(rid),
         }
 
     # --- steps ---------------------------------------------------------------------------------
@@ -204,6 +218,7 @@ class RecordBuilder:
             before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in new_reqs}
             before.update(zip(cached_ids, cached_computed, strict=False))
             computed_before = [before.get(r, 0) for r in rids]
+        self.encoders.step(scheduler_output)
         if self._rejections and updates_before >= 0:
             self._correct_in_flight(computed_before, rids, cached_reqs, updates_before, step)
         new_tokens: dict[str, list[int]] = {}

@@ -45,3 +45,42 @@ def request_identity(request_id: str, *, randomized: bool | None = None) -> dict
     own = parent or request_id
     external = _SUFFIX.sub("", own) if rnd else own
     return {"external_request_id": external, "parent_request_id": parent, "choice_index": index}
+
+
+#: The front ends' prefixes of an external request id (chat completions, completions).
+_API_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def pd_fields(external_request_id: str, kv_transfer_params: object, kv_role: str | None) -> dict[str, str]:
+    """RequestStarted's ``pd_role`` and ``pd_join_id`` (issue 36).
+
+    The role comes from the request's ``kv_transfer_params`` as vLLM's P/D proxies set them
+    (``do_remote_decode``: this engine prefills for another; ``do_remote_prefill``: it decodes
+    from KV another engine computed), else from the engine's connector role (``kv_producer``:
+    prefill, ``kv_consumer``: decode; ``kv_both`` or none: the request is served whole). The join
+    key is the id the router sent both engines: the ``X-Request-Id`` inside the external request
+    id (the front end's ``chatcmpl-``/``cmpl-`` prefix taken off), else the one in
+    ``kv_transfer_params`` (``remote_request_id``); empty for a request served whole.
+    """
+    params = kv_transfer_params if isinstance(kv_transfer_params, dict) else {}
+    if params.get("do_remote_decode"):
+        role = "prefill"
+    elif params.get("do_remote_prefill"):
+        role = "decode"
+    elif kv_role == "kv_producer":
+        role = "prefill"
+    elif kv_role == "kv_consumer":
+        role = "decode"
+    else:
+        return {"pd_role": "none", "pd_join_id": ""}
+    join = external_request_id
+    for prefix in _API_PREFIXES:
+        if join.startswith(prefix):
+            join = join[len(prefix) :]
+            break
+    if not join:
+        remote = params.get("remote_request_id")
+        join = str(request_identity(str(remote))["external_request_id"]) if remote else ""
+        for prefix in _API_PREFIXES:
+            join = join.removeprefix(prefix)
+    return {"pd_role": role, "pd_join_id": join}

@@ -35,6 +35,7 @@ from ..emitter import Emitter, new_epoch
 from ..plugin_kit import SessionBase, announce, engine_name
 from ..privacy import PromptPolicy
 from . import facts, routing
+from .multimodal import ENCODER_HITS, watch_encoder_cache
 from .reasoning import ReasoningSplit
 from .records import RecordBuilder
 from .stamp import STEP_STAMP, routing_enabled
@@ -94,6 +95,12 @@ class EngineSession(SessionBase):
         self._live: set[str] = set()
         self._in_update = False
         self._deferred: list[Any] = []
+        #: (request id, item index) of each encoder-cache hit since the last stamped step
+        #: (appended by the wrapped EncoderCacheManager.check_and_update_cache, multimodal only).
+        self._encoder_hits: list[tuple[str, int]] = []
+        model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+        if getattr(model_config, "is_multimodal_model", False):
+            watch_encoder_cache(scheduler, self._encoder_hits)
 
     # --- construction ----------------------------------------------------------------------
 
@@ -122,6 +129,7 @@ class EngineSession(SessionBase):
             group_kinds=[g["kind"] for g in started["kv_cache_groups"]],
             spec_enabled=started["spec_method"] is not None and started["spec_num_tokens"] > 0,
             reasoning=reasoning,
+            kv_role=facts.kv_role(vllm_config),
         )
         session = cls(cfg, scheduler, emitter, builder)
         announce(session, started)
@@ -146,6 +154,9 @@ class EngineSession(SessionBase):
         step = self._step
         self._step = step + 1
         setattr(scheduler_output, STEP_STAMP, (self.engine_name, self.epoch, step))
+        if self._encoder_hits:
+            setattr(scheduler_output, ENCODER_HITS, self._encoder_hits[:])
+            self._encoder_hits.clear()
         owner = self._kv_queue_owner
         if owner is not None:
             self._kv_marks.append((step, len(owner.kv_event_queue)))

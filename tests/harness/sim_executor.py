@@ -19,7 +19,11 @@ what the GPU model runner's bookkeeping does:
   deterministic pattern); under async scheduling the scheduler holds ``-1`` placeholders and
   the runner fills them itself, so the executor verifies what the scheduler scheduled;
 * a KV connector's worker side reports nothing to wait for (loads are synchronous), so a
-  decode-side engine gets its externally matched tokens at once.
+  decode-side engine gets its externally matched tokens at once;
+* under vLLM's ``ExampleConnector`` (P/D through a shared directory) the executor does what the
+  connector's worker side does on a save: the request's directory appears under the shared path,
+  named by the connector's own code; the layer files' contents (the model's KV) are no fact of
+  accounting and are not written.
 
 Each step's facts go to ``observer`` (the harness truth) in the order the GPU would produce
 them: :meth:`Observer.on_execute` with the true start positions, :meth:`Observer.on_sample`
@@ -123,6 +127,13 @@ class SimExecutor(Executor):
         self._last: Any = None
         self._last_samplers: list[str] = []
         self._stream_free = 0.0  # when the modelled GPU stream finishes its queued steps
+        self._kv_saver: Any = None
+        ktc = self.vllm_config.kv_transfer_config
+        if ktc is not None and ktc.kv_connector == "ExampleConnector" and ktc.is_kv_producer:
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+            self._kv_saver = ExampleConnector(self.vllm_config, KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -203,6 +214,12 @@ class SimExecutor(Executor):
         for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             if rid in resumed:
                 self.reqs[rid].pos = int(computed)
+        if self._kv_saver is not None:
+            for meta in getattr(so.kv_connector_metadata, "requests", ()):
+                if meta.is_store:  # save_kv_layer's files go into this directory
+                    self._kv_saver._generate_foldername_debug(
+                        meta.token_ids, meta.mm_hashes, create_folder=True
+                    )
         starts = {rid: self.reqs[rid].pos for rid in so.num_scheduled_tokens}
         if self.sim.observer is not None:
             self.sim.observer.on_execute(so, starts)
