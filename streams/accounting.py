@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import attention, kv_memory
+from . import attention, kv_memory, multimodal
 from . import segments as sg
 from .served import reasoning
 from .state import EpochState, RequestState
@@ -139,6 +139,7 @@ def build(
         "cache_ttl": r.cache_ttl,
         "pd_join_id": r.pd_join_id,
         "pd_role": r.pd_role,
+        **multimodal.record_fields(r.mm, fin),
     }
 
 

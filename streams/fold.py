@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import admission, kv_memory
+from . import admission, kv_memory, multimodal
 from . import segments as sg
 from .caveats import is_warmup_step
 from .flops import ModelShape
@@ -132,6 +132,9 @@ class PositionFold:
         local = cached - external
         r.external_kv = external
         r.cache_read += local
+        items = body.get("mm_inputs")
+        if items:
+            r.mm = multimodal.admitted(items, cached)
         r.kv_end = max(r.kv_end, cached)
         admission.plan_prompt(
             self.store, epoch, r, seq, body["block_hashes"], prompt, local, cached, max_blocks=self.max_blocks

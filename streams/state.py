@@ -199,6 +199,9 @@ class RequestState(_Record):
     cache_ttl: str = ""
     pd_join_id: str = ""
     pd_role: str = "none"
+    # Issue 36 multimodal (appended): streams/multimodal.admitted of RequestStarted.mm_inputs
+    # (per modality: placeholder positions, then those of them below the admission hit).
+    mm: list[int] = field(default_factory=list)
 
     @property
     def uid(self) -> str:
