@@ -160,6 +160,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         ),
     ),
     Endpoint(q.TIMELINES, "timelines"),
+    Endpoint(q.PD_BILLS, "pd-bills"),
     Endpoint(
         q.REQUEST,
         "request",

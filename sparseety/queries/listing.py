@@ -1,5 +1,6 @@
-"""Listings of stored requests and their timelines (registry queries ``requests`` and
-``timelines``): what a table view, the dashboard and an export read, request by request."""
+"""Listings of stored requests, their timelines and the bills of disaggregated requests (registry
+queries ``requests``, ``timelines`` and ``pd_bills``): what a table view, the dashboard and an
+export read, request by request."""
 
 from __future__ import annotations
 
@@ -79,5 +80,25 @@ def timelines_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, 
         f"s.draft_accepted AS draft_accepted, {source} AS source_request_uid, s.kv_fate AS kv_fate "
         f"FROM {db}.token_segments_v AS s {join} WHERE {where} "
         "ORDER BY s.request_uid, s.start LIMIT {limit:UInt64}"
+    )
+    return sql, params
+
+
+def pd_bills_sql(db: str, *, scope: Scope, limit: int) -> tuple[str, dict[str, Any]]:
+    """One row per client request that a prefill engine and a decode engine served (P/D), newest
+    first: both rows' uids, what each engine did with the prompt, the output once, and the pair's
+    cost in ``list``, ``actual`` and ``gpu`` mode (``pd_bills_v``, docs/cost-model.md "P/D").
+    ``joined`` = 0 while only one of the two rows is stored."""
+    if not 1 <= limit <= 10_000:
+        raise QueryError("limit must be between 1 and 10000")
+    where, params = scope.where()
+    params["limit"] = limit
+    sql = (
+        "SELECT pd_join_id, tenant, model, finished_at, joined, prefill_request_uid, decode_request_uid, "
+        "prompt_tokens, output_tokens, prefill_computed_tokens, prefill_cached_tokens, "
+        "transferred_kv_tokens, decode_prompt_cached_tokens, decode_prompt_computed_tokens, "
+        "discarded_output_tokens, list_pico AS list_cost_pico, actual_pico AS actual_cost_pico, "
+        "gpu_pico AS gpu_cost_pico, tokens_priced "
+        f"FROM {db}.pd_bills_v WHERE {where} ORDER BY finished_ts_ns DESC, pd_join_id LIMIT {{limit:UInt32}}"
     )
     return sql, params

@@ -31,7 +31,7 @@ from .base import QuerySpec as QuerySpec
 from .base import Scope as Scope
 from .caveats import note_lost_sources
 from .export import export
-from .listing import ORDERS, requests_sql, timelines_sql
+from .listing import ORDERS, pd_bills_sql, requests_sql, timelines_sql
 from .tokens import token_records_lookup
 
 PICO = Decimal(10**12)
@@ -71,7 +71,8 @@ def cost_sql(
             # billed_prompt_tokens is prompt_tokens less what an aborted request never computed
             "input_tokens + cached_tokens AS billed_prompt_tokens, "
             "sumIf(c.prompt_tokens, c.list_prompt_billed = 1) AS prompt_tokens, "
-            f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
+            # a P/D pair's output once: the decode row's (request_costs_v list_output_billed)
+            f"sum(c.list_output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
             "countIf(NOT c.tokens_priced) AS unpriced_requests"
         )
     elif mode == "gpu":
@@ -529,6 +530,10 @@ class QueryMethods:
         """Timeline segments of every request in scope (:data:`TIMELINES`)."""
         return self.ask(TIMELINES, **arguments)
 
+    def pd_bills(self, **arguments: Any) -> Rows:
+        """One bill per client request served by a prefill and a decode engine (:data:`PD_BILLS`)."""
+        return self.ask(PD_BILLS, **arguments)
+
     def request(self, request_id: str, *, scope: Scope = Scope(), **arguments: Any) -> Any:
         """One request: every count, its cost in each mode and its segments (:data:`REQUEST`)."""
         return self.fetch(REQUEST, request_id, scope=scope, **arguments)
@@ -910,6 +915,19 @@ TIMELINES = QuerySpec(
     "status, draft_accepted, source_request_uid, kv_fate), request by request.",
     params=(Param("limit", int, 1_000_000, "At most N segments.", ge=1, le=100_000_000),),
 )
+PD_BILLS = QuerySpec(
+    "pd_bills",
+    pd_bills_sql,
+    "Prefill/decode disaggregation: one bill per client request that a prefill engine and a "
+    "decode engine served, joined by the router's id (pd_join_id: X-Request-Id). Rows: both "
+    "rows' request_uid, prompt_tokens once, output_tokens (the decode's), what the prefill engine "
+    "computed and read, transferred_kv_tokens (loaded by the decode engine; not billed as a read "
+    "unless cached_input_external is priced), decode_prompt_computed_tokens (the tail the decode "
+    "engine computed again), discarded_output_tokens (the prefill's token), and the pair's "
+    "list_cost_usd, actual_cost_usd and gpu_cost_usd. joined = 0: one of the two rows is not "
+    "stored (yet).",
+    params=(Param("limit", int, 50, "At most N client requests.", ge=1, le=10_000),),
+)
 REQUEST = QuerySpec(
     "request",
     None,
@@ -957,6 +975,7 @@ QUERIES: tuple[QuerySpec, ...] = (
     OUTLIERS,
     REQUESTS,
     TIMELINES,
+    PD_BILLS,
     REQUEST,
     TOKENS_STATISTICS,
     TOKEN_RECORDS,

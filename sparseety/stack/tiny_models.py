@@ -252,9 +252,8 @@ def _write_idefics3(tokenizer: PreTrainedTokenizerFast, out: Path, seed: int) ->
     from tokenizers import AddedToken
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS]}
-    )
+    special = [AddedToken(t, special=True, normalized=False) for t in IDEFICS3_TOKENS]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     tokenizer.chat_template = _MM_CHAT_TEMPLATE
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": IDEFICS3_IMAGE_SIZE},

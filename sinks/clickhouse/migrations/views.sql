@@ -115,6 +115,14 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
 -- Output positions are priced apart: the answer at the output price, the think section at the
 -- model's 'reasoning_output' price, else at the output price (so with no such price, and for rows
 -- whose reasoning is not observed, the cost is what it was).
+-- P/D as one request (issue 36 part 3, docs/cost-model.md "P/D"): when a prefill row and a decode
+-- row share a pd_join_id (the router's X-Request-Id) they are one client request. list bills its
+-- prompt once, on the prefill row (the decode row's list_prompt_billed = 0: neither the tail it
+-- computed again nor the KV it loaded is billed as prompt), and its output once, on the decode row
+-- (the prefill row's list_output_billed = 0: the token it sampled never reached the client). The
+-- loaded KV is billed in list only when the model has a 'cached_input_external' price
+-- (pd_transfer_tokens at that price). actual and amortized bill what each engine computed, as for
+-- any row. requests counts the pair once (the prefill row carries list_prompt_billed).
 CREATE OR REPLACE VIEW {db}.request_costs_v{on_cluster} AS
 SELECT
     r.request_uid AS request_uid, r.tenant AS tenant, r.model AS model,
@@ -149,7 +157,13 @@ SELECT
                least(toInt64(r.prompt_tokens) - list_cached_tokens,
                      toInt64(r.uncached_computed_tokens) + r.recomputed_eviction_tokens),
                toInt64(r.prompt_tokens) - list_cached_tokens)) AS prompt_input_tokens,
-    toUInt8(r.parent_request_id = '' OR par._p_billed = r.request_uid) AS list_prompt_billed,
+    r.pd_join_id AS pd_join_id, r.pd_role AS pd_role, toInt64(r.external_kv_tokens) AS external_kv_tokens,
+    toUInt8(ifNull(pd._pd_joined, 0) = 1 AND r.pd_role IN ('prefill', 'decode')) AS pd_joined,
+    toUInt8((r.parent_request_id = '' OR par._p_billed = r.request_uid)
+            AND NOT (pd_joined = 1 AND r.pd_role = 'decode')) AS list_prompt_billed,
+    toUInt8(NOT (pd_joined = 1 AND r.pd_role = 'prefill')) AS list_output_billed,
+    if(list_output_billed = 1, toInt64(r.output_tokens), 0) AS list_output_tokens,
+    toInt64(if(pd_joined = 1 AND r.pd_role = 'decode', r.external_kv_tokens, 0)) AS pd_transfer_tokens,
     if(list_prompt_billed = 1, prompt_input_tokens, 0) AS list_input_tokens,
     if(list_prompt_billed = 1, list_cached_tokens, 0) AS list_billed_cached_tokens,
     toInt64(if(r.scheduled_tokens > 0, greatest(r.scheduled_tokens - r.output_tokens, 0), prompt_input_tokens))
@@ -161,10 +175,12 @@ SELECT
     toInt64(ifNull(pg.price_micro, 0)) AS gpu_hour_price_micro,
     ifNull(pin.found, 0) = 1 AND ifNull(pout.found, 0) = 1 AS tokens_priced,
     ifNull(pg.found, 0) = 1 AS gpu_priced,
+    toInt64(ifNull(ppx.price_micro, 0)) AS pd_transfer_price_micro,
     toInt128(list_input_tokens) * input_price_micro
         + toInt128(list_billed_cached_tokens) * cached_price_micro
-        + toInt128(answer_output_tokens) * output_price_micro
-        + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro AS list_pico,
+        + toInt128(list_output_billed) * (toInt128(answer_output_tokens) * output_price_micro
+            + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro)
+        + toInt128(pd_transfer_tokens) * pd_transfer_price_micro AS list_pico,
     toInt128(actual_input_tokens) * input_price_micro
         + toInt128(r.cache_read_tokens) * cached_price_micro
         + toInt128(answer_output_tokens) * output_price_micro
@@ -187,11 +203,53 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
 ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
                 FROM {db}.prices FINAL WHERE token_class = 'gpu_hour') AS pg
     ON r.model = pg.model AND r.finished_ts_ns >= pg.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input_external') AS ppx
+    ON r.model = ppx.model AND r.finished_ts_ns >= ppx.effective_from_ns
+LEFT JOIN (SELECT pd_join_id AS _pd_id,
+                  toUInt8(countIf(pd_role = 'prefill') > 0 AND countIf(pd_role = 'decode') > 0) AS _pd_joined
+           FROM {db}.requests_v WHERE pd_join_id != '' AND pd_role IN ('prefill', 'decode')
+           GROUP BY pd_join_id) AS pd
+    ON r.pd_join_id = pd._pd_id
 LEFT JOIN (SELECT engine_id AS _p_engine, parent_request_id AS _p_parent,
                   argMax(request_uid, (finished_ts_ns, choice_index)) AS _p_billed
            FROM {db}.requests_v WHERE parent_request_id != ''
            GROUP BY engine_id, parent_request_id) AS par
     ON r.engine_id = par._p_engine AND r.parent_request_id = par._p_parent;
+
+-- One bill per disaggregated client request (issue 36 part 3, docs/cost-model.md "P/D"): the
+-- prefill row and the decode row that share a pd_join_id, side by side. prompt_tokens once;
+-- output_tokens the decode row's (what the client got); prefill_* what the prefill engine did with
+-- the prompt (computed, read from its prefix cache); transferred_kv_tokens what the decode engine
+-- loaded from it (not billed as a read unless priced); decode_prompt_computed_tokens the prompt
+-- positions past the transfer that the decode engine computed again (or read from its own cache:
+-- decode_prompt_cached_tokens); discarded_output_tokens the prefill's sampled token. The costs are
+-- the sums of the two rows' request_costs_v costs, which bill the pair once (see there). joined =
+-- 0: only one of the two rows is stored (yet).
+CREATE OR REPLACE VIEW {db}.pd_bills_v{on_cluster} AS
+SELECT
+    c.pd_join_id AS pd_join_id,
+    if(anyIf(c.tenant, c.pd_role = 'decode') != '', anyIf(c.tenant, c.pd_role = 'decode'),
+       anyIf(c.tenant, c.pd_role = 'prefill')) AS tenant,
+    any(c.model) AS model, max(c.finished_ts_ns) AS finished_ts_ns,
+    fromUnixTimestamp64Nano(max(c.finished_ts_ns), 'UTC') AS finished_at,
+    anyIf(c.request_uid, c.pd_role = 'prefill') AS prefill_request_uid,
+    anyIf(c.request_uid, c.pd_role = 'decode') AS decode_request_uid,
+    toUInt8(countIf(c.pd_role = 'prefill') > 0 AND countIf(c.pd_role = 'decode') > 0) AS joined,
+    max(c.prompt_tokens) AS prompt_tokens,
+    sumIf(c.output_tokens, c.pd_role = 'decode') AS output_tokens,
+    sumIf(c.uncached_computed_tokens + c.recomputed_tokens, c.pd_role = 'prefill') AS prefill_computed_tokens,
+    sumIf(c.cache_read_tokens, c.pd_role = 'prefill') AS prefill_cached_tokens,
+    sumIf(c.external_kv_tokens, c.pd_role = 'decode') AS transferred_kv_tokens,
+    sumIf(c.cache_read_tokens, c.pd_role = 'decode') AS decode_prompt_cached_tokens,
+    sumIf(greatest(toInt64(c.prompt_tokens) - toInt64(c.cache_read_tokens) - c.external_kv_tokens, 0),
+          c.pd_role = 'decode') AS decode_prompt_computed_tokens,
+    sumIf(c.output_tokens, c.pd_role = 'prefill') AS discarded_output_tokens,
+    sum(c.list_pico) AS list_pico, sum(c.actual_pico) AS actual_pico, sum(c.gpu_pico) AS gpu_pico,
+    toUInt8(min(c.tokens_priced)) AS tokens_priced
+FROM {db}.request_costs_v AS c
+WHERE c.pd_join_id != '' AND c.pd_role IN ('prefill', 'decode')
+GROUP BY c.pd_join_id;
 
 -- Amortized attribution: within one cache lifetime (engine_id, block_hash, lifetime_seq) the
 -- compute of a block (its computing requests' tokens at their input price) is split equally
