@@ -26,6 +26,7 @@ def build(
     ts: int,
     incomplete: str | None,
     block_uses: list[dict[str, Any]],
+    cache_write_tokens: int = 0,
 ) -> dict[str, Any]:
     """The request's RequestAccounting record (``finish`` is None when it closes incomplete)."""
     cfg = epoch.config or {}
@@ -133,6 +134,10 @@ def build(
         **token_fields(cfg.get("privacy_mode", ""), r),
         "kv_groups": kv_memory.record(kv_memory.KvShape(cfg), r) if r.steps else [],
         "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,
+        # request-level producers report the engine's own count only (no steps, no blocks)
+        "cache_write_tokens": cache_write_tokens
+        if r.steps
+        else max(0, fin.get("num_cache_creation_tokens", -1)),
         "engine_cache_write_tokens": fin.get("num_cache_creation_tokens", -1),
         "priority": r.priority,
         "service_tier": r.service_tier,

@@ -291,7 +291,8 @@ class Assembler:
         if not r.closed:
             self.fold.kv_close(epoch, r, finish, ts)
             uses = block_index.block_uses(self.store, epoch, r, finish or {})
-            r.output = accounting.build(epoch, r, finish, ts, incomplete, uses)
+            writes = block_index.cache_write_tokens(self.store, epoch, r)
+            r.output = accounting.build(epoch, r, finish, ts, incomplete, uses, writes)
             r.closed = True
             r.close_ts = ts
             r.finish = None

@@ -7,7 +7,9 @@ blocks under :func:`~streams.state.block_key` in the :class:`~streams.state.Stat
   the others mirror the same hashes);
 - :func:`bound` drops the oldest history when an epoch holds more blocks than allowed;
 - :func:`block_uses` lists the blocks a closing request read and computed, with the lifetime each
-  use belongs to (the record's ``block_uses``, which the sink's prefix dedup reads).
+  use belongs to (the record's ``block_uses``, which the sink's prefix dedup reads);
+- :func:`cache_write_tokens` counts the prompt positions whose blocks the request wrote to the
+  prefix cache (RequestAccounting.cache_write_tokens).
 """
 
 from __future__ import annotations
@@ -116,3 +118,24 @@ def block_uses(
         lifetime = pidx.lifetime_of(block, r.request_id, r.seq, cleared)
         uses.append({"block_hash": h, "lifetime_seq": lifetime, "role": "computed", "tokens": bs})
     return uses
+
+
+def cache_write_tokens(store: StateStore, epoch: EpochState, r: RequestState) -> int:
+    """Prompt positions of the closing request's cache writes: its prompt blocks it computed (or
+    recomputed after an eviction) whose storing began a cache lifetime credited to it, a new
+    entry of the prefix cache. Each block counts once, however often the request computed it.
+
+    A block it computed while a copy of the same hash was already cached (two requests computed
+    it in flight together) added no entry: the other request's lifetime holds it. vLLM's
+    ``created_cache_tokens`` counts such a copy for both requests (docs/streams.md). A block
+    never stored (a sliding-window block no later hit can reach) is no write.
+    """
+    bs = (epoch.config or {}).get("block_size") or 0
+    written = 0
+    for hexh, role, _ in r.blocks:
+        if role == "cached":
+            continue
+        block = store.get(block_key(epoch.engine_id, hexh))
+        if block is not None and any(lt[pidx.COMPUTED_BY] == r.request_id for lt in block["l"]):
+            written += bs
+    return written

@@ -143,6 +143,9 @@ class Exchange:
                     if isinstance(self.body.get("priority"), int)
                     else 0,
                     "session_id": self.session,
+                    # what the client asked for (issue 36), read here at the API edge
+                    "service_tier": _text(self.body.get("service_tier")),
+                    "cache_ttl": _text(self.body.get("prompt_cache_retention")),
                     # the response's id: one record per response (n choices included), so
                     # the prompt is already billed once and there is no parent
                     "external_request_id": self.response_id,
@@ -161,6 +164,10 @@ class Exchange:
                     "output_block_hashes": [],
                     "first_token_ts_ns": self.chunk_arrival_ns[0] if self.chunk_arrival_ns else 0,
                     "chunk_arrival_ns": list(self.chunk_arrival_ns),
+                    # vLLM's created_cache_tokens (chat, --enable-prompt-tokens-details); -1: absent
+                    "num_cache_creation_tokens": _count(details, "created_cache_tokens")
+                    if "created_cache_tokens" in details
+                    else -1,
                 },
             ),
         ]
@@ -181,6 +188,12 @@ def _count(usage: dict[str, Any], key: str) -> int:
             f"usage.{key} is {str(value)[:40]!r}, not a token count", field=f"usage.{key}"
         )
     return value
+
+
+def _text(value: Any) -> str:
+    """A request's string field as sent (at most 64 characters: a name, not a payload); '' when
+    it is absent or not a string."""
+    return value[:64] if isinstance(value, str) else ""
 
 
 def _role_only(choices: list[Any]) -> bool:

@@ -1,10 +1,16 @@
-"""Tenant and session from HTTP headers, for vLLM's OpenAI API server.
+"""Tenant and session from HTTP headers, service tier and cache retention from the body, for
+vLLM's OpenAI API server.
 
 Only the request body reaches vLLM's engine core (``vllm_xargs`` becomes
 ``SamplingParams.extra_args``); headers stay in the API server process. This ASGI middleware
 copies the ``X-Sparseety-Tenant`` header into the JSON body as ``vllm_xargs.tenant`` and the
 ``X-Sparseety-Session`` header as ``vllm_xargs.session`` (a header wins over the same key already
 in the body) for POSTs to ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``.
+It also copies the body's ``service_tier`` (OpenAI: auto, default, flex, scale, priority) as
+``vllm_xargs.service_tier`` and its ``prompt_cache_retention`` (in_memory, 24h) as
+``vllm_xargs.cache_ttl``: vLLM accepts both fields and passes neither to the engine (it echoes
+``service_tier`` in the response), so without this the engine-side plugin never sees them
+(issue 36; sparseety/billing.py). ``priority`` needs no copy: it reaches the engine's request.
 Enable it with::
 
     python -m vllm.entrypoints.openai.api_server ... \\
@@ -30,6 +36,9 @@ SESSION_HEADER = b"x-sparseety-session"
 #: Header -> the ``vllm_xargs`` key it sets.
 HEADERS = {HEADER: "tenant", SESSION_HEADER: "session"}
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+#: Body field -> the ``vllm_xargs`` key it is copied to (the engine never sees the field itself).
+BODY_FIELDS = {"service_tier": "service_tier", "prompt_cache_retention": "cache_ttl"}
+_BODY_MARKERS = tuple(f'"{k}"'.encode() for k in BODY_FIELDS)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -43,15 +52,24 @@ def with_tenant(body: bytes, tenant: str) -> bytes:
 
 
 def with_xargs(body: bytes, values: dict[str, str]) -> bytes:
-    """``body`` with these ``vllm_xargs`` keys set; unchanged when it is not a JSON object."""
+    """``body`` with these ``vllm_xargs`` keys set, and with the :data:`BODY_FIELDS` it holds
+    copied to theirs (a header's value wins); unchanged when it is not a JSON object or there is
+    nothing to set."""
+    if not values and not any(m in body for m in _BODY_MARKERS):
+        return body  # the common case: nothing to copy, the body is not parsed
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body
     if not isinstance(data, dict):
         return body
+    edge = {
+        key: data[name] for name, key in BODY_FIELDS.items() if isinstance(data.get(name), str) and data[name]
+    }
+    if not values and not edge:
+        return body
     xargs = data.get("vllm_xargs")
-    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **values}
+    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **edge, **values}
     return json.dumps(data).encode()
 
 
@@ -70,13 +88,11 @@ class TenantHeaderMiddleware:
             for k, v in scope.get("headers", [])
             if k.lower() in HEADERS and v
         }
-        if not values:
-            await self.app(scope, receive, send)
-            return
-        rule = tenant_problem(values.get("tenant", ""))
-        if rule is not None:  # refused at the door, with the rule: no report could show it
-            await _refuse(send, f"{HEADER.decode()}: {shown(values['tenant'])}: {rule}")
-            return
+        if "tenant" in values:
+            rule = tenant_problem(values["tenant"])
+            if rule is not None:  # refused at the door, with the rule: no report could show it
+                await _refuse(send, f"{HEADER.decode()}: {shown(values['tenant'])}: {rule}")
+                return
         chunks = []
         while True:
             message = await receive()
@@ -86,7 +102,13 @@ class TenantHeaderMiddleware:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body = with_xargs(b"".join(chunks), values)
+        raw = b"".join(chunks)
+        body = with_xargs(raw, values)
+        if body is raw:  # nothing to set: the request goes on as it came
+            await self.app(
+                scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send
+            )
+            return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = dict(scope, headers=headers)

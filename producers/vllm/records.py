@@ -82,6 +82,9 @@ class RecordBuilder:
         #: on_free, read once).
         self.freed: dict[str, tuple[int, int]] = {}
         self._reported_cached: dict[str, int] = {}
+        #: The engine's own cache-write count per request (PrefillStats.num_cache_creation_tokens,
+        #: finalized when its first output is emitted), until its RequestFinished.
+        self._reported_created: dict[str, int] = {}
         #: ``(step, {request: drafts rejected})`` of the last steps with rejections:
         #: the steps scheduled while they were in flight counted those drafts as computed.
         self._rejections: list[tuple[int, dict[str, int]]] = []
@@ -116,6 +119,9 @@ class RecordBuilder:
         session = getattr(req, "session_id", None) or ours
         lora = getattr(req, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+        # read at the API edge (the middleware copies the body's fields into vllm_xargs)
+        tier = extra.get("service_tier") if isinstance(extra, dict) else ""
+        ttl = extra.get("cache_ttl") if isinstance(extra, dict) else ""
         identity = request_identity(rid)
         transfer = getattr(req, "kv_transfer_params", None)
         pd = pd_fields(str(identity["external_request_id"]), transfer, self.kv_role)
@@ -137,6 +143,8 @@ class RecordBuilder:
             "lora_name": lora_name,
             "priority": int(getattr(req, "priority", 0) or 0),
             "session_id": str(session) if session else "",
+            "service_tier": tier if isinstance(tier, str) else "",
+            "cache_ttl": ttl if isinstance(ttl, str) else "",
             **identity,  # the client's response id, the n choices' parent
             **pd,
             "mm_inputs": items,
@@ -160,6 +168,7 @@ class RecordBuilder:
         num_preemptions = req.num_preemptions
         admitted = self._admitted_cached.pop(rid, 0)
         cached = self._reported_cached.pop(rid, admitted)
+        created = self._reported_created.pop(rid, -1)
         freed = self.freed.pop(rid, (-1, 0))
         return ev.REQUEST_FINISHED, {
             "request_id": rid,
@@ -177,6 +186,7 @@ class RecordBuilder:
             "reasoning_spans": self.reasoning.spans(req),
             "kv_freed_before_step": freed[0],
             "kv_freed_ts_ns": freed[1],
+            "num_cache_creation_tokens": int(created),
             **self.encoders.finished(rid),
         }
 
@@ -223,6 +233,7 @@ class RecordBuilder:
             self._correct_in_flight(computed_before, rids, cached_reqs, updates_before, step)
         new_tokens: dict[str, list[int]] = {}
         reported = self._reported_cached
+        created = self._reported_created
         for core_outputs in (outputs or {}).values():
             for output in core_outputs.outputs:
                 if output.new_token_ids:
@@ -230,6 +241,8 @@ class RecordBuilder:
                 prefill_stats = output.prefill_stats
                 if prefill_stats is not None:
                     reported[output.request_id] = int(prefill_stats.num_cached_tokens)
+                    # vLLM < 0.32 has no cache-creation count: not reported
+                    created[output.request_id] = int(getattr(prefill_stats, "num_cache_creation_tokens", -1))
         num_new: list[int] = []
         token_ids: list[int] = []
         for rid in rids:

@@ -226,6 +226,7 @@ def test_proxy_non_streaming(server: ServerEngine, proxy: tuple[str, Config]) ->
         "messages": [{"role": "user", "content": SYSTEMS[2] + "What is a router?"}],
         "max_tokens": 12,
         "temperature": 0,
+        "service_tier": "flex",
     }
     httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).raise_for_status()  # warm
     direct = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
@@ -241,6 +242,10 @@ def test_proxy_non_streaming(server: ServerEngine, proxy: tuple[str, Config]) ->
     assert got["finished"]["num_output_tokens"] == usage["completion_tokens"] == 12
     assert got["finished"]["finish_reason"] == "length"
     assert got["started"]["tenant"] == "tenant-a"
+    # issue 36: the tier the client asked for, read by the proxy; the server's cache-write count
+    assert got["started"]["service_tier"] == "flex"
+    created = usage["prompt_tokens_details"]["created_cache_tokens"]
+    assert got["finished"]["num_cache_creation_tokens"] == created == 0  # the warm-up wrote it
     assert got["finished"]["first_token_ts_ns"] == 0 and got["finished"]["chunk_arrival_ns"] == []
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-a"}).json()
     assert models["data"][0]["id"] == "tiny"  # other routes pass through
@@ -595,6 +600,137 @@ def test_reasoning_tokens_and_adapter_per_request_equal_vllms_own(
         assert summary["cut_by_limit"]["tail_with"] + summary["cut_by_limit"]["rest_with"] == sum(
             r["choices"][0]["finish_reason"] == "length" for r in responses.values()
         )
+
+
+# --- the bill of 2026 (issue 36): cache writes, service tier, priority -----------------------
+
+
+def _bill_2026_run(
+    server: ServerEngine,
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[Any]]:
+    """Chat requests on the real server, then the fold of their events: ``(responses, records,
+    events)`` by case name. A cold prompt, its repeat, an extension of it, two copies of a new
+    prompt sent together (they may be computed in one step), and the service tiers, cache
+    retention and priorities the clients asked for."""
+    from sparseety.config import WorkerConfig
+    from sparseety.streams.assembler import TIMELINES, Assembler
+    from sparseety.streams.state import MemoryStore
+
+    tag = f"w{random.randrange(1 << 30):x}"
+    tenant = f"bill-{tag}"
+    base = f"Tag {tag}. " + SYSTEMS[4] + SYSTEMS[1]
+    other = f"Other {tag}. " + SYSTEMS[3] + SYSTEMS[2]
+    # (prompt, extra body)
+    cases: dict[str, tuple[str, dict[str, Any]]] = {
+        "cold": (base, {"service_tier": "flex"}),
+        "repeat": (base, {"service_tier": "priority", "priority": 3}),
+        "extend": (base + " Then summarise everything twice. " * 4, {"prompt_cache_retention": "24h"}),
+        "twin-a": (other, {"priority": -2}),
+        "twin-b": (other, {}),
+    }
+
+    def body(name: str) -> dict[str, Any]:
+        prompt, extra = cases[name]
+        return {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "vllm_xargs": {"tenant": tenant},
+            **extra,
+        }
+
+    responses: dict[str, dict[str, Any]] = {}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for name in ("cold", "repeat", "extend"):  # one after the other: each sees the last's writes
+            responses[name] = _chat(client, body(name), {"X-Request-Id": f"{tag}-{name}"})
+        with ThreadPoolExecutor(2) as pool:  # together: both may compute the same new blocks
+            twins = pool.map(
+                lambda n: (n, _chat(client, body(n), {"X-Request-Id": f"{tag}-{n}"})), ("twin-a", "twin-b")
+            )
+            responses.update(twins)
+    externals = {f"chatcmpl-{tag}-{n}": n for n in cases}
+
+    def complete(events: list[dict[str, Any]]) -> bool:
+        return set(externals) <= {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+
+    events = engine_events(server.cfg, complete, timeout=90)
+    asm = Assembler(WorkerConfig(window_s=1, allowed_lateness_s=0), MemoryStore())
+    outputs = [o for e in events for o in asm.apply(e)]
+    by_rid = {o.record["request_id"]: o.record for o in outputs if o.topic == TIMELINES}
+    records = {name: by_rid[engine_rid(events, ext)] for ext, name in externals.items()}
+    return responses, records, events
+
+
+@pytest.fixture(scope="module")
+def bill_2026(server: ServerEngine) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[Any]]:
+    return _bill_2026_run(server)
+
+
+def test_cache_writes_per_request_equal_vllms_created_cache_tokens(
+    bill_2026: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[Any]],
+) -> None:
+    """Per request, ``cache_write_tokens`` (folded from the request's computed prompt blocks and
+    the engine's KV events: the blocks whose cache entry it began) equals vLLM's own
+    ``usage.prompt_tokens_details.created_cache_tokens``, and the engine's count travels as
+    ``engine_cache_write_tokens``. Two copies of one prompt computed in the same step are the one
+    documented difference: vLLM counts the duplicate block for both, SparSEEty one entry."""
+    responses, records, _ = bill_2026
+    bs = 32
+    for name, resp in responses.items():
+        details = resp["usage"]["prompt_tokens_details"]
+        created, cached = details["created_cache_tokens"], details["cached_tokens"]
+        rec = records[name]
+        assert rec["engine_cache_write_tokens"] == created, name
+        assert rec["cache_read_tokens"] == cached, name
+        prompt = resp["usage"]["prompt_tokens"]
+        # vLLM's rule, restated: the prompt's full blocks, less what was cached at admission
+        assert created == prompt // bs * bs - cached, (name, prompt, cached)
+        # every write is a computed position, never a read one
+        assert (
+            rec["cache_write_tokens"] <= rec["uncached_computed_tokens"] + rec["recomputed_eviction_tokens"]
+        )
+        if name.startswith("twin"):
+            continue
+        assert rec["cache_write_tokens"] == created, (name, rec["cache_write_tokens"], created)
+    assert records["cold"]["cache_write_tokens"] > 0
+    assert records["repeat"]["cache_write_tokens"] == 0 and records["repeat"]["cache_read_tokens"] > 0
+    assert 0 < records["extend"]["cache_write_tokens"] < records["cold"]["cache_write_tokens"] + 4 * bs
+    a, b = (responses[n]["usage"]["prompt_tokens_details"] for n in ("twin-a", "twin-b"))
+    ours = records["twin-a"]["cache_write_tokens"] + records["twin-b"]["cache_write_tokens"]
+    if a["cached_tokens"] == 0 and b["cached_tokens"] == 0:
+        # computed together: vLLM says both created the blocks, the cache holds one entry each
+        assert a["created_cache_tokens"] == b["created_cache_tokens"] > 0
+        assert ours == a["created_cache_tokens"]
+    else:  # one after the other: the second read the first's writes, both counts agree
+        assert ours == a["created_cache_tokens"] + b["created_cache_tokens"]
+        for n in ("twin-a", "twin-b"):
+            created = responses[n]["usage"]["prompt_tokens_details"]["created_cache_tokens"]
+            assert records[n]["cache_write_tokens"] == created, n
+
+
+def test_service_tier_and_priority_per_request_from_the_api_edge_and_the_engine(
+    bill_2026: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[Any]],
+) -> None:
+    """``priority`` reaches the engine's request (vLLM's Request.priority), ``service_tier`` and
+    ``prompt_cache_retention`` do not: the API server's middleware copies them into
+    ``vllm_xargs``, and each record carries what its client asked for (vLLM 0.32's chat response
+    does not echo the tier)."""
+    _, records, events = bill_2026
+    want = {
+        "cold": ("flex", "", 0),
+        "repeat": ("priority", "", 3),
+        "extend": ("", "24h", 0),
+        "twin-a": ("", "", -2),
+        "twin-b": ("", "", 0),
+    }
+    for name, (tier, ttl, priority) in want.items():
+        rec = records[name]
+        assert (rec["service_tier"], rec["cache_ttl"], rec["priority"]) == (tier, ttl, priority), name
+    started = [ev.payload(e) for e in events if ev.payload_type(e) == ev.REQUEST_STARTED]
+    by_rid = {s["request_id"]: s for s in started}
+    assert by_rid[records["repeat"]["request_id"]]["priority"] == 3
+    assert by_rid[records["cold"]["request_id"]]["service_tier"] == "flex"
 
 
 # --- Kafka outage (last: it restarts the server's broker) ------------------------------------

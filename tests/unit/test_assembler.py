@@ -121,6 +121,32 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
         (b"b", "computed", 1),
         (b"c", "computed", 1),
     }
+    # cache writes (issue 36): r1 began the lifetimes of a, b, c; r2 computed c's positions while
+    # r1's entry held it, so it added no entry
+    assert (r1["cache_write_tokens"], r2["cache_write_tokens"]) == (12, 0)
+
+
+def test_cache_writes_count_new_entries_once_and_not_a_second_copy() -> None:
+    """Two requests compute the same new block in one step (the engine stores two copies of the
+    hash): one cache lifetime begins, credited to one of them; the second copy adds no entry. A block computed but never stored (no KV event) is no write."""
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(9)), hashes=[b"a", b"b"])),
+        f.wrap(2, ev.REQUEST_STARTED, f.request_started("r2", list(range(9)), hashes=[b"a", b"b"])),
+        f.wrap(3, ev.KV_STORED, f.kv_stored([b"a"])),
+        f.wrap(4, ev.KV_STORED, f.kv_stored([b"a"])),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(0, [("r1", 9, 0, [1]), ("r2", 9, 0, [1])])),
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=9, output=1)),
+        f.wrap(
+            7, ev.REQUEST_FINISHED, f.request_finished("r2", prompt=9, output=1, num_cache_creation_tokens=8)
+        ),
+    ]
+    accs = accounts(run(events)[0])
+    r1, r2 = accs[f"{f.EID}/r1"], accs[f"{f.EID}/r2"]
+    # one entry, credited once: to the request the prefix index names as the block's source (the
+    # last claim of the step), whom later readers' cached segments name too; b was never stored
+    assert (r1["cache_write_tokens"], r2["cache_write_tokens"]) == (0, 4)
+    assert (r1["engine_cache_write_tokens"], r2["engine_cache_write_tokens"]) == (-1, 8)
 
 
 def test_block_evicted_then_computed_again_is_recomputed() -> None:
@@ -143,6 +169,7 @@ def test_block_evicted_then_computed_again_is_recomputed() -> None:
     ]
     assert acc["block_uses"][0]["role"] == "recomputed" and acc["block_uses"][0]["lifetime_seq"] == 4
     assert acc["consistent"]
+    assert acc["cache_write_tokens"] == 4  # the recomputed block began a new cache entry
 
 
 def test_speculative_drafts_accepted_and_rejected() -> None:

@@ -391,6 +391,35 @@ def test_session_header_middleware_sets_the_session_beside_the_tenant() -> None:
     assert json.loads(seen["body"]) == {"vllm_xargs": {"session": "conv-7", "k": 1, "tenant": "gw"}}
 
 
+def test_middleware_copies_service_tier_and_cache_retention_from_the_body() -> None:
+    """The engine never sees ``service_tier`` or ``prompt_cache_retention``: the middleware copies
+    them into ``vllm_xargs`` (issue 36), without any header; a body without them is passed on
+    byte for byte, unparsed."""
+    seen: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append((await receive())["body"])
+
+    def run(body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers or []}
+        asyncio.run(TenantHeaderMiddleware(app)(scope, receive, None))
+        return seen[-1]
+
+    got = json.loads(run(b'{"model": "m", "service_tier": "flex", "prompt_cache_retention": "24h"}'))
+    assert got["vllm_xargs"] == {"service_tier": "flex", "cache_ttl": "24h"}
+    assert got["service_tier"] == "flex"  # the API still gets its own field
+    got = json.loads(
+        run(b'{"service_tier": "priority", "vllm_xargs": {"k": 1}}', [(b"x-sparseety-tenant", b"gw")])
+    )
+    assert got["vllm_xargs"] == {"k": 1, "service_tier": "priority", "tenant": "gw"}
+    plain = b'{"model":  "m", "priority": 2}'
+    assert run(plain) == plain
+    assert run(b'{"service_tier": 3}') == b'{"service_tier": 3}'  # not a tier name: left alone
+
+
 def test_routing_counts_top_k_per_request_and_layer() -> None:
     import torch
 
