@@ -13,7 +13,9 @@ Fields:
 * ``id`` (or ``request_id``): string or integer, unique within the file. Required.
 * ``usage.prompt_tokens``, ``usage.completion_tokens``: non-negative integers. Required.
   ``usage.prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache
-  (at most ``prompt_tokens``); default 0.
+  (at most ``prompt_tokens``); default 0. ``usage.prompt_tokens_details.multimodal_tokens``
+  (vLLM: ``{"image": n, ...}``) or ``image_tokens`` / ``audio_tokens`` / ``video_tokens``: the
+  prompt's tokens per modality (``producers/usage_details.py``); default none.
 * ``tenant``, ``model``: strings; defaults come from the command line (``--tenant``,
   ``--model``). A line without a model and no default is invalid.
 * ``arrival`` (or OpenAI's ``created``), ``first_token``, ``finished``: ISO-8601 text (naive =
@@ -38,8 +40,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,6 +50,7 @@ from sparseety import events as ev
 from sparseety.tenants import shown, tenant_problem
 from sparseety.validate import count_error
 
+from ..usage_details import modality_tokens
 from .errors import BadTraceLineError
 
 ENGINE_KIND = "trace"
@@ -74,6 +77,8 @@ class TraceRequest:
     cached_tokens: int
     finish_reason: str
     max_tokens: int | None = None
+    #: usage.prompt_tokens_details per modality (producers/usage_details.py)
+    prompt_tokens_by_modality: Mapping[str, int] = field(default_factory=dict)
 
 
 def _count(usage: dict[str, Any], key: str, line: int, *, required: bool) -> int:
@@ -209,6 +214,9 @@ def parse_line(
     cached = _count(details, "cached_tokens", line, required=False)
     if cached > prompt:
         raise BadTraceLineError(line, f"cached_tokens {cached} exceeds prompt_tokens {prompt}")
+    by_modality, problem = modality_tokens(details, prompt)
+    if problem is not None:
+        raise BadTraceLineError(line, problem)
     model = _text(obj, "model", default_model, line)
     if not model:
         raise BadTraceLineError(line, "missing model (give the field, or a default model)")
@@ -235,6 +243,7 @@ def parse_line(
         prompt_tokens=prompt,
         completion_tokens=output,
         cached_tokens=cached,
+        prompt_tokens_by_modality=by_modality,
         finish_reason=str(reason) if reason else "stop",
         max_tokens=max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None,
     )
@@ -302,6 +311,7 @@ def request_payloads(req: TraceRequest) -> list[tuple[str, dict[str, Any]]]:
                 "output_block_hashes": [],
                 "first_token_ts_ns": req.first_token_ns,
                 "chunk_arrival_ns": [],
+                "prompt_tokens_by_modality": dict(req.prompt_tokens_by_modality),
             },
         ),
     ]

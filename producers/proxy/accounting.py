@@ -15,6 +15,8 @@ from sparseety import events as ev
 from sparseety.errors import SparseetyError
 from sparseety.validate import MAX_TOKENS
 
+from ..usage_details import modality_tokens
+
 ACCOUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -122,6 +124,9 @@ class Exchange:
         if not isinstance(details, dict):
             raise UnaccountableResponseError("usage.prompt_tokens_details is not an object", field="usage")
         cached = min(_count(details, "cached_tokens"), prompt)
+        by_modality, problem = modality_tokens(details, prompt)
+        if problem is not None:
+            raise UnaccountableResponseError(problem, field="usage")
         reason = finish_reason or self.finish_reason or ("error" if self.status >= 400 else "stop")
         max_tokens = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
         return [
@@ -168,6 +173,8 @@ class Exchange:
                     "num_cache_creation_tokens": _count(details, "created_cache_tokens")
                     if "created_cache_tokens" in details
                     else -1,
+                    # issue 36: image/audio/video prompt tokens where the server reports them
+                    "prompt_tokens_by_modality": by_modality,
                 },
             ),
         ]
