@@ -129,9 +129,9 @@ def watch_encoder_cache(scheduler: Any, hits: list[tuple[str, int]]) -> bool:
     """Wrap the scheduler's ``encoder_cache_manager.check_and_update_cache`` (this instance only)
     so that each True answer appends ``(request id, item index)`` to ``hits``. False when the
     scheduler has no encoder cache manager (a text-only model)."""
-    manager = getattr(scheduler, "encoder_cache_manager", None)
+    manager: Any = getattr(scheduler, "encoder_cache_manager", None)
     orig = getattr(manager, "check_and_update_cache", None)
-    if orig is None or getattr(orig, "_sparseety", False):
+    if manager is None or orig is None or getattr(orig, "_sparseety", False):
         return False
 
     @functools.wraps(orig)

@@ -19,7 +19,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -297,12 +297,13 @@ def _write_idefics3(tokenizer: PreTrainedTokenizerFast, out: Path, seed: int) ->
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),
         scale_factor=2,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_id=int(tokenizer.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.bfloat16)
+    model: Any = transformers.Idefics3ForConditionalGeneration(config)
+    model = model.to(torch.bfloat16)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
