@@ -87,8 +87,9 @@ def _connector(role: str, shared: Path) -> dict[str, Any]:
     }
 
 
-def run_pd(model: Path, broker: Config, workdir: Path) -> PdRun:
-    """Serve :data:`PROMPTS` disaggregated; both engines publish to one topic of ``broker``."""
+def run_pd(model: Path, broker: Config, workdir: Path, *, async_scheduling: bool = False) -> PdRun:
+    """Serve :data:`PROMPTS` disaggregated; both engines publish to one topic of ``broker``
+    (both engines with the plain scheduler, or both with async scheduling, the GPU default)."""
     from sparseety.kafka import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
@@ -104,7 +105,7 @@ def run_pd(model: Path, broker: Config, workdir: Path) -> PdRun:
         producer={"heartbeat_interval_s": 2.0},
     )
     ensure_topics(cfg, [cfg.topics.engine_events])
-    mode = Mode(async_scheduling=False, hybrid_manager=False)  # ExampleConnector refuses HMA
+    mode = Mode(async_scheduling=async_scheduling, hybrid_manager=False)  # ExampleConnector refuses HMA
     engines: dict[str, Harness] = {}
     for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
         ecfg = cfg.replace(producer={**cfg.producer.model_dump(), "engine_name": f"harness-pd-{name}"})

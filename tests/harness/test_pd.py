@@ -1,6 +1,7 @@
 """P/D disaggregation as one request (issue 36, part 3): a prefill engine core and a decode engine
 core of vLLM (real schedulers, simulated executors) share vLLM's ``ExampleConnector``; both publish
-through the plugin to one real topic (``tests/harness/pd.py``).
+through the plugin to one real topic (``tests/harness/pd.py``). Run with the plain scheduler and
+with async scheduling on both engines.
 
 * each engine's rows equal its own truth (recorded in its scheduler, KV manager and executor), and
   the truth equals what vLLM itself reported (``PrefillStats``: local and external hits);
@@ -31,11 +32,14 @@ PER_MILLION = {"input": D("10"), "cached_input": D("2.5"), "output": D("40")}
 EXTERNAL = D("0.5")  # a cached_input_external price set later in the test
 
 
-@pytest.fixture(scope="module")
-def pd(broker: Config, session_dir: Path) -> PdRun:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def pd(request: pytest.FixtureRequest, broker: Config, session_dir: Path) -> PdRun:
+    """Both engines with the plain scheduler, then both with async scheduling (the GPU default)."""
     workdir = session_dir / "harness-pd"
     workdir.mkdir(exist_ok=True)
-    return run_pd(tiny_model("llama"), broker, workdir)
+    run = run_pd(tiny_model("llama"), broker, workdir, async_scheduling=request.param)
+    assert (run.decode.core.step_fn.__name__ == "step_with_batch_queue") is request.param
+    return run
 
 
 def _truth(h: Any, rid: str) -> dict[str, int]:
