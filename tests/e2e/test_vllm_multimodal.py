@@ -17,6 +17,8 @@ prompt (none), and a prompt sent twice whose image lies in its first
 block: the second time the prefix cache serves the image's positions (``image_cached_tokens``)
 and the encoder is not asked at all.
 
+The proxy producer in front of the same server records the image tokens the usage reports.
+
 The model has no audio or video input: audio and video counts are 0 for every request, and the
 test says so.
 """
@@ -41,7 +43,7 @@ from sparseety.serde import Decoder, Encoder
 from tests.e2e.conftest import EnginePool, ServerEngine, engine_config, environ, server_args, tiny_model
 from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
 from tests.harness.pipeline import fold
-from tests.helpers import accounting_store
+from tests.helpers import accounting_store, serving
 from tests.recorded import reconstruct
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,3 +208,27 @@ def test_multimodal_tokens_and_encoder_work_equal_vllms_own_and_the_truth(
     assert {r["request_uid"]: {c: int(r[c]) for c in columns} for r in rows} == {
         a["request_uid"]: {c: a[c] for c in columns} for a in ours
     }
+
+
+def test_the_proxy_reads_the_servers_multimodal_tokens(
+    mm_server: tuple[ServerEngine, Path], broker: Config, e2e_dir: Path
+) -> None:
+    """The request-level path: ``sparseety proxy`` in front of the same server records the image
+    tokens vLLM's usage reports, and the fold carries them (no items: none known to be cached)."""
+    from sparseety.producers.proxy.app import ProxyProducer, create_app
+
+    server, _ = mm_server
+    cfg = engine_config(broker, e2e_dir / "mm-proxy", "mm-proxy")
+    producer = ProxyProducer(cfg, server.url, engine_name="e2e-mm-proxy")
+    content = [_text("Describe "), _image(5), _text(" and "), _image(6, (24, 40))]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 3}
+    with serving(create_app(producer), "proxy") as url:
+        via = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    vllm_mm = via["usage"]["prompt_tokens_details"]["multimodal_tokens"]
+    assert vllm_mm["image"] == 14  # two images, 7 placeholders each
+    events = engine_events(cfg, lambda evs: len(finished_ids(evs)) >= 1, timeout=30)
+    got = reconstruct(events)[via["id"]]
+    assert got["finished"]["prompt_tokens_by_modality"] == vllm_mm
+    (acc,) = fold(events).values()
+    assert (acc["image_tokens"], acc["image_cached_tokens"], acc["audio_tokens"]) == (14, 0, 0)
+    assert acc["prompt_tokens"] == via["usage"]["prompt_tokens"]
