@@ -144,6 +144,19 @@ def build(
         "cache_ttl": r.cache_ttl,
         "pd_join_id": r.pd_join_id,
         "pd_role": r.pd_role,
+        # the tiers beside gpu and external, and the multimodal counts: filled where the engine
+        # reports them (sparseety/billing.py)
+        "cache_read_cpu_offload_tokens": 0,
+        "cache_read_host_tokens": 0,
+        "cache_read_storage_tokens": 0,
+        "image_tokens": 0,
+        "audio_tokens": 0,
+        "video_tokens": 0,
+        "image_cached_tokens": 0,
+        "audio_cached_tokens": 0,
+        "video_cached_tokens": 0,
+        "encoder_compute_tokens": 0,
+        "encoder_cache_hit_tokens": 0,
     }
 
 
