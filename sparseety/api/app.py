@@ -685,6 +685,10 @@ def _ops(app: FastAPI) -> None:
             await back.regressions()
         except StoreError:
             log.warning("metrics: the store did not answer the regressions query")
+        try:
+            await back.bill_2026_totals()
+        except StoreError:
+            log.warning("metrics: the store did not answer the token-class query")
         back.metrics.set_jobs_active(back.jobs.running(), JOB_KINDS)
         from prometheus_client import CONTENT_TYPE_LATEST
 
