@@ -16,7 +16,10 @@ set one at a time or loaded from a TOML or CSV file (``sparseety prices load``):
     kv = "0.05"
 
 A TOML entry may also name one class with the CSV's columns (``token_class = "input"``,
-``usd = "0.15"``). The format: docs/cost-model.md, "Price files". Setting a price for the same
+``usd = "0.15"``). The two multiplier classes (issue 36) hold a factor per service tier or cache
+TTL: ``service_tier_multiplier = { flex = "0.5", priority = "2" }``,
+``cache_write_ttl_multiplier = { "1h" = "1.6" }`` (in CSV, a ``qualifier`` column). The
+format: docs/cost-model.md, "Price files". Setting a price for the same
 model, class and effective time again replaces it.
 """
 
@@ -89,6 +92,8 @@ class Price:
         usd: USD per million tokens, per GPU-hour for ``gpu_hour``, per GiB-hour for ``kv``.
         effective_from_ns: Applies to requests finished at or after this time (0 = always).
         note: Free text (source of the price).
+        qualifier: For a multiplier class (:data:`MULTIPLIER_CLASSES`), the service tier or cache
+            TTL it applies to (``usd`` is then the factor); empty for every other class.
     """
 
     model: str
@@ -96,6 +101,7 @@ class Price:
     usd: Decimal
     effective_from_ns: int = 0
     note: str = ""
+    qualifier: str = ""
 
     def __post_init__(self) -> None:
         # money is never a float: whatever came in goes through its text to a checked Decimal
@@ -163,20 +169,43 @@ def _check(p: Price, where: str) -> Price:
             f"{where}: token class {p.token_class!r} is not one of {', '.join(PRICE_CLASSES)}",
             token_class=p.token_class,
         )
+    if p.token_class in MULTIPLIER_CLASSES and not p.qualifier:
+        raise ConfigError(
+            f"{where}: {p.token_class} needs a qualifier: the "
+            f"{'service tier' if p.token_class == 'service_tier_multiplier' else 'cache TTL'} it applies to",
+            token_class=p.token_class,
+        )
+    if p.token_class not in MULTIPLIER_CLASSES and p.qualifier:
+        raise ConfigError(
+            f"{where}: only {' and '.join(MULTIPLIER_CLASSES)} take a qualifier, not {p.token_class}",
+            token_class=p.token_class,
+        )
+    if len(p.qualifier) > 64:
+        raise ConfigError(f"{where}: qualifier is longer than 64 characters", token_class=p.token_class)
     return p
 
 
 def checked_price(
-    model: str, token_class: str, usd: Any, effective_from: Any = 0, note: str = "", *, where: str = "price"
+    model: str,
+    token_class: str,
+    usd: Any,
+    effective_from: Any = 0,
+    note: str = "",
+    *,
+    qualifier: str = "",
+    where: str = "price",
 ) -> Price:
     """One price from loose values (``effective_from``: ns, ISO-8601 text or empty), checked as a
     price file's entries are.
 
     Raises:
-        ConfigError: an empty model, an unknown class, a bad amount or time.
+        ConfigError: an empty model, an unknown class, a bad amount or time, a multiplier without
+            its qualifier or another class with one.
     """
     eff = int(effective_from) if isinstance(effective_from, int) else parse_time(effective_from, where=where)
-    return _check(Price(model, token_class, parse_usd(usd, where=where), eff, note), where)
+    return _check(
+        Price(model, token_class, parse_usd(usd, where=where), eff, note, str(qualifier or "")), where
+    )
 
 
 def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
@@ -190,7 +219,7 @@ def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
         where = f"{origin} prices[{i}]"
         if "token_class" in entry or "usd" in entry:
             # the CSV's columns as keys: one class per entry
-            unknown = set(entry) - {"model", "token_class", "usd", "effective_from", "note"}
+            unknown = set(entry) - {"model", "token_class", "usd", "effective_from", "note", "qualifier"}
             if unknown:
                 raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
             out.append(
@@ -200,6 +229,7 @@ def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
                     entry.get("usd", ""),
                     entry.get("effective_from") or "",
                     str(entry.get("note", "")),
+                    qualifier=str(entry.get("qualifier", "")),
                     where=where,
                 )
             )
@@ -212,11 +242,22 @@ def prices_from_toml(text: str, origin: str = "<toml>") -> list[Price]:
             )
         eff = parse_time(entry.get("effective_from"), where=where)
         for cls in PRICE_CLASSES:
-            if cls in entry:
-                usd = parse_usd(entry[cls], where=f"{where}.{cls}")
-                out.append(
-                    _check(Price(str(entry.get("model", "")), cls, usd, eff, entry.get("note", "")), where)
-                )
+            if cls not in entry:
+                continue
+            value = entry[cls]
+            if cls in MULTIPLIER_CLASSES and isinstance(value, dict):
+                # a multiplier per tier or TTL: service_tier_multiplier = { flex = "0.5" }
+                for qualifier, factor in value.items():
+                    usd = parse_usd(factor, where=f"{where}.{cls}.{qualifier}")
+                    price = Price(
+                        str(entry.get("model", "")), cls, usd, eff, entry.get("note", ""), qualifier
+                    )
+                    out.append(_check(price, where))
+                continue
+            usd = parse_usd(value, where=f"{where}.{cls}")
+            out.append(
+                _check(Price(str(entry.get("model", "")), cls, usd, eff, entry.get("note", "")), where)
+            )
     return out
 
 
@@ -225,7 +266,9 @@ def prices_from_csv(text: str, origin: str = "<csv>") -> list[Price]:
     reader = csv.DictReader(io.StringIO(text))
     need = {"model", "token_class", "usd"}
     if not need <= set(reader.fieldnames or ()):
-        raise ConfigError(f"{origin}: header must name {sorted(need)} (and optionally effective_from, note)")
+        raise ConfigError(
+            f"{origin}: header must name {sorted(need)} (and optionally effective_from, note, qualifier)"
+        )
     out = []
     for line, row in enumerate(reader, start=2):
         where = f"{origin}:{line}"
@@ -233,7 +276,14 @@ def prices_from_csv(text: str, origin: str = "<csv>") -> list[Price]:
         eff = parse_time(row.get("effective_from"), where=where)
         out.append(
             _check(
-                Price(row["model"].strip(), row["token_class"].strip(), usd, eff, row.get("note") or ""),
+                Price(
+                    row["model"].strip(),
+                    row["token_class"].strip(),
+                    usd,
+                    eff,
+                    row.get("note") or "",
+                    (row.get("qualifier") or "").strip(),
+                ),
                 where,
             )
         )
@@ -272,8 +322,9 @@ def set_prices(store: Store, prices: list[Price]) -> int:
             [p.micro for p in prices],
             [p.note for p in prices],
             [now] * len(prices),
+            [p.qualifier for p in prices],
         ],
-        ["model", "token_class", "effective_from_ns", "price_micro", "note", "set_ns"],
+        ["model", "token_class", "effective_from_ns", "price_micro", "note", "set_ns", "qualifier"],
     )
     return len(prices)
 
@@ -293,7 +344,11 @@ def unseen_models(store: Store, models: list[str]) -> list[str]:
 
 
 def delete_prices(
-    store: Store, model: str, token_class: str | None = None, effective_from_ns: int | None = None
+    store: Store,
+    model: str,
+    token_class: str | None = None,
+    effective_from_ns: int | None = None,
+    qualifier: str | None = None,
 ) -> int:
     """Delete the prices of ``model`` (of one class, of one effective time); returns how many.
 
@@ -315,6 +370,9 @@ def delete_prices(
     if effective_from_ns is not None:
         where.append("effective_from_ns = {eff:Int64}")
         params["eff"] = effective_from_ns
+    if qualifier is not None:
+        where.append("qualifier = {qual:String}")
+        params["qual"] = qualifier
     cond = " AND ".join(where)
     table = store.table("prices")
     (row,) = store.query(f"SELECT count() AS n FROM {table} FINAL WHERE {cond}", params)
@@ -330,8 +388,9 @@ def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
     if model is not None:
         where, params = "model = {model:String}", {"model": model}
     rows = store.query(
-        "SELECT model, toString(token_class) AS token_class, effective_from_ns, price_micro, note "
-        f"FROM {store.database}.prices FINAL WHERE {where} ORDER BY model, token_class, effective_from_ns",
+        "SELECT model, toString(token_class) AS token_class, effective_from_ns, price_micro, note, qualifier "
+        f"FROM {store.database}.prices FINAL WHERE {where} "
+        "ORDER BY model, token_class, qualifier, effective_from_ns",
         params,
     )
     return [
@@ -342,6 +401,7 @@ def list_prices(store: Store, model: str | None = None) -> list[dict[str, Any]]:
             "unit": PRICE_UNITS.get(r["token_class"], "1M tokens"),
             "effective_from": datetime.fromtimestamp(int(r["effective_from_ns"]) / 1e9, UTC),
             "note": r["note"],
+            "qualifier": r["qualifier"],
         }
         for r in rows
     ]

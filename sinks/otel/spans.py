@@ -13,7 +13,17 @@ fact, and uses ``sparseety.*`` attributes for what they lack:
 ``gen_ai.usage.input_tokens``                          prompt positions, cached ones included
 ``gen_ai.usage.cache_read.input_tokens``               prompt positions served from the prefix cache
                                                        (a subset of input_tokens)
+``gen_ai.usage.cache_creation.input_tokens``           prompt positions written to the prefix cache
+                                                       (``cache_write_tokens``; a subset of input_tokens)
 ``gen_ai.usage.output_tokens``                         output positions
+``gen_ai.token.modality``                              the prompt's modalities when it had any beside
+                                                       text (``["text", "image", ...]``); the counts
+                                                       per modality are ``sparseety.usage.<m>_tokens``
+``sparseety.usage.cache_read.<tier>``                  cache reads per tier (sparseety/billing.py);
+                                                       gen_ai.usage.cache_read.input_tokens is their
+                                                       sum over the engine's own tiers (not external)
+``sparseety.request.*``                                priority, service tier, cache TTL, P/D role and
+                                                       join id, when set
 ``sparseety.usage.*``                                  the disjoint counts: uncached computed, recomputed,
                                                        draft accepted / rejected, skipped, evicted, ...
 ``sparseety.experts.*``                                MoE expert-load summary
@@ -33,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety import events as ev
+from sparseety.billing import CACHE_TIERS, EXTERNAL, MODALITIES, TIER_COLUMN
 
 OPERATION = "text_completion"
 SCOPE = "sparseety.sinks.otel"
@@ -68,6 +79,34 @@ def trace_id(request_uid: str) -> int:
 def span_id(request_uid: str) -> int:
     """64-bit span id of a request's span (deterministic)."""
     return _id(b"span", request_uid, 8)
+
+
+def bill_2026_attributes(record: Mapping[str, Any]) -> dict[str, AttributeValue]:
+    """Issue 36's classes on the span: reads per cache tier, modality counts, encoder work, and
+    what the client asked for (only when set: a text request of the default tier adds nothing
+    but zeros for the tiers)."""
+    attrs: dict[str, AttributeValue] = {
+        f"sparseety.usage.cache_read.{tier}": int(record.get(TIER_COLUMN[tier], 0)) for tier in CACHE_TIERS
+    }
+    modalities = [m for m in MODALITIES if int(record.get(f"{m}_tokens", 0)) > 0]
+    if modalities:
+        attrs["gen_ai.token.modality"] = ["text", *modalities]
+        for m in modalities:
+            attrs[f"sparseety.usage.{m}_tokens"] = int(record[f"{m}_tokens"])
+            attrs[f"sparseety.usage.{m}_cached_tokens"] = int(record.get(f"{m}_cached_tokens", 0))
+    for name in ("encoder_compute_tokens", "encoder_cache_hit_tokens"):
+        if int(record.get(name, 0)):
+            attrs[f"sparseety.usage.{name}"] = int(record[name])
+    if int(record.get("engine_cache_write_tokens", -1)) >= 0:
+        attrs["sparseety.engine_reported.cache_write_tokens"] = int(record["engine_cache_write_tokens"])
+    if int(record.get("priority", 0)):
+        attrs["sparseety.request.priority"] = int(record["priority"])
+    for name in ("service_tier", "cache_ttl", "pd_join_id"):
+        if record.get(name):
+            attrs[f"sparseety.request.{name}"] = str(record[name])
+    if record.get("pd_role", "none") != "none":
+        attrs["sparseety.request.pd_role"] = str(record["pd_role"])
+    return attrs
 
 
 def expert_summary(num_layers: int, num_experts: int, counts: Sequence[int]) -> dict[str, AttributeValue]:
@@ -106,7 +145,8 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
     uid = str(record["request_uid"])
     model = str(record["model"])
     prompt = int(record["prompt_tokens"])
-    cache_read = int(record["cache_read_tokens"])
+    # the engine's own caches, every tier; KV loaded from outside (external) is no cache read
+    cache_read = sum(int(record.get(TIER_COLUMN[tier], 0)) for tier in CACHE_TIERS if tier != EXTERNAL)
     finished = int(record["finished_ts_ns"])
     arrival = int(record["arrival_ts_ns"])
     start = next((t for t in (arrival, int(record["first_scheduled_ts_ns"])) if t > 0), finished)
@@ -120,6 +160,7 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         "gen_ai.usage.input_tokens": prompt,
         "gen_ai.usage.cache_read.input_tokens": min(cache_read, prompt),
         "gen_ai.usage.output_tokens": int(record["output_tokens"]),
+        "gen_ai.usage.cache_creation.input_tokens": int(record.get("cache_write_tokens", 0)),
         "sparseety.request.uid": uid,
         "sparseety.tenant": str(record["tenant"]),
         "sparseety.engine.name": str(record["engine_name"]),
@@ -146,6 +187,7 @@ def span_spec(record: Mapping[str, Any], *, provider_name: str = "") -> SpanSpec
         value = int(record[f"engine_{name}"])
         if value >= 0:  # -1: the engine did not report it
             attrs[f"sparseety.engine_reported.{name}"] = value
+    attrs.update(bill_2026_attributes(record))
     if record["finish_reason"]:
         attrs["gen_ai.response.finish_reasons"] = [str(record["finish_reason"])]
     if record.get("lora_name"):

@@ -127,12 +127,22 @@ def prices() -> None:
 )
 @click.option("--effective-from", default="", help="ISO-8601 time (default: always).")
 @click.option("--note", default="")
+@click.option(
+    "--qualifier",
+    default="",
+    help="For service_tier_multiplier the service tier (e.g. flex), for cache_write_ttl_multiplier "
+    "the cache TTL (e.g. 1h); --usd is then the factor (docs/cost-model.md).",
+)
 @pass_ctx
-def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_from: str, note: str) -> None:
+def prices_set(
+    c: CliContext, model: str, token_class: str, usd: str, effective_from: str, note: str, qualifier: str
+) -> None:
     """Set one price."""
     from sparseety.sinks.clickhouse.prices import checked_price, set_prices, unseen_models
 
-    price = checked_price(model, token_class, usd, effective_from, note, where="--usd/--effective-from")
+    price = checked_price(
+        model, token_class, usd, effective_from, note, qualifier=qualifier, where="--usd/--effective-from"
+    )
     with _store_or_api(c.cfg, "sparseety prices") as (store, remote):
         if store is not None:
             set_prices(store, [price])
@@ -140,7 +150,8 @@ def prices_set(c: CliContext, model: str, token_class: str, usd: str, effective_
         else:
             remote.prices_set([price])
             unseen = remote.prices_unseen([model])
-    click.echo(f"{model} {token_class}: ${price.usd:f} from {effective_from or 'always'}")
+    what = f"x{price.usd:f} for {qualifier}" if qualifier else f"${price.usd:f}"
+    click.echo(f"{model} {token_class}: {what} from {effective_from or 'always'}")
     _warn_unseen(unseen)
 
 
@@ -168,8 +179,11 @@ def prices_load(c: CliContext, path: str) -> None:
     "--class", "token_class", default=None, type=click.Choice(PRICE_CLASSES), help="Only this class."
 )
 @click.option("--effective-from", default=None, help="Only the price from this ISO-8601 time ('' = always).")
+@click.option("--qualifier", default=None, help="Only the multiplier of this service tier or cache TTL.")
 @pass_ctx
-def prices_delete(c: CliContext, model: str, token_class: str | None, effective_from: str | None) -> None:
+def prices_delete(
+    c: CliContext, model: str, token_class: str | None, effective_from: str | None, qualifier: str | None
+) -> None:
     """Delete the stored prices of a model (of one class, of one effective time); exits 1 when
     none matched."""
     from sparseety.sinks.clickhouse.prices import delete_prices, parse_time
@@ -177,9 +191,9 @@ def prices_delete(c: CliContext, model: str, token_class: str | None, effective_
     eff = None if effective_from is None else parse_time(effective_from, where="--effective-from")
     with _store_or_api(c.cfg, "sparseety prices") as (store, remote):
         if store is not None:
-            n = delete_prices(store, model, token_class, eff)
+            n = delete_prices(store, model, token_class, eff, qualifier)
         else:
-            n = remote.prices_delete(model, token_class, eff)
+            n = remote.prices_delete(model, token_class, eff, qualifier)
     click.echo(f"{n} prices deleted")
     if not n:
         raise SystemExit(1)

@@ -435,12 +435,16 @@ class PriceIn(BaseModel):
 
     model: str
     token_class: str = Field(
-        description="input, cached_input, output, gpu_hour or kv (USD per GiB-hour of KV cache held)"
+        description="input, cached_input, output, gpu_hour, kv (USD per GiB-hour of KV cache held), "
+        "reasoning_output, or one of issue 36's classes (docs/cost-model.md, 'The bill of 2026')"
     )
     usd: str = Field(description="Decimal text, at most six decimals (never a float).")
     effective_from_ns: int = Field(0, description="Applies from this time on (ns; 0 = always).")
     effective_from: str = Field("", description="The same as ISO-8601 (when effective_from_ns is 0).")
     note: str = ""
+    qualifier: str = Field(
+        "", description="service_tier_multiplier: the tier; cache_write_ttl_multiplier: the TTL; else empty."
+    )
 
 
 class PricesBody(BaseModel):
@@ -525,6 +529,7 @@ def _router() -> APIRouter:
                     p.usd,
                     p.effective_from_ns or p.effective_from,
                     p.note,
+                    qualifier=p.qualifier,
                     where=f"prices[{i}]",
                 )
                 for i, p in enumerate(body.prices)
@@ -553,13 +558,16 @@ def _router() -> APIRouter:
         effective_from_ns: Annotated[
             int | None, Query(description="Only the price from this time (ns).")
         ] = None,
+        qualifier: Annotated[
+            str | None, Query(description="Only the multiplier of this service tier or cache TTL.")
+        ] = None,
     ) -> JSONResponse:
         """Delete stored prices of a model (one class, one effective time); admin only. Answers
         how many were deleted."""
         who.require_admin("prices")
         try:
             n = await back.write(
-                "delete_prices", delete_prices, back.store, model, token_class, effective_from_ns
+                "delete_prices", delete_prices, back.store, model, token_class, effective_from_ns, qualifier
             )
         except ConfigError as exc:
             raise QueryError(str(exc)) from None
@@ -677,6 +685,10 @@ def _ops(app: FastAPI) -> None:
             await back.regressions()
         except StoreError:
             log.warning("metrics: the store did not answer the regressions query")
+        try:
+            await back.bill_2026_totals()
+        except StoreError:
+            log.warning("metrics: the store did not answer the token-class query")
         back.metrics.set_jobs_active(back.jobs.running(), JOB_KINDS)
         from prometheus_client import CONTENT_TYPE_LATEST
 

@@ -261,6 +261,11 @@ class Backend:
             self.metrics.set_health(health)
         return health
 
+    async def bill_2026_totals(self) -> None:
+        """Refresh the token-class gauges of issue 36 (all tenants)."""
+        totals = await self.read(ADMIN_PRINCIPAL, "bill_2026_totals", lambda q: q.bill_2026_totals())
+        self.metrics.set_bill_2026(totals)
+
     async def regressions(self) -> None:
         """Refresh the sparsity-regression gauges (every signal, default windows, all tenants), at
         most once per ``regressions_every_s``; the gauges keep their values in between."""

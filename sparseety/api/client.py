@@ -178,6 +178,7 @@ class RemoteQueries(QueryMethods):
                 "usd": str(p.usd),
                 "effective_from_ns": p.effective_from_ns,
                 "note": p.note,
+                "qualifier": p.qualifier,
             }
             for p in prices
         ]
@@ -189,7 +190,11 @@ class RemoteQueries(QueryMethods):
         return list(self._get("/api/v1/prices/unseen", {"model": list(models)})["models"])
 
     def prices_delete(
-        self, model: str, token_class: str | None = None, effective_from_ns: int | None = None
+        self,
+        model: str,
+        token_class: str | None = None,
+        effective_from_ns: int | None = None,
+        qualifier: str | None = None,
     ) -> int:
         """Like :func:`~sparseety.sinks.clickhouse.prices.delete_prices` (``DELETE /api/v1/prices``)."""
         params: dict[str, Any] = {"model": model}
@@ -197,6 +202,8 @@ class RemoteQueries(QueryMethods):
             params["token_class"] = token_class
         if effective_from_ns is not None:
             params["effective_from_ns"] = effective_from_ns
+        if qualifier is not None:
+            params["qualifier"] = qualifier
         return int(self._call("DELETE", "/api/v1/prices", params=params)["deleted"])
 
     def db_status(self) -> list[dict[str, Any]]:

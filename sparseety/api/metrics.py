@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sparseety.billing import CACHE_TIERS, MODALITIES
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -110,6 +112,45 @@ class ApiMetrics:
             ["engine", "model", "signal", "window"],
             registry=r,
         )
+
+        # issue 36 (docs/operations.md): stored totals of the new token classes; the OTel GenAI
+        # names are on each request's span (sinks/otel/spans.py)
+        self.cache_write_tokens = Gauge(
+            "sparseety:store_cache_write_tokens",
+            "Prompt positions written to the prefix cache (cache_write_tokens), all stored requests; "
+            "OTel gen_ai.usage.cache_creation.input_tokens per request.",
+            registry=r,
+        )
+        self.cache_read_tokens = Gauge(
+            "sparseety:store_cache_read_tokens",
+            "Prompt positions served from a cache tier (gpu, cpu_offload, host, storage) or loaded from "
+            "outside (external), all stored requests.",
+            ["tier"],
+            registry=r,
+        )
+        self.modality_tokens = Gauge(
+            "sparseety:store_prompt_modality_tokens",
+            "Prompt positions of a modality (image, audio, video), all stored requests; the label is "
+            "OTel's gen_ai.token.modality.",
+            ["modality"],
+            registry=r,
+        )
+        self.encoder_tokens = Gauge(
+            "sparseety:store_encoder_tokens",
+            "Multimodal encoder tokens computed (compute) or read from the encoder cache (cache_hit).",
+            ["kind"],
+            registry=r,
+        )
+
+    def set_bill_2026(self, totals: dict[str, int]) -> None:
+        """The token-class gauges from :meth:`ApiQueries.bill_2026_totals`."""
+        self.cache_write_tokens.set(totals["cache_write"])
+        for tier in CACHE_TIERS:
+            self.cache_read_tokens.labels(tier).set(totals[f"read_{tier}"])
+        for m in MODALITIES:
+            self.modality_tokens.labels(m).set(totals[f"modality_{m}"])
+        self.encoder_tokens.labels("compute").set(totals["encoder_compute"])
+        self.encoder_tokens.labels("cache_hit").set(totals["encoder_cache_hit"])
 
     def watch_sink(self, feeder: Any) -> None:
         """Export an in-process sink feeder's counters."""

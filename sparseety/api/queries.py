@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sparseety.billing import CACHE_TIERS, MODALITIES, TIER_COLUMN
 from sparseety.queries.listing import ORDERS as ORDERS  # re-exported (moved there)
 from sparseety.queries.registry import Queries, Scope
 
@@ -42,6 +43,19 @@ def health_sql(db: str, *, scope: Scope) -> tuple[str, dict[str, Any]]:
         f"FROM {db}.requests_v WHERE {where}"
     )
     return sql, params
+
+
+def bill_2026_totals_sql(db: str) -> tuple[str, dict[str, Any]]:
+    """Issue 36's classes summed over every stored request (``/metrics``): cache writes, cache
+    reads per tier (sparseety/billing.py), prompt positions per modality, encoder work."""
+    sums = [
+        "sum(cache_write_tokens) AS cache_write",
+        *(f"sum({TIER_COLUMN[t]}) AS read_{t}" for t in CACHE_TIERS),
+        *(f"sum({m}_tokens) AS modality_{m}" for m in MODALITIES),
+        "sum(encoder_compute_tokens) AS encoder_compute",
+        "sum(encoder_cache_hit_tokens) AS encoder_cache_hit",
+    ]
+    return f"SELECT {', '.join(sums)} FROM {db}.requests_v", {}
 
 
 #: The component of dead letters that are lines an ingest refused (producers/logs/ingest.py).
@@ -105,6 +119,11 @@ class ApiQueries(Queries):
         from sparseety.sinks.clickhouse.prices import list_prices
 
         return list_prices(self.store, model)  # type: ignore[arg-type]
+
+    def bill_2026_totals(self) -> dict[str, int]:
+        """:func:`bill_2026_totals_sql`'s sums, by name (an admin's question: every tenant)."""
+        (row,) = self._run(bill_2026_totals_sql(self.db))
+        return {k: int(v or 0) for k, v in row.items()}
 
     def health(self, *, scope: Scope = EVERYTHING, now_ns: int) -> dict[str, Any]:
         """Store-side pipeline health within ``scope``.

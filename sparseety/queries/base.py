@@ -26,6 +26,11 @@ DIMENSIONS: dict[str, str] = {
     "engine": "engine_name",
     "adapter": "ifNull(lora_name, '')",  # the LoRA adapter ('' = the base model)
     "lora": "ifNull(lora_name, '')",  # the same, by its older name
+    # issue 36: what the client asked for, and the request's part in P/D disaggregation (columns of
+    # requests_v and request_costs_v; sparseety/billing.py)
+    "service_tier": "service_tier",
+    "priority": "priority",
+    "pd_role": "pd_role",
 }
 
 
@@ -96,7 +101,11 @@ def _dims(by: Sequence[str], alias: str = "") -> list[tuple[str, str]]:
             raise QueryError(f"cannot group by {d!r}: choose from {', '.join(DIMENSIONS)}")
         expr = DIMENSIONS[d]
         if alias:
-            expr = re.sub(r"\b(tenant|model|engine_name|lora_name)\b", rf"{alias}.\1", expr)
+            expr = re.sub(
+                r"\b(tenant|model|engine_name|lora_name|service_tier|priority|pd_role)\b",
+                rf"{alias}.\1",
+                expr,
+            )
         out.append((d, expr))
     return out
 

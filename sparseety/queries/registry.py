@@ -54,6 +54,21 @@ REASONING = (
     "countIf(c.reasoning_output_tokens IS NOT NULL) AS reasoning_observed_requests"
 )
 
+#: The bill of 2026 (issue 36; docs/cost-model.md): the new classes' tokens and what each adds to
+#: the token cost before the service tier's factor (``cost_pico`` has them, times the factor).
+BILL_2026 = (
+    "sum(c.cache_write_tokens) AS cache_write_tokens, "
+    "sum(c.cache_read_cpu_offload_tokens) AS cache_read_cpu_offload_tokens, "
+    "sum(c.cache_read_host_tokens) AS cache_read_host_tokens, "
+    "sum(c.cache_read_storage_tokens) AS cache_read_storage_tokens, "
+    "sum(c.external_kv_tokens) AS external_kv_tokens, "
+    "sum(c.image_tokens) AS image_tokens, sum(c.audio_tokens) AS audio_tokens, "
+    "sum(c.video_tokens) AS video_tokens, "
+    "sum(c.encoder_compute_tokens) AS encoder_compute_tokens, "
+    "sum(c.encoder_cache_hit_tokens) AS encoder_cache_hit_tokens, "
+    "sum(c.modality_premium_pico) AS modality_premium_pico, sum(c.encoder_pico) AS encoder_pico"
+)
+
 # --- SQL builders (pure) --------------------------------------------------------------------------
 
 
@@ -73,7 +88,9 @@ def cost_sql(
             "sumIf(c.prompt_tokens, c.list_prompt_billed = 1) AS prompt_tokens, "
             # a P/D pair's output once: the decode row's (request_costs_v list_output_billed)
             f"sum(c.list_output_tokens) AS output_tokens, {REASONING}, sum(c.list_pico) AS cost_pico, "
-            "countIf(NOT c.tokens_priced) AS unpriced_requests"
+            f"countIf(NOT c.tokens_priced) AS unpriced_requests, {BILL_2026}, "
+            "sumIf(c.cache_write_premium_pico, c.list_prompt_billed = 1) AS cache_write_premium_pico, "
+            "sum(c.list_tier_read_pico) AS tier_read_pico"
         )
     elif mode == "gpu":
         # the cold first steps are engine overhead: beside the bill, never in it (issue 31)
@@ -87,7 +104,9 @@ def cost_sql(
         measures = (
             "sum(c.actual_input_tokens) AS input_tokens, sum(c.cache_read_tokens) AS cached_tokens, "
             f"sum(c.output_tokens) AS output_tokens, {REASONING}, sum({cost}) AS cost_pico, "
-            "countIf(NOT c.tokens_priced) AS unpriced_requests"
+            f"countIf(NOT c.tokens_priced) AS unpriced_requests, {BILL_2026}, "
+            "sum(c.cache_write_premium_pico) AS cache_write_premium_pico, "
+            "sum(c.tier_read_pico) AS tier_read_pico"
         )
         if mode == "amortized":
             measures += (

@@ -733,6 +733,69 @@ def test_service_tier_and_priority_per_request_from_the_api_edge_and_the_engine(
     assert by_rid[records["cold"]["request_id"]]["service_tier"] == "flex"
 
 
+def test_cache_writes_and_service_tiers_priced_per_tier_in_the_store(
+    bill_2026: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The real server's records in chDB, priced with a cache-write price, a TTL factor and
+    service-tier factors: ``query cost --by service_tier`` is, per tier, the hand-computed bill
+    of its requests (docs/cost-model.md, "The bill of 2026"), in list and actual mode."""
+    from decimal import Decimal
+
+    from sparseety.queries.registry import Queries, Scope
+    from sparseety.sinks.clickhouse.migrate import migrate
+    from sparseety.sinks.clickhouse.prices import Price, set_prices
+    from sparseety.sinks.clickhouse.writer import ClickHouseSink
+    from tests.helpers import chdb_config, throwaway_store
+
+    _, records, _ = bill_2026
+    d = Decimal
+    factor = {"flex": 500_000, "priority": 2_000_000}  # micro
+    ttl = {"24h": 2_000_000}
+    p_in, p_cached, p_out, p_w = 10_000_000, 2_500_000, 40_000_000, 12_500_000  # micro-USD per 1M
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        migrate(store)
+        sink = ClickHouseSink(store)
+        for i, rec in enumerate(records.values()):
+            sink.add(ev.REQUEST_ACCOUNTING, rec, topic="timelines", partition=0, offset=i)
+        sink.flush()
+        set_prices(
+            store,
+            [
+                Price("tiny", "input", d("10"), 0),
+                Price("tiny", "cached_input", d("2.5"), 0),
+                Price("tiny", "output", d("40"), 0),
+                Price("tiny", "cache_write", d("12.5"), 0),
+                Price("tiny", "cache_write_ttl_multiplier", d("2"), 0, "", "24h"),
+                Price("tiny", "service_tier_multiplier", d("0.5"), 0, "", "flex"),
+                Price("tiny", "service_tier_multiplier", d("2"), 0, "", "priority"),
+            ],
+        )
+        q = Queries(store)
+        tenant = next(iter(records.values()))["tenant"]
+        scope = Scope(tenants=(tenant,))
+        for mode in ("actual", "list"):
+            want: dict[str, int] = {}
+            for rec in records.values():
+                w = rec["cache_write_tokens"]
+                premium = w * (p_w * ttl.get(rec["cache_ttl"], 1_000_000) // 1_000_000 - p_in)
+                if mode == "actual":
+                    base = (rec["scheduled_tokens"] - rec["output_tokens"]) * p_in + rec[
+                        "cache_read_tokens"
+                    ] * p_cached
+                else:
+                    hits = rec["engine_cached_tokens"]
+                    base = (rec["prompt_tokens"] - hits) * p_in + hits * p_cached
+                base += rec["output_tokens"] * p_out
+                pico = (base + premium) * factor.get(rec["service_tier"], 1_000_000) // 1_000_000
+                want[rec["service_tier"]] = want.get(rec["service_tier"], 0) + pico
+            rows = {r["service_tier"]: r for r in q.cost(mode=mode, by=["service_tier"], scope=scope)}
+            assert {t: int(r["cost_usd"] * 10**12) for t, r in rows.items()} == want, mode
+            assert sum(r["cache_write_tokens"] for r in rows.values()) == sum(
+                r["cache_write_tokens"] for r in records.values()
+            )
+
+
 # --- Kafka outage (last: it restarts the server's broker) ------------------------------------
 
 

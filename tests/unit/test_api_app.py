@@ -252,6 +252,11 @@ def test_metrics(client: TestClient) -> None:
     assert "sparseety:store_up 1.0" in text
     assert 'sparseety:store_query_duration_seconds_count{query="cost"}' in text
     assert 'sparseety:jobs_active{kind="replay"} 0.0' in text
+    # issue 36's token classes, stored totals (the fixture's requests wrote and read from no tier)
+    assert "sparseety:store_cache_write_tokens 0.0" in text
+    assert 'sparseety:store_cache_read_tokens{tier="cpu_offload"} 0.0' in text
+    assert 'sparseety:store_prompt_modality_tokens{modality="image"} 0.0' in text
+    assert 'sparseety:store_encoder_tokens{kind="compute"} 0.0' in text
 
 
 def test_scrapes_evaluate_the_regression_signals_at_most_once_per_interval(

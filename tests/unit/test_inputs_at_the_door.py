@@ -35,6 +35,7 @@ from sparseety.sinks.clickhouse.prices import (
     delete_prices,
     list_prices,
     parse_usd,
+    prices_from_csv,
     prices_from_toml,
     set_prices,
     unseen_models,
@@ -72,10 +73,25 @@ def test_plain_prices_pass_and_print_as_written() -> None:
     with pytest.raises(ConfigError, match="quote it in TOML"):
         prices_from_toml('[[prices]]\nmodel = "m"\ninput = 1e-7\n')
     # every class, reasoning_output included, is a class of the file as of the CLI
-    every = "\n".join(f'{c} = "1"' for c in PRICE_CLASSES)
-    assert {p.token_class for p in prices_from_toml(f'[[prices]]\nmodel = "m"\n{every}\n')} == set(
-        PRICE_CLASSES
+    every = "\n".join(
+        f'{c} = {{ flex = "0.5", "1h" = "1.6" }}' if c.endswith("_multiplier") else f'{c} = "1"'
+        for c in PRICE_CLASSES
     )
+    got = prices_from_toml(f'[[prices]]\nmodel = "m"\n{every}\n')
+    assert {p.token_class for p in got} == set(PRICE_CLASSES)
+    # a multiplier (issue 36) is a factor per qualifier; without one it is refused, as a
+    # qualifier on any other class is
+    assert {(p.token_class, p.qualifier, p.usd) for p in got if p.qualifier} == {
+        (c, q, Decimal(v))
+        for c in ("service_tier_multiplier", "cache_write_ttl_multiplier")
+        for q, v in (("flex", "0.5"), ("1h", "1.6"))
+    }
+    with pytest.raises(ConfigError, match="needs a qualifier"):
+        prices_from_toml('[[prices]]\nmodel = "m"\nservice_tier_multiplier = "0.5"\n')
+    with pytest.raises(ConfigError, match="take a qualifier"):
+        prices_from_csv("model,token_class,usd,qualifier\nm,input,1,flex\n")
+    (csv_one,) = prices_from_csv("model,token_class,usd,qualifier\nm,service_tier_multiplier,0.5,flex\n")
+    assert (csv_one.qualifier, csv_one.usd) == ("flex", Decimal("0.5"))
 
 
 @pytest.fixture

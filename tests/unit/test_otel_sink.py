@@ -364,3 +364,39 @@ def test_fan_out_from_config_builds_the_named_sinks() -> None:
         assert [type(s) for s in fan.sinks] == [OtelSink, OtelSink]
     finally:
         fan.close()
+
+
+def test_the_bill_of_2026_on_the_span() -> None:
+    """Issue 36: cache writes under GenAI's cache_creation name, the cache reads of the engine's
+    own tiers summed under cache_read (a P/D load is none), each tier apart, the prompt's
+    modalities under gen_ai.token.modality, and what the client asked for."""
+    rec = f.accounting(
+        prompt_tokens=100,
+        cache_read_tokens=20,
+        cache_read_cpu_offload_tokens=30,
+        cache_read_storage_tokens=5,
+        external_kv_tokens=10,
+        cache_write_tokens=32,
+        engine_cache_write_tokens=32,
+        image_tokens=16,
+        image_cached_tokens=4,
+        encoder_compute_tokens=12,
+        service_tier="flex",
+        priority=-2,
+        pd_role="decode",
+        pd_join_id="x-1",
+    )
+    a = sp.span_spec(rec).attributes
+    assert a["gen_ai.usage.cache_creation.input_tokens"] == 32
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 55
+    assert a["sparseety.usage.cache_read.external"] == 10 and a["sparseety.usage.cache_read.gpu"] == 20
+    assert a["sparseety.usage.cache_read.host"] == 0
+    assert a["gen_ai.token.modality"] == ["text", "image"]
+    assert (a["sparseety.usage.image_tokens"], a["sparseety.usage.image_cached_tokens"]) == (16, 4)
+    assert a["sparseety.usage.encoder_compute_tokens"] == 12
+    assert a["sparseety.engine_reported.cache_write_tokens"] == 32
+    assert (a["sparseety.request.service_tier"], a["sparseety.request.priority"]) == ("flex", -2)
+    assert (a["sparseety.request.pd_role"], a["sparseety.request.pd_join_id"]) == ("decode", "x-1")
+    plain = sp.span_spec(f.accounting()).attributes
+    assert "gen_ai.token.modality" not in plain and "sparseety.request.service_tier" not in plain
+    assert plain["gen_ai.usage.cache_creation.input_tokens"] == 0

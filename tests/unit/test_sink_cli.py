@@ -100,12 +100,16 @@ def test_prices_and_queries(env: dict[str, str], tmp_path: Path) -> None:
     lines = out.strip().splitlines()
     assert lines[0] == (
         "tenant,requests,sequences,input_tokens,cached_tokens,billed_prompt_tokens,prompt_tokens,"
-        "output_tokens,reasoning_output_tokens,reasoning_observed_requests,cost_usd,unpriced_requests"
+        "output_tokens,reasoning_output_tokens,reasoning_observed_requests,cost_usd,unpriced_requests,"
+        # issue 36's classes: their tokens and what they add (docs/cost-model.md)
+        "cache_write_tokens,cache_read_cpu_offload_tokens,cache_read_host_tokens,cache_read_storage_tokens,"
+        "external_kv_tokens,image_tokens,audio_tokens,video_tokens,encoder_compute_tokens,"
+        "encoder_cache_hit_tokens,modality_premium_usd,encoder_usd,cache_write_premium_usd,tier_read_usd"
     )
     # t0: r0 and r2, each 6 uncached x $10/M + 4 cached x $2.5/M + 3 output x $40.000001/M
     # billed prompt = input + cached = prompt (nothing aborted); reasoning not observed (no
-    # parser): empty, not 0
-    assert lines[1] == "t0,2,2,12,8,20,20,6,,0,0.000380000006,0"
+    # parser): empty, not 0; none of issue 36's classes
+    assert lines[1] == "t0,2,2,12,8,20,20,6,,0,0.000380000006,0" + ",0" * 10 + ",0,0,0,0"
     code, out = run(
         env, "query", "cost", "--by", "tenant", "--by", "model", "--bucket", "1h", "--since", "2023-11-14"
     )

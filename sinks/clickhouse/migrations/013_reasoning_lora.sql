@@ -15,10 +15,17 @@ ALTER TABLE {db}.usage_1m{on_cluster}
     ADD COLUMN IF NOT EXISTS lora_name LowCardinality(String) DEFAULT '' AFTER waste_tokens;
 
 -- Enum values are appended (old rows keep theirs); 5 is the KV memory price of migration 012
--- (issue 23), listed here too so that this list never drops it, whichever lands first.
+-- (issue 23), listed here too so that this list never drops it, whichever lands first; 7-18 are
+-- migration 017's classes (issue 36), listed for the same reason: the enum is part of the sorting
+-- key, so applying this statement again on a newer store must not shrink it.
 ALTER TABLE {db}.prices{on_cluster}
     MODIFY COLUMN token_class Enum8('input' = 1, 'cached_input' = 2, 'output' = 3, 'gpu_hour' = 4,
-                                    'kv' = 5, 'reasoning_output' = 6);
+                                    'kv' = 5, 'reasoning_output' = 6, 'cache_write' = 7,
+                                    'cached_input_cpu_offload' = 8, 'cached_input_external' = 9,
+                                    'cached_input_host' = 10, 'cached_input_storage' = 11,
+                                    'image_input' = 12, 'audio_input' = 13, 'video_input' = 14,
+                                    'encoder_compute' = 15, 'encoder_cache_read' = 16,
+                                    'service_tier_multiplier' = 17, 'cache_write_ttl_multiplier' = 18);
 
 -- Rows written before issue 23 hold a LoRA request's adapter in `model` (the producer put it there).
 -- They are rewritten once with the engine's base model, the `model` of the same engine's requests

@@ -115,14 +115,24 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
 -- Output positions are priced apart: the answer at the output price, the think section at the
 -- model's 'reasoning_output' price, else at the output price (so with no such price, and for rows
 -- whose reasoning is not observed, the cost is what it was).
+-- The bill of 2026 (issue 36; docs/cost-model.md): a cache write is priced at 'cache_write'
+-- (times the 'cache_write_ttl_multiplier' of the request's cache_ttl) in place of input, a
+-- premium on the written positions; each cache tier has its read price (cpu_offload, host and
+-- storage fall back to cached_input; external to nothing in actual, to cached_input in list); a
+-- modality's computed positions are priced at its '<m>_input' price in place of input; the
+-- encoder's work at 'encoder_compute' / 'encoder_cache_read'; and the whole token charge of a
+-- request times the 'service_tier_multiplier' of its service_tier, floored to the picodollar.
+-- With none of these prices the cost is what it was (the premiums are 0, the factors 1).
 -- P/D as one request (issue 36 part 3, docs/cost-model.md "P/D"): when a prefill row and a decode
 -- row share a pd_join_id (the router's X-Request-Id) they are one client request. list bills its
 -- prompt once, on the prefill row (the decode row's list_prompt_billed = 0: neither the tail it
 -- computed again nor the KV it loaded is billed as prompt), and its output once, on the decode row
 -- (the prefill row's list_output_billed = 0: the token it sampled never reached the client). The
 -- loaded KV is billed in list only when the model has a 'cached_input_external' price
--- (pd_transfer_tokens at that price). actual and amortized bill what each engine computed, as for
--- any row. requests counts the pair once (the prefill row carries list_prompt_billed).
+-- (pd_transfer_tokens at external_price_micro). actual and amortized bill what each engine
+-- computed, as for any row; the decode row's modality premium and encoder work are not billed in
+-- list either (the prompt is the prefill row's). requests counts the pair once (the prefill row
+-- carries list_prompt_billed).
 CREATE OR REPLACE VIEW {db}.request_costs_v{on_cluster} AS
 SELECT
     r.request_uid AS request_uid, r.tenant AS tenant, r.model AS model,
@@ -157,7 +167,6 @@ SELECT
                least(toInt64(r.prompt_tokens) - list_cached_tokens,
                      toInt64(r.uncached_computed_tokens) + r.recomputed_eviction_tokens),
                toInt64(r.prompt_tokens) - list_cached_tokens)) AS prompt_input_tokens,
-    r.pd_join_id AS pd_join_id, r.pd_role AS pd_role, toInt64(r.external_kv_tokens) AS external_kv_tokens,
     toUInt8(ifNull(pd._pd_joined, 0) = 1 AND r.pd_role IN ('prefill', 'decode')) AS pd_joined,
     toUInt8((r.parent_request_id = '' OR par._p_billed = r.request_uid)
             AND NOT (pd_joined = 1 AND r.pd_role = 'decode')) AS list_prompt_billed,
@@ -175,18 +184,70 @@ SELECT
     toInt64(ifNull(pg.price_micro, 0)) AS gpu_hour_price_micro,
     ifNull(pin.found, 0) = 1 AND ifNull(pout.found, 0) = 1 AS tokens_priced,
     ifNull(pg.found, 0) = 1 AS gpu_priced,
-    toInt64(ifNull(ppx.price_micro, 0)) AS pd_transfer_price_micro,
     toInt128(list_input_tokens) * input_price_micro
         + toInt128(list_billed_cached_tokens) * cached_price_micro
         + toInt128(list_output_billed) * (toInt128(answer_output_tokens) * output_price_micro
-            + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro)
-        + toInt128(pd_transfer_tokens) * pd_transfer_price_micro AS list_pico,
+            + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro) AS list_base_pico,
     toInt128(actual_input_tokens) * input_price_micro
         + toInt128(r.cache_read_tokens) * cached_price_micro
         + toInt128(answer_output_tokens) * output_price_micro
-        + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro AS actual_pico,
+        + toInt128(ifNull(r.reasoning_output_tokens, 0)) * reasoning_price_micro AS actual_base_pico,
     intDiv(toInt128(billed_gpu_time_ns) * gpu_hour_price_micro, 3600000) AS gpu_pico,
-    intDiv(toInt128(warmup_gpu_time_ns) * gpu_hour_price_micro, 3600000) AS warmup_gpu_pico
+    intDiv(toInt128(warmup_gpu_time_ns) * gpu_hour_price_micro, 3600000) AS warmup_gpu_pico,
+    -- issue 36: the counts, their prices and what they add (docs/cost-model.md, "The bill of 2026")
+    r.service_tier AS service_tier, r.priority AS priority, r.cache_ttl AS cache_ttl,
+    r.pd_join_id AS pd_join_id, r.pd_role AS pd_role,
+    toInt64(r.cache_write_tokens) AS cache_write_tokens,
+    toInt64(r.engine_cache_write_tokens) AS engine_cache_write_tokens,
+    toInt64(r.cache_read_cpu_offload_tokens) AS cache_read_cpu_offload_tokens,
+    toInt64(r.cache_read_host_tokens) AS cache_read_host_tokens,
+    toInt64(r.cache_read_storage_tokens) AS cache_read_storage_tokens,
+    toInt64(r.external_kv_tokens) AS external_kv_tokens,
+    toInt64(r.image_tokens) AS image_tokens, toInt64(r.audio_tokens) AS audio_tokens,
+    toInt64(r.video_tokens) AS video_tokens,
+    toInt64(r.image_tokens) - toInt64(r.image_cached_tokens) AS image_computed_tokens,
+    toInt64(r.audio_tokens) - toInt64(r.audio_cached_tokens) AS audio_computed_tokens,
+    toInt64(r.video_tokens) - toInt64(r.video_cached_tokens) AS video_computed_tokens,
+    toInt64(r.encoder_compute_tokens) AS encoder_compute_tokens,
+    toInt64(r.encoder_cache_hit_tokens) AS encoder_cache_hit_tokens,
+    toInt64(if(ifNull(pst.found, 0) = 1, ifNull(pst.price_micro, 0), 1000000)) AS tier_multiplier_micro,
+    toInt64(if(ifNull(pttl.found, 0) = 1, ifNull(pttl.price_micro, 0), 1000000)) AS ttl_multiplier_micro,
+    toInt64(intDiv(toInt128(if(ifNull(pcw.found, 0) = 1, ifNull(pcw.price_micro, 0), input_price_micro))
+                   * ttl_multiplier_micro, 1000000)) AS cache_write_price_micro,
+    toInt64(if(ifNull(pcpu.found, 0) = 1, ifNull(pcpu.price_micro, 0), cached_price_micro)) AS cpu_offload_price_micro,
+    toInt64(if(ifNull(phost.found, 0) = 1, ifNull(phost.price_micro, 0), cached_price_micro)) AS host_price_micro,
+    toInt64(if(ifNull(psto.found, 0) = 1, ifNull(psto.price_micro, 0), cached_price_micro)) AS storage_price_micro,
+    toInt64(if(ifNull(pext.found, 0) = 1, ifNull(pext.price_micro, 0), 0)) AS external_price_micro,
+    toInt64(if(ifNull(pext.found, 0) = 1, ifNull(pext.price_micro, 0), cached_price_micro)) AS list_external_price_micro,
+    toInt64(if(ifNull(pimg.found, 0) = 1, ifNull(pimg.price_micro, 0), input_price_micro)) AS image_price_micro,
+    toInt64(if(ifNull(paud.found, 0) = 1, ifNull(paud.price_micro, 0), input_price_micro)) AS audio_price_micro,
+    toInt64(if(ifNull(pvid.found, 0) = 1, ifNull(pvid.price_micro, 0), input_price_micro)) AS video_price_micro,
+    toInt64(ifNull(penc.price_micro, 0)) AS encoder_compute_price_micro,
+    toInt64(ifNull(penh.price_micro, 0)) AS encoder_cache_read_price_micro,
+    toInt128(cache_write_tokens) * (cache_write_price_micro - input_price_micro) AS cache_write_premium_pico,
+    toInt128(image_computed_tokens) * (image_price_micro - input_price_micro)
+        + toInt128(audio_computed_tokens) * (audio_price_micro - input_price_micro)
+        + toInt128(video_computed_tokens) * (video_price_micro - input_price_micro) AS modality_premium_pico,
+    toInt128(encoder_compute_tokens) * encoder_compute_price_micro
+        + toInt128(encoder_cache_hit_tokens) * encoder_cache_read_price_micro AS encoder_pico,
+    toInt128(cache_read_cpu_offload_tokens) * cpu_offload_price_micro
+        + toInt128(cache_read_host_tokens) * host_price_micro
+        + toInt128(cache_read_storage_tokens) * storage_price_micro AS own_tier_read_pico,
+    own_tier_read_pico + toInt128(external_kv_tokens) * external_price_micro AS tier_read_pico,
+    -- list bills the engine's own hit count (list_billed_cached_tokens, every tier in it): its
+    -- tiers beside gpu at their prices, the rest at cached_input
+    toInt64(if(list_prompt_billed = 1, least(cache_read_cpu_offload_tokens + cache_read_host_tokens
+        + cache_read_storage_tokens + external_kv_tokens, list_billed_cached_tokens), 0)) AS list_tier_tokens,
+    if(list_prompt_billed = 1, own_tier_read_pico + toInt128(external_kv_tokens) * list_external_price_micro, 0)
+        AS list_tier_read_pico,
+    toUInt8(pd_joined = 1 AND r.pd_role = 'decode') AS pd_decode_joined,
+    intDiv((list_base_pico - toInt128(list_tier_tokens) * cached_price_micro + list_tier_read_pico
+            + if(list_prompt_billed = 1, cache_write_premium_pico, 0)
+            + if(pd_decode_joined = 1, 0, modality_premium_pico + encoder_pico)
+            + toInt128(pd_transfer_tokens) * external_price_micro)
+           * tier_multiplier_micro, 1000000) AS list_pico,
+    intDiv((actual_base_pico + tier_read_pico + cache_write_premium_pico + modality_premium_pico + encoder_pico)
+           * tier_multiplier_micro, 1000000) AS actual_pico
 FROM {db}.requests_v AS r
 ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
                 FROM {db}.prices FINAL WHERE token_class = 'input') AS pin
@@ -203,9 +264,42 @@ ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS foun
 ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
                 FROM {db}.prices FINAL WHERE token_class = 'gpu_hour') AS pg
     ON r.model = pg.model AND r.finished_ts_ns >= pg.effective_from_ns
-ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro
-                FROM {db}.prices FINAL WHERE token_class = 'cached_input_external') AS ppx
-    ON r.model = ppx.model AND r.finished_ts_ns >= ppx.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cache_write') AS pcw
+    ON r.model = pcw.model AND r.finished_ts_ns >= pcw.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input_cpu_offload') AS pcpu
+    ON r.model = pcpu.model AND r.finished_ts_ns >= pcpu.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input_host') AS phost
+    ON r.model = phost.model AND r.finished_ts_ns >= phost.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input_storage') AS psto
+    ON r.model = psto.model AND r.finished_ts_ns >= psto.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cached_input_external') AS pext
+    ON r.model = pext.model AND r.finished_ts_ns >= pext.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'image_input') AS pimg
+    ON r.model = pimg.model AND r.finished_ts_ns >= pimg.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'audio_input') AS paud
+    ON r.model = paud.model AND r.finished_ts_ns >= paud.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'video_input') AS pvid
+    ON r.model = pvid.model AND r.finished_ts_ns >= pvid.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'encoder_compute') AS penc
+    ON r.model = penc.model AND r.finished_ts_ns >= penc.effective_from_ns
+ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'encoder_cache_read') AS penh
+    ON r.model = penh.model AND r.finished_ts_ns >= penh.effective_from_ns
+ASOF LEFT JOIN (SELECT model, qualifier, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'service_tier_multiplier') AS pst
+    ON r.model = pst.model AND r.service_tier = pst.qualifier AND r.finished_ts_ns >= pst.effective_from_ns
+ASOF LEFT JOIN (SELECT model, qualifier, effective_from_ns, price_micro, toUInt8(1) AS found
+                FROM {db}.prices FINAL WHERE token_class = 'cache_write_ttl_multiplier') AS pttl
+    ON r.model = pttl.model AND r.cache_ttl = pttl.qualifier AND r.finished_ts_ns >= pttl.effective_from_ns
 LEFT JOIN (SELECT pd_join_id AS _pd_id,
                   toUInt8(countIf(pd_role = 'prefill') > 0 AND countIf(pd_role = 'decode') > 0) AS _pd_joined
            FROM {db}.requests_v WHERE pd_join_id != '' AND pd_role IN ('prefill', 'decode')
