@@ -44,7 +44,7 @@ class PdRun:
     prefill: Harness
     decode: Harness
     events: list[dict[str, Any]]
-    #: X-Request-Id -> (prefill engine request id, decode engine request id)
+    #: X-Request-Id -> (prefill engine request id, decode engine request id), in PROMPTS order
     pairs: dict[str, tuple[str, str]] = field(default_factory=dict)
     accounts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -57,13 +57,21 @@ def _prompt(i: int, n: int) -> list[int]:
     return out
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int, transfer: dict[str, Any]) -> Any:
+def tenant_of(i: int) -> str:
+    """The tenant of client request ``i`` (the router passes it to both engines)."""
+    return ("acme", "globex")[i % 2]
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, transfer: dict[str, Any], tenant: str) -> Any:
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
     external = rid.rsplit("-", 1)[0]
     params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": transfer}
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": transfer, "tenant": tenant},
     )
     return EngineCoreRequest(
         request_id=rid,
@@ -121,10 +129,14 @@ def run_pd(model: Path, broker: Config, workdir: Path, *, async_scheduling: bool
             run.pairs[xid] = (p_rid, d_rid)
             prompt = _prompt(i, n)
             prefills.append(
-                _request(p_rid, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+                _request(
+                    p_rid, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False}, tenant_of(i)
+                )
             )
             decodes.append(
-                _request(d_rid, prompt, m, {"do_remote_prefill": True, "remote_request_id": p_rid})
+                _request(
+                    d_rid, prompt, m, {"do_remote_prefill": True, "remote_request_id": p_rid}, tenant_of(i)
+                )
             )
         # The proxy waits for the prefill's response before it sends the decode request.
         drive(run.prefill, [prefills])

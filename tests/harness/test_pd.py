@@ -25,7 +25,7 @@ import pytest
 from sparseety import events as ev
 from sparseety.config import Config
 from tests.e2e.conftest import tiny_model
-from tests.harness.pd import OUTPUTS, PROMPTS, PdRun, run_pd
+from tests.harness.pd import OUTPUTS, PROMPTS, PdRun, run_pd, tenant_of
 from tests.harness.pipeline import CLASSES
 
 PER_MILLION = {"input": D("10"), "cached_input": D("2.5"), "output": D("40")}
@@ -186,7 +186,16 @@ def test_one_bill_per_client_request_equals_both_engines_truth(pd: PdRun, stored
     assert D(bill["cost_usd"]) * 10**12 == sum(_expected(pd, x)["list_pico"] for x in pd.pairs)
     (actual,) = q.cost(by=("model",), mode="actual")
     assert D(actual["cost_usd"]) * 10**12 == sum(_expected(pd, x)["actual_pico"] for x in pd.pairs)
+    # per tenant (the router passed each client request's tenant to both engines)
+    by_tenant = {r["tenant"]: r for r in q.cost(by=("tenant",), mode="list")}
+    tenants = {x: tenant_of(i) for i, x in enumerate(pd.pairs)}
+    for tenant in set(tenants.values()):
+        mine = [x for x, t in tenants.items() if t == tenant]
+        assert by_tenant[tenant]["requests"] == len(mine)
+        want = sum(_expected(pd, x)["list_pico"] for x in mine)
+        assert D(by_tenant[tenant]["cost_usd"]) * 10**12 == want, tenant
     listed = {r["pd_join_id"]: r for r in q.pd_bills(limit=100)}
+    assert {x: r["tenant"] for x, r in listed.items()} == tenants
     assert listed.keys() == pd.pairs.keys()
     assert all(D(listed[x]["list_cost_usd"]) * 10**12 == _expected(pd, x)["list_pico"] for x in pd.pairs)
     # With a price for KV loaded from elsewhere, list bills the transfer at it.
