@@ -228,8 +228,9 @@ SELECT
     intDiv((list_base_pico - toInt128(list_tier_tokens) * cached_price_micro + list_tier_read_pico
             + if(list_prompt_billed = 1, cache_write_premium_pico, 0) + modality_premium_pico + encoder_pico)
            * tier_multiplier_micro, 1000000) AS list_pico,
-    intDiv((actual_base_pico + tier_read_pico + cache_write_premium_pico + modality_premium_pico + encoder_pico)
-           * tier_multiplier_micro, 1000000) AS actual_pico
+    actual_base_pico + tier_read_pico + cache_write_premium_pico + modality_premium_pico + encoder_pico
+        AS actual_untiered_pico,
+    intDiv(actual_untiered_pico * tier_multiplier_micro, 1000000) AS actual_pico
 FROM {db}.requests_v AS r
 ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
                 FROM {db}.prices FINAL WHERE token_class = 'input') AS pin
