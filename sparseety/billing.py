@@ -77,6 +77,39 @@ SOURCE_TIERS: Mapping[str, Mapping[str, str]] = {
 }
 
 
+#: The order in which an engine lays out the tiers of one hit after its device part (nearest
+#: first, as vLLM's CacheHitSource and SGLang's hierarchy list them): the prompt positions of each.
+SOURCE_ORDER: Mapping[str, tuple[str, ...]] = {
+    "vllm": ("host", "p2p", "disk", "external_unspecified"),
+    "sglang": ("host", "storage"),
+}
+
+
+def split_cached(
+    engine_kind: str, sources: Mapping[str, int], cached: int, external: int
+) -> list[tuple[str, int]] | None:
+    """An admission's cached positions as runs of tiers in prompt order, from the engine's
+    ``sources`` (RequestStarted.cached_tokens_by_source): the device hit first (tier gpu), then
+    each other source in the engine's order, merged by tier. None when the sources do not add up
+    to ``cached`` (or the engine reported none): then the fold keeps the older split, the local
+    hit as gpu and ``external`` as tier external."""
+    if not sources or sum(sources.values()) != cached or any(v < 0 for v in sources.values()):
+        return None
+    order = SOURCE_ORDER.get(engine_kind, SOURCE_ORDER["vllm"])
+    names = ["device", *order, *sorted(set(sources) - {"device", *order})]
+    runs: list[tuple[str, int]] = []
+    for name in names:
+        n = int(sources.get(name, 0))
+        if n <= 0:
+            continue
+        tier = cache_tier(engine_kind, name)
+        if runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + n)
+        else:
+            runs.append((tier, n))
+    return runs
+
+
 def cache_tier(engine_kind: str, source: str) -> str:
     """The tier of an engine's cache-hit ``source``; a source the engine kind does not name is
     ``external`` (KV from outside what this engine holds itself)."""

@@ -144,11 +144,10 @@ def build(
         "cache_ttl": r.cache_ttl,
         "pd_join_id": r.pd_join_id,
         "pd_role": r.pd_role,
-        # the tiers beside gpu and external: filled where the engine reports them
-        # (sparseety/billing.py)
-        "cache_read_cpu_offload_tokens": 0,
-        "cache_read_host_tokens": 0,
-        "cache_read_storage_tokens": 0,
+        # the tiers beside gpu and external, where the engine reports them (sparseety/billing.py)
+        "cache_read_cpu_offload_tokens": r.cpu_offload_read,
+        "cache_read_host_tokens": r.host_read,
+        "cache_read_storage_tokens": r.storage_read,
         **multimodal.record_fields(r.mm, fin),
     }
 

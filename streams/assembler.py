@@ -166,7 +166,8 @@ class Assembler:
         elif kind == ev.MOE_ROUTING:
             self.fold.on_routing(epoch, seq, body)
         elif kind == ev.KV_CLEARED:
-            if not epoch.cleared or epoch.cleared[-1] < seq:
+            # the prefix index follows the device tier: clearing an offload tier clears nothing there
+            if block_index.device_medium(body) and (not epoch.cleared or epoch.cleared[-1] < seq):
                 epoch.cleared.append(seq)
         elif kind == ev.HEARTBEAT:
             epoch.producer_stats = {k: int(v) for k, v in body.items()}

@@ -45,10 +45,27 @@ def caches_every_block(config: dict[str, Any] | None) -> bool:
     return primary_group_kind(config) in _FULL_KINDS or not (config or {}).get("kv_cache_groups")
 
 
+#: KV-event media of the engine's own prefix cache in accelerator memory (vLLM's block pool says
+#: "GPU", on this CPU build too). None: a producer that does not say (every event before issue 36
+#: was the device tier's).
+DEVICE_MEDIA = frozenset({None, "GPU", "gpu", "cuda", "xpu", "device"})
+
+
+def device_medium(body: dict[str, Any]) -> bool:
+    """Whether a KV event is about the device tier the prefix index follows. A KV offload tier's
+    events (vLLM's OffloadingConnector: medium "CPU") are another cache: a block stored there is
+    no new lifetime in the device cache, and one removed there ends none (issue 36)."""
+    return body.get("medium") in DEVICE_MEDIA
+
+
 def on_kv_event(
     store: StateStore, epoch: EpochState, seq: int, body: dict[str, Any], *, stored: bool, max_blocks: int
 ) -> None:
-    """Apply one KvBlocksStored (``stored``) or KvBlocksRemoved event to the epoch's index."""
+    """Apply one KvBlocksStored (``stored``) or KvBlocksRemoved event to the epoch's index (a
+    device-tier event; :func:`device_medium`)."""
+    if not device_medium(body):
+        epoch.offload_events += 1
+        return
     primary = primary_group_kind(epoch.config)
     if primary is not None and body.get("group_kind", primary) != primary:
         return  # other KV cache groups mirror the same hashes; index one group only

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sparseety import billing
+
 from . import admission, kv_memory, multimodal
 from . import segments as sg
 from .caveats import is_warmup_step
@@ -129,8 +131,24 @@ class PositionFold:
         # A KV connector's tokens (P/D decode side) follow the local hit: loaded, not read from
         # this engine's prefix cache, not computed here.
         external = min(cached, max(0, body.get("num_external_cached_tokens", 0)))
-        local = cached - external
-        r.external_kv = external
+        # Issue 36: which cache tier served each part of the hit, as the engine split it (the
+        # device hit first); without a split, the local hit is tier gpu and the rest external.
+        runs = billing.split_cached(
+            (epoch.config or {}).get("engine_kind", "vllm"),
+            body.get("cached_tokens_by_source") or {},
+            cached,
+            external,
+        )
+        if runs is None:
+            runs = [(billing.GPU, cached - external), (billing.EXTERNAL, external)]
+        local = runs[0][1] if runs and runs[0][0] == billing.GPU else 0
+        by_tier = {tier: 0 for tier in billing.CACHE_TIERS}
+        for tier, n in runs:
+            by_tier[tier] += n
+        r.external_kv = by_tier[billing.EXTERNAL]
+        r.cpu_offload_read = by_tier[billing.CPU_OFFLOAD]
+        r.host_read = by_tier[billing.HOST]
+        r.storage_read = by_tier[billing.STORAGE]
         r.cache_read += local
         items = body.get("mm_inputs")
         if items:
@@ -139,6 +157,12 @@ class PositionFold:
         admission.plan_prompt(
             self.store, epoch, r, seq, body["block_hashes"], prompt, local, cached, max_blocks=self.max_blocks
         )
+        # the positions after the device hit: each tier's status, in the engine's order
+        pos = local
+        for tier, n in runs[1 if local else 0 :]:
+            if tier != billing.EXTERNAL:  # external_kv is what the plan laid out already
+                sg.assign(r.segments, pos, pos + n, billing.TIER_STATUS[tier])
+            pos += n
         self.put(r)
 
     # --- steps -----------------------------------------------------------------------------

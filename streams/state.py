@@ -199,6 +199,10 @@ class RequestState(_Record):
     cache_ttl: str = ""
     pd_join_id: str = ""
     pd_role: str = "none"
+    # Prompt positions served at admission from the engine's other cache tiers (issue 36).
+    cpu_offload_read: int = 0
+    host_read: int = 0
+    storage_read: int = 0
     # Issue 36 multimodal (appended): streams/multimodal.admitted of RequestStarted.mm_inputs
     # (per modality: placeholder positions, then those of them below the admission hit).
     mm: list[int] = field(default_factory=list)
@@ -252,6 +256,9 @@ class EpochState(_Record):
     #: a step's duration includes waiting for the one before, so starts are not monotone; KV
     #: memory-time integrates over this running maximum.
     kv_clock: int = 0
+    #: KV events of an offload tier (medium other than the device's; issue 36): counted, not
+    #: indexed (appended: older persisted states still load).
+    offload_events: int = 0
 
 
 @dataclass(slots=True)

@@ -105,7 +105,9 @@ class RecordBuilder:
         hi = n if end_tokens is None else min(n, end_tokens // self.block_size)
         return [block_hash_bytes(view[i]) for i in range(lo, hi)]
 
-    def request_started(self, req: Any, num_cached: int, num_external: int = 0) -> tuple[str, dict[str, Any]]:
+    def request_started(
+        self, req: Any, num_cached: int, num_external: int = 0, sources: dict[str, int] | None = None
+    ) -> tuple[str, dict[str, Any]]:
         rid = req.request_id
         prompt_len = int(req.num_prompt_tokens)
         self._admitted_cached[rid] = num_cached
@@ -145,14 +147,18 @@ class RecordBuilder:
             "session_id": str(session) if session else "",
             "service_tier": tier if isinstance(tier, str) else "",
             "cache_ttl": ttl if isinstance(ttl, str) else "",
+            "cached_tokens_by_source": dict(sources) if sources else {},
             **identity,  # the client's response id, the n choices' parent
             **pd,
             "mm_inputs": items,
         }
 
-    def requests_started(self, items: list[tuple[Any, int, int]]) -> list[tuple[str, dict[str, Any]]]:
-        """RequestStarted for each ``(request, cached tokens, of which external)`` admitted in one step."""
-        return [self.request_started(req, cached, external) for req, cached, external in items]
+    def requests_started(
+        self, items: list[tuple[Any, int, int, dict[str, int] | None]]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """RequestStarted for each ``(request, cached tokens, of which external, tokens per cache
+        tier)`` admitted in one step."""
+        return [self.request_started(*item) for item in items]
 
     def requests_finished(self, reqs: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         """RequestFinished for each request freed in one step."""

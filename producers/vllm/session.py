@@ -59,6 +59,33 @@ def default_engine_name(cfg: Config, vllm_config: Any, served: str) -> str:
     return engine_name(cfg, served, dp_rank=facts.dp_rank(vllm_config), dp_size=size)
 
 
+def hit_sources(connector: Any, req: Any, cached: int, external: int) -> dict[str, int] | None:
+    """RequestStarted.cached_tokens_by_source of one admission: vLLM's local hit as ``device``,
+    then what the KV connector says each tier supplied of its ``external`` tokens
+    (``get_external_cache_hit_sources``, vLLM >= 0.32); a part it leaves out is
+    ``external_unspecified``, as vLLM's own metric files it. None (not reported) when the engine
+    has no such method or it fails: the hook only copies facts, it never breaks the step."""
+    local = cached - external
+    sources: dict[str, int] = {"device": local} if local > 0 else {}
+    if external <= 0:
+        return sources
+    ask = getattr(connector, "get_external_cache_hit_sources", None)
+    if ask is None:
+        return None
+    try:
+        split = {str(getattr(k, "value", k)): int(v) for k, v in ask(req, external).items() if v > 0}
+    except Exception:  # a connector's bug must not reach the scheduler
+        return None
+    rest = external - sum(split.values())
+    if rest > 0:
+        split["external_unspecified"] = split.get("external_unspecified", 0) + rest
+    elif rest < 0:
+        return None  # more than it loaded: not a split of this hit
+    for k, v in split.items():
+        sources[k] = sources.get(k, 0) + v
+    return sources
+
+
 class EngineSession(SessionBase):
     """The producer of one engine epoch, bound to one ``Scheduler``.
 
@@ -75,12 +102,23 @@ class EngineSession(SessionBase):
         self.engine_name = emitter.engine_name
         self.epoch = emitter.epoch
         self._requests: dict[str, Any] = scheduler.requests
+        #: The scheduler's KV connector, asked which cache tier served an admission's external
+        #: hit (issue 36); None without one.
+        self._connector: Any = getattr(scheduler, "connector", None)
         self._step = 0
         self._updates = 0  # stamped steps whose update_from_output completed
         #: Steps scheduled and not yet updated: start time, admissions, preemptions carried over,
         #: resumes seen in scheduled_new_reqs, updates completed at schedule time, the output.
         self._pending: dict[
-            int, tuple[int, list[tuple[Any, int, int]], frozenset[str], frozenset[str], int, Any]
+            int,
+            tuple[
+                int,
+                list[tuple[Any, int, int, dict[str, int] | None]],
+                frozenset[str],
+                frozenset[str],
+                int,
+                Any,
+            ],
         ] = {}
         #: Finishes held for an in-flight step that still schedules the request.
         self._held: dict[int, list[Any]] = {}
@@ -160,7 +198,7 @@ class EngineSession(SessionBase):
         owner = self._kv_queue_owner
         if owner is not None:
             self._kv_marks.append((step, len(owner.kv_event_queue)))
-        new: list[tuple[Any, int, int]] = []
+        new: list[tuple[Any, int, int, dict[str, int] | None]] = []
         resumed: set[str] | None = None
         if scheduler_output.scheduled_new_reqs:
             requests = self._requests
@@ -181,9 +219,10 @@ class EngineSession(SessionBase):
                 if prefill_stats is not None:
                     # vLLM < 0.32 has no split of local and external hits
                     external = getattr(prefill_stats, "num_external_cached_tokens", 0) or 0
-                    new.append((req, prefill_stats.num_cached_tokens, external))
+                    cached = prefill_stats.num_cached_tokens
+                    new.append((req, cached, external, hit_sources(self._connector, req, cached, external)))
                 else:
-                    new.append((req, new_request.num_computed_tokens, 0))
+                    new.append((req, new_request.num_computed_tokens, 0, None))
                 live.add(new_request.req_id)
         carried = frozenset(self._carry) if self._carry else frozenset()
         self._carry.clear()

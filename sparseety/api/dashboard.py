@@ -59,6 +59,8 @@ class DashboardData:
     inconsistent: list[dict[str, Any]] = field(default_factory=list)
     outliers: list[dict[str, Any]] = field(default_factory=list)  # per tenant, top and bottom
     adapters: list[dict[str, Any]] = field(default_factory=list)  # actual cost by model and adapter
+    #: actual cost by tenant and service tier, with cache writes and reads by tier (issue 36)
+    tiers: list[dict[str, Any]] = field(default_factory=list)
 
 
 def collect(
@@ -114,17 +116,18 @@ def collect(
         else [],
         outliers=queries.outliers(limit=MAX_OUTLIERS, scope=scope),
         adapters=queries.cost(mode="actual", by=("model", "adapter"), scope=scope),
+        tiers=queries.cost(mode="actual", by=("tenant", "service_tier"), scope=scope),
     )
 
 
 def _prices_in_effect(queries: Any, now_ns: int) -> list[dict[str, Any]]:
     """Per model and class, the price with the latest effective time at or before now (what a
     request finishing now pays)."""
-    best: dict[tuple[str, str], dict[str, Any]] = {}
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for p in queries.prices_list():
         eff = p["effective_from"]
         eff_ns = int(eff.timestamp() * 1e9) if isinstance(eff, datetime) else 0
-        key = (str(p["model"]), str(p["token_class"]))
+        key = (str(p["model"]), str(p["token_class"]), str(p.get("qualifier", "")))
         if eff_ns <= now_ns and (key not in best or best[key]["_eff"] <= eff_ns):
             best[key] = {**p, "_eff": eff_ns}
     return [{k: v for k, v in p.items() if k != "_eff"} for _, p in sorted(best.items())]
@@ -317,12 +320,31 @@ def adapter_rows(data: DashboardData) -> list[list[Any]]:
     ]
 
 
+def tier_rows(data: DashboardData) -> list[list[Any]]:
+    """Per tenant and service tier: requests, cache writes, cache reads by tier, actual cost."""
+    return [
+        [
+            r["tenant"] or "(none)",
+            r["service_tier"] or "(none)",
+            r["requests"],
+            r["cache_write_tokens"],
+            r["cached_tokens"],
+            r["cache_read_cpu_offload_tokens"],
+            r["cache_read_host_tokens"],
+            r["cache_read_storage_tokens"],
+            r["external_kv_tokens"],
+            f"${r['cost_usd']}",
+        ]
+        for r in data.tiers
+    ]
+
+
 def price_rows(data: DashboardData) -> list[list[Any]]:
     return [
         [
             p["model"],
-            p["token_class"],
-            f"${p['usd']}",
+            f"{p['token_class']} ({p['qualifier']})" if p.get("qualifier") else p["token_class"],
+            f"x{p['usd']}" if p.get("qualifier") else f"${p['usd']}",
             f"per {p['unit']}",
             _time(int(p["effective_from"].timestamp() * 1e9))
             if isinstance(p["effective_from"], datetime) and p["effective_from"].timestamp() > 0
@@ -407,6 +429,13 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         adapter_rows(data),
         "no requests in scope",
     )
+    tiers = _html_table(
+        "data",
+        ["tenant", "service tier", "requests", "cache writes", "gpu", "cpu_offload", "host",
+         "storage", "external", "actual USD"],
+        tier_rows(data),
+        "no requests in scope",
+    )  # fmt: skip
     page = Template(_asset("dashboard.html"))
     return page.substitute(
         title="SparSEEty — token accounting",
@@ -419,6 +448,7 @@ def render_html(data: DashboardData, *, plotly_src: str | None = None) -> str:
         prices_table=prices,
         outliers_table=outliers,
         adapters_table=adapters,
+        tiers_table=tiers,
         expert_sections=experts,
         figures=_script_json(figures),
         script=_asset("dashboard.js"),

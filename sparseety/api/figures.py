@@ -21,6 +21,11 @@ STATUS_COLORS = {
     "recomputed_after_preemption": "#E45756",
     "recomputed_after_eviction": "#FF9DA6",
     "not_computed": "#EEEEEE",
+    # the cache tiers beside gpu (issue 36; sparseety/billing.py): greens and teals, like cached
+    "cached_cpu_offload": "#88D27A",
+    "cached_host": "#B5E3A8",
+    "cached_storage": "#2E7D32",
+    "external_kv": "#72B7B2",
     "recomputed": "#E45756",
     "skipped": "#BAB0AC",
     "evicted": "#F58518",

@@ -150,10 +150,22 @@ def whatif_sql(
     if sc.kind == "no-cache":
         # Every cache read (admission hits and re-reads on resume) is computed instead, at the
         # input price instead of the cached-input price, at the request's GPU time per position.
-        d_tokens = "toInt64(c.cache_read_tokens)"
-        d_gpu = _gpu_for("c.cache_read_tokens")
-        d_pico = "toInt128(c.cache_read_tokens) * (c.input_price_micro - c.cached_price_micro)"
-        extra = ", sum(c.cache_read_tokens) AS cache_read_tokens"
+        # The engine's other cache tiers (issue 36: CPU offload, host, storage) are prefix caching
+        # too: their reads are computed as well, at the input price instead of the tier's. KV
+        # loaded from outside (tier external: the P/D decode side) is not caching: it stays.
+        reads = (
+            "(toInt64(c.cache_read_tokens) + c.cache_read_cpu_offload_tokens"
+            " + c.cache_read_host_tokens + c.cache_read_storage_tokens)"
+        )
+        d_tokens = reads
+        d_gpu = _gpu_for(reads)
+        d_pico = (
+            "toInt128(c.cache_read_tokens) * (c.input_price_micro - c.cached_price_micro)"
+            " + toInt128(c.cache_read_cpu_offload_tokens) * (c.input_price_micro - c.cpu_offload_price_micro)"
+            " + toInt128(c.cache_read_host_tokens) * (c.input_price_micro - c.host_price_micro)"
+            " + toInt128(c.cache_read_storage_tokens) * (c.input_price_micro - c.storage_price_micro)"
+        )
+        extra = ", sum(c.cache_read_tokens) AS cache_read_tokens, sum(" + reads + ") AS tier_read_tokens"
     elif sc.kind == "no-spec":
         # Rejected and cut drafts are not computed; accepted drafts are computed as ordinary
         # decode tokens (same count). FLOPs-proportional GPU time drops with the positions; the
@@ -238,8 +250,10 @@ def whatif_sql(
         f"toInt64(sum({cf_gpu})) AS cf_gpu_time_ns, "
         "toInt64(cf_gpu_time_ns - gpu_time_ns) AS delta_gpu_time_ns, "
         "sum(c.actual_pico) AS cost_pico, "
-        f"sum(c.actual_pico + {d_pico}) AS cf_cost_pico, "
-        f"sum({d_pico}) AS delta_cost_pico, "
+        # the change is to the token charge before the service tier's factor (issue 36), which
+        # then applies to the counterfactual charge as it does to the actual one
+        f"sum(intDiv((c.actual_untiered_pico + {d_pico}) * c.tier_multiplier_micro, 1000000)) "
+        "AS cf_cost_pico, cf_cost_pico - cost_pico AS delta_cost_pico, "
         # from gpu_time_ns, like the counterfactual (the bill's gpu_pico leaves the warm-up out)
         f"sum({gpu_cost.format(g='c.gpu_time_ns')}) AS gpu_cost_pico, "
         f"sum({gpu_cost.format(g=cf_gpu)}) AS cf_gpu_cost_pico, "

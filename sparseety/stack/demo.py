@@ -344,6 +344,7 @@ def build_report(
     ]
     lines.append(_table(rows, ["tenant", "list", "actual", "amortized", "gpu", "kv_GiB_s"]))
     lines.append("  kv_GiB_s: KV cache held x time, amortized (docs/cost-model.md, kv); not priced here")
+    lines += bill_2026_lines(details, engine)  # whole rows (the listing has no such columns)
     for title, ask, drafts in (
         ("Prefix-cache savings", api.savings, False),
         (
@@ -387,6 +388,48 @@ def build_report(
     return "\n".join(lines), tenants, problems
 
 
+#: The cache-tier columns of the report (sparseety/billing.py): short name, RequestAccounting field.
+TIER_COLUMNS = (
+    ("gpu", "cache_read_tokens"),
+    ("cpu_offload", "cache_read_cpu_offload_tokens"),
+    ("host", "cache_read_host_tokens"),
+    ("storage", "cache_read_storage_tokens"),
+    ("external", "external_kv_tokens"),
+)
+
+
+def bill_2026_lines(stored: list[dict[str, Any]], engine: dict[str, Any]) -> list[str]:
+    """The report's cache writes and cache tiers per tenant (docs/cost-model.md, "The bill of
+    2026"): SparSEEty's cache writes beside vLLM's own count, and the reads of each tier."""
+    theirs: dict[str, int | None] = {}
+    for r in engine.get("requests", []):
+        n = r.get("num_cache_creation_tokens")
+        prev = theirs.get(r["tenant"])
+        theirs[r["tenant"]] = prev if n is None else (prev or 0) + int(n)
+    by: dict[str, dict[str, Any]] = {}
+    for r in stored:
+        t = by.setdefault(
+            r["tenant"], {"tenant": r["tenant"], "cache_write": 0, **{k: 0 for k, _ in TIER_COLUMNS}}
+        )
+        t["cache_write"] += int(r.get("cache_write_tokens", 0))
+        for short, column in TIER_COLUMNS:
+            t[short] += int(r.get(column, 0))
+    rows = [
+        {**t, "cache_write_engine": "not reported" if theirs.get(name) is None else theirs[name]}
+        for name, t in sorted(by.items())
+    ]
+    columns = ["tenant", "cache_write", "cache_write_engine", *(k for k, _ in TIER_COLUMNS)]
+    return [
+        "",
+        "Cache writes and cache reads by tier, tokens (docs/cost-model.md, The bill of 2026):",
+        "",
+        _table(rows, columns),
+        "  cache_write: prompt positions a request computed and wrote to the prefix cache (a new entry);",
+        "  cache_write_engine: vLLM's created_cache_tokens, which also counts a copy two requests computed",
+        "  in one step; gpu .. external: where each cached prompt position came from",
+    ]
+
+
 def _whatif_and_regressions(api: RemoteQueries) -> list[str]:
     """The report's "what if" (modelled, docs/cost-model.md) and "regressions" lines."""
     lines = ["", "What if (modelled; docs/cost-model.md, What if):", ""]
@@ -417,7 +460,9 @@ def _whatif_and_regressions(api: RemoteQueries) -> list[str]:
 #: The report's check line; every engine counter the report prints is compared (see below).
 CHECK_LINE = (
     "Check: per-tenant totals = sum over requests; prompt, output, cached, reasoning (per tenant), "
-    "drafts and preemptions = what vLLM counted; the restored request's output ids and text = vLLM's; "
+    "drafts and preemptions = what vLLM counted; cache writes (per tenant) = vLLM's created_cache_tokens "
+    "as carried, SparSEEty's at most that; cached by tier = vllm:prompt_tokens_cached_by_source; "
+    "the restored request's output ids and text = vLLM's; "
     "KV memory-time observed for every request (checked against vLLM's KV-cache manager in "
     "tests/e2e/test_engine_truth.py)"
 )

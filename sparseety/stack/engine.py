@@ -139,6 +139,8 @@ def run(model: Path, out: Path, sessions: int, quick: bool, engine_args: dict[st
                     "prompt_tokens": len(o.prompt_token_ids or []),
                     "output_tokens": len(o.outputs[0].token_ids),
                     "num_cached_tokens": o.num_cached_tokens or 0,
+                    # vLLM's own cache-write count (usage.prompt_tokens_details.created_cache_tokens)
+                    "num_cache_creation_tokens": getattr(o, "num_cache_creation_tokens", None),
                     "finish_reason": o.outputs[0].finish_reason,
                     # what the demo's restored request is checked against (token records)
                     "output_token_ids": list(o.outputs[0].token_ids),

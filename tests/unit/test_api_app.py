@@ -295,6 +295,8 @@ def test_ops_docs_and_dashboard(client: TestClient) -> None:
     for element in ('id="timeline"', 'id="cost"', 'id="savings"', 'id="experts-0"', 'id="health"'):
         assert element in html
     assert '<script src="/dashboard/plotly.min.js">' in html
+    # issue 36: cache writes and reads by tier, per tenant and service tier
+    assert "Cache writes, cache tiers and service tiers" in html and "cpu_offload" in html
     js = client.get("/dashboard/plotly.min.js")  # public: the library, no data
     assert js.status_code == 200 and b"plotly.js" in js.content[:200]
     assert client.get("/", follow_redirects=False).headers["location"] == "/dashboard"

@@ -15,7 +15,7 @@ from sparseety import events as ev
 from sparseety.config import WorkerConfig
 from sparseety.streams import segments as sg
 from sparseety.streams.assembler import TIMELINES, USAGE, Assembler, Output
-from sparseety.streams.state import MemoryStore, RequestState, decode_state, encode_state
+from sparseety.streams.state import MemoryStore, RequestState, decode_state, encode_state, epoch_key
 from tests import factories as f
 from tests.sim import SimEngine, workload
 
@@ -128,7 +128,8 @@ def test_prefix_hit_names_its_source_and_amortization_inputs() -> None:
 
 def test_cache_writes_count_new_entries_once_and_not_a_second_copy() -> None:
     """Two requests compute the same new block in one step (the engine stores two copies of the
-    hash): one cache lifetime begins, credited to one of them; the second copy adds no entry. A block computed but never stored (no KV event) is no write."""
+    hash): one cache lifetime begins, credited to one of them; the second copy adds no entry. A
+    block computed but never stored (no KV event) is no write."""
     events = [
         f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
         f.wrap(1, ev.REQUEST_STARTED, f.request_started("r1", list(range(9)), hashes=[b"a", b"b"])),
@@ -1065,3 +1066,70 @@ def test_blocks_a_sliding_window_never_cached_name_the_request_that_computed_the
     lifetimes = {u["block_hash"]: u["lifetime_seq"] for u in r1["block_uses"]}
     read = {u["block_hash"]: u["lifetime_seq"] for u in r2["block_uses"] if u["role"] == "cached"}
     assert read.keys() == set(hashes) and all(read[h] == lifetimes[h] >= 0 for h in hashes), (read, lifetimes)
+
+
+def test_cache_tiers_at_admission_follow_the_engines_split() -> None:
+    """Issue 36: RequestStarted.cached_tokens_by_source (vLLM: the device hit, then the KV
+    connector's hit sources) lays the hit out tier by tier in prompt order: gpu, the CPU offload
+    tier (vLLM's host), storage (disk), external (p2p); KV events of the offload tier (medium
+    CPU) are another cache: neither a lifetime of the device's prefix index nor its clearing."""
+    prompt = list(range(16))
+    sources = {"device": 4, "host": 4, "disk": 2, "p2p": 2}
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.KV_STORED, f.kv_stored([b"a"])),
+        f.wrap(2, ev.KV_STORED, f.kv_stored([b"b", b"c"], medium="CPU")),
+        f.wrap(3, ev.KV_CLEARED, {"medium": "CPU"}),
+        f.wrap(
+            4,
+            ev.REQUEST_STARTED,
+            f.request_started(
+                "r1",
+                prompt,
+                cached=12,
+                hashes=[b"a", b"b", b"c", b"d"],
+                num_external_cached_tokens=8,
+                cached_tokens_by_source=sources,
+            ),
+        ),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(0, [("r1", 4, 12, [1])])),
+        f.wrap(6, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=16, output=1, cached=12)),
+    ]
+    out, asm = run(events)
+    r1 = accounts(out)[f"{f.EID}/r1"]
+    assert (r1["cache_read_tokens"], r1["cache_read_cpu_offload_tokens"]) == (4, 4)
+    assert (r1["cache_read_storage_tokens"], r1["external_kv_tokens"], r1["cache_read_host_tokens"]) == (
+        2,
+        2,
+        0,
+    )
+    assert [s[:4] for s in segs(r1)] == [
+        (0, 4, "prompt", "cached"),
+        (4, 8, "prompt", "cached_cpu_offload"),
+        (8, 10, "prompt", "external_kv"),
+        (10, 12, "prompt", "cached_storage"),
+        (12, 16, "prompt", "computed"),
+        (16, 17, "output", "computed"),
+    ]
+    assert r1["consistent"]
+    # the offload tier's store and clear left the device index alone: a's source is still known
+    cached = next(s for s in r1["timeline"]["segments"] if s["status"] == "cached")
+    assert cached["source_request_uid"] is None  # a was stored before any request: no source
+    epoch = asm.store.get(epoch_key(f.EID))
+    assert epoch.offload_events == 1 and epoch.cleared == []
+
+
+def test_a_split_that_does_not_add_up_keeps_the_local_and_external_split() -> None:
+    from sparseety.billing import split_cached
+
+    assert split_cached("vllm", {"device": 4, "host": 3}, 8, 4) is None
+    assert split_cached("vllm", {}, 8, 4) is None
+    assert split_cached("sglang", {"device": 4, "host": 3, "storage": 1}, 8, 0) == [
+        ("gpu", 4),
+        ("host", 3),
+        ("storage", 1),
+    ]
+    assert split_cached("vllm", {"device": 4, "p2p": 2, "external_unspecified": 2}, 8, 4) == [
+        ("gpu", 4),
+        ("external", 4),
+    ]

@@ -256,3 +256,34 @@ def test_without_the_new_prices_the_bill_is_what_it_was(tmp_path_factory: pytest
             assert row["cost"]["actual"] == want / 1_000_000, r["request_uid"]
         old_row = q.request("e@1/old", scope=Scope())
         assert old_row["cost"]["actual"] == D("0.00104")  # (79 x 10 + 20 x 2.5 + 5 x 40) per 1M
+
+
+def test_no_cache_what_if_computes_every_own_tiers_reads(q: Queries) -> None:
+    """The no-cache what-if (docs/cost-model.md): the reads of every cache tier of the engine's
+    own (gpu, CPU offload, host, storage) are computed instead, at the input price instead of
+    the tier's; what a connector loaded from outside (external) stays; the service tier's factor
+    applies to the counterfactual charge as to the actual one."""
+    (row,) = q.whatif(scenario="no-cache", by=[])
+    reads = sum(
+        r["cache_read_tokens"]
+        + r.get("cache_read_cpu_offload_tokens", 0)
+        + r.get("cache_read_host_tokens", 0)
+        + r.get("cache_read_storage_tokens", 0)
+        for r in RECORDS
+    )
+    assert row["delta_computed_tokens"] == reads == 100 + 1000 + 200 + 1000 + 500 + 300
+    p_in = _micro(PRICES["input"])
+    tier_price = {
+        "cache_read_tokens": _micro(PRICES["cached_input"]),
+        "cache_read_cpu_offload_tokens": _micro(PRICES["cached_input_cpu_offload"]),
+        "cache_read_host_tokens": _micro(PRICES["cached_input_host"]),
+        "cache_read_storage_tokens": _micro(PRICES["cached_input_storage"]),
+    }
+    want = 0
+    for r in RECORDS:
+        parts = _expected(r, PRICES, "actual")
+        untiered = sum(v for k, v in parts.items() if k != "total")
+        delta = sum(r.get(k, 0) * (p_in - price) for k, price in tier_price.items())
+        factor = _micro(PRICES.get(f"service_tier_multiplier:{r['service_tier']}", "1"))
+        want += (untiered + delta) * factor // 1_000_000 - parts["total"]
+    assert _pico(row["delta_cost_usd"]) == want

@@ -68,3 +68,41 @@ def test_reasoning_is_compared_with_the_parsers_count() -> None:
 def test_a_withheld_incomplete_utf8_tail_is_the_same_text() -> None:
     assert same_text("héllo\ufffd", "héllo")
     assert not same_text("hello!", "hello")
+
+
+def test_cache_writes_and_tiers_are_compared_with_vllms_own() -> None:
+    """Issue 36: per tenant the engine's cache-write count the plugin carried = vLLM's
+    RequestOutput.num_cache_creation_tokens, SparSEEty's own at most that; engine-wide the gpu
+    tier's admission hits (engine_cached_tokens less the other tiers) and the CPU offload tier =
+    vllm:prompt_tokens_cached_by_source{device, host}."""
+    stored = [
+        {
+            **STORED[0],
+            "cache_write_tokens": 0,
+            "engine_cache_write_tokens": 0,
+            "cache_read_cpu_offload_tokens": 0,
+        },
+        {**STORED[1], "engine_cached_tokens": 4, "cache_read_cpu_offload_tokens": 4, "cache_write_tokens": 2},
+    ]
+    stored[1]["engine_cache_write_tokens"] = 2
+    engine = {
+        "requests": [
+            {**ENGINE["requests"][0], "num_cache_creation_tokens": 0},
+            {**ENGINE["requests"][1], "num_cached_tokens": 4, "num_cache_creation_tokens": 2},
+        ],
+        "metrics": {
+            **ENGINE["metrics"],
+            "vllm:prompt_tokens_by_source|source=local_cache_hit": 2,  # the offloaded 4 are not local
+            "vllm:prompt_tokens_cached_by_source|source=device": 2,
+            "vllm:prompt_tokens_cached_by_source|source=host": 4,
+        },
+    }
+    assert check_engine_counters(stored, engine) == []
+    stored[1]["cache_write_tokens"] = 3
+    stored[1]["engine_cache_write_tokens"] = 1
+    engine["metrics"]["vllm:prompt_tokens_cached_by_source|source=host"] = 5
+    assert check_engine_counters(stored, engine) == [
+        "tenant acme: cache writes 1 carried, 2 counted by vLLM",
+        "tenant acme: cache writes 3 folded, more than vLLM's 2",
+        "cached (host): 4 stored, 5 counted by vLLM (vllm:prompt_tokens_cached_by_source|source=host)",
+    ]

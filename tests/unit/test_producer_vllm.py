@@ -541,3 +541,33 @@ def test_request_finished_carries_the_reasoning_positions() -> None:
     assert ReasoningSplit("y", object()).name is None  # no think tokens: not observed
     assert ReasoningSplit.of_scheduler(SimpleNamespace()).name is None  # no parser configured
     assert think_spans([8, 1, 8, 2, 9, 3, 9, 4, 8, 5], 8, 9) == [1, 2, 3, 4, 5, 6, 9, 10]
+
+
+def test_hit_sources_split_an_admission_by_the_connectors_tiers() -> None:
+    """RequestStarted.cached_tokens_by_source: the local hit as device, then the connector's own
+    split of its tokens (vLLM's CacheHitSource values); a part it leaves out is
+    external_unspecified; a connector that fails or has no such method reports nothing."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from sparseety.producers.vllm.session import hit_sources
+
+    class Connector:
+        def __init__(self, answer: Any) -> None:
+            self.answer = answer
+
+        def get_external_cache_hit_sources(self, req: Any, n: int) -> Any:
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    req = object()
+    assert hit_sources(None, req, 64, 0) == {"device": 64}
+    assert hit_sources(Connector({CacheHitSource.HOST: 96}), req, 160, 96) == {"device": 64, "host": 96}
+    assert hit_sources(Connector({CacheHitSource.HOST: 32}), req, 96, 64) == {
+        "device": 32,
+        "host": 32,
+        "external_unspecified": 32,
+    }
+    assert hit_sources(Connector(RuntimeError("bug")), req, 96, 64) is None
+    assert hit_sources(Connector({CacheHitSource.HOST: 99}), req, 96, 64) is None  # more than loaded
+    assert hit_sources(object(), req, 96, 64) is None

@@ -246,8 +246,9 @@ SELECT
             + if(pd_decode_joined = 1, 0, modality_premium_pico + encoder_pico)
             + toInt128(pd_transfer_tokens) * external_price_micro)
            * tier_multiplier_micro, 1000000) AS list_pico,
-    intDiv((actual_base_pico + tier_read_pico + cache_write_premium_pico + modality_premium_pico + encoder_pico)
-           * tier_multiplier_micro, 1000000) AS actual_pico
+    actual_base_pico + tier_read_pico + cache_write_premium_pico + modality_premium_pico + encoder_pico
+        AS actual_untiered_pico,
+    intDiv(actual_untiered_pico * tier_multiplier_micro, 1000000) AS actual_pico
 FROM {db}.requests_v AS r
 ASOF LEFT JOIN (SELECT model, effective_from_ns, price_micro, toUInt8(1) AS found
                 FROM {db}.prices FINAL WHERE token_class = 'input') AS pin

@@ -1,0 +1,126 @@
+"""Cached tokens by tier on the real CPU engine (issue 36): vLLM's own ``OffloadingConnector`` with
+a CPU tier (its scheduler side as shipped; the test-only worker of ``tests/e2e/cpu_offload_spec``
+copies the blocks), the plugin inside, and the fold's per-request tiers checked against what the
+engine itself reported: ``RequestOutput.num_cached_tokens`` and the
+``vllm:prompt_tokens_cached_by_source{source=device|host}`` counters, read around each request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparseety import events as ev
+from sparseety.config import Config
+from tests.e2e.conftest import EnginePool, OfflineEngine, engine_config, environ, start_offline, tiny_model
+from tests.e2e.cpu_offload_spec import kv_transfer_config
+from tests.e2e.engine_events import engine_events, engine_rid, finished_ids
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def offload(engine_pool: EnginePool, broker: Config, e2e_dir: Path) -> OfflineEngine:
+    def start() -> OfflineEngine:
+        cfg = engine_config(broker, e2e_dir / "offload", "offload")
+        with environ({"PYTHONPATH": str(REPO)}):  # the engine and worker import the spec
+            llm = start_offline(
+                cfg,
+                tiny_model("llama"),
+                enable_prefix_caching=True,
+                block_size=BLOCK,
+                max_model_len=512,
+                max_num_seqs=4,
+                enforce_eager=True,
+                kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+                kv_transfer_config=kv_transfer_config(),
+            )
+        return OfflineEngine(cfg, llm)
+
+    return engine_pool.get("offload", start)  # type: ignore[no-any-return]
+
+
+def _by_source(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source" and isinstance(
+            getattr(m, "value", None), (int, float)
+        ):
+            out[m.labels["source"]] = out.get(m.labels["source"], 0) + m.value
+    return out
+
+
+def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> None:
+    """A prompt is computed (its blocks go to the GPU prefix cache and the CPU tier); the GPU
+    cache is reset (the CPU tier kept); its first half comes back from the CPU tier alone; the
+    whole prompt then reads the first half from the GPU cache and the rest from the CPU tier.
+    Per request the fold's tiers (``cache_read_tokens`` = gpu, ``cache_read_cpu_offload_tokens``)
+    and the timeline statuses equal the engine's own split; nothing is external."""
+    from vllm import SamplingParams
+
+    from sparseety.config import WorkerConfig
+    from sparseety.streams.assembler import TIMELINES, Assembler
+    from sparseety.streams.state import MemoryStore
+
+    llm = offload.llm
+    text = "The fleet offloads its KV cache to host memory and loads it back when asked. " * 12
+    params = SamplingParams(max_tokens=4, temperature=0)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(text)[: 7 * BLOCK + 5]
+    half = ids[: 3 * BLOCK + 5]
+    # not block-aligned: a whole prompt loaded from a tier would be recomputed at its last token
+    assert len(ids) == 7 * BLOCK + 5
+    runs: list[tuple[str, Any, dict[str, float]]] = []
+
+    def run(name: str, prompt: list[int]) -> None:
+        before = _by_source(llm)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        after = _by_source(llm)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        runs.append((name, out, {k: v for k, v in delta.items() if v}))
+
+    run("cold", ids)
+    assert llm.reset_prefix_cache(reset_connector=False)  # the GPU cache only
+    run("half", half)
+    run("whole", ids)
+    names = {out.request_id: name for name, out, _ in runs}
+
+    def complete(events: list[dict[str, Any]]) -> bool:
+        return set(names) <= {r.rsplit("-", 1)[0] for r in finished_ids(events)}
+
+    events = engine_events(offload.cfg, complete, timeout=90)
+    asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
+    records = {o.record["request_id"]: o.record for e in events for o in asm.apply(e) if o.topic == TIMELINES}
+    started = {
+        ev.payload(e)["request_id"]: ev.payload(e) for e in events if ev.payload_type(e) == ev.REQUEST_STARTED
+    }
+    media = {ev.payload(e).get("medium") for e in events if ev.payload_type(e) == ev.KV_STORED}
+
+    seen = {}
+    for name, out, delta in runs:
+        rid = engine_rid(events, out.request_id)
+        rec = records[rid]
+        device, host = int(delta.get("device", 0)), int(delta.get("host", 0))
+        seen[name] = (device, host)
+        # the engine's own counts: its total hit, and its counters by source
+        assert device + host == out.num_cached_tokens == rec["engine_cached_tokens"], (name, delta)
+        assert set(delta) <= {"device", "host"}, (name, delta)
+        assert started[rid]["cached_tokens_by_source"] == {
+            k: v for k, v in (("device", device), ("host", host)) if v
+        }, name
+        assert (rec["cache_read_tokens"], rec["cache_read_cpu_offload_tokens"]) == (device, host), name
+        assert rec["external_kv_tokens"] == 0 and rec["consistent"], name
+        statuses = [
+            (s["start"], s["end"], s["status"]) for s in rec["timeline"]["segments"] if s["kind"] == "prompt"
+        ]
+        want = [(0, device, "cached")] if device else []
+        want += [(device, device + host, "cached_cpu_offload")] if host else []
+        assert statuses[: len(want)] == want, (name, statuses)
+    assert seen["cold"] == (0, 0)
+    assert seen["half"] == (0, 3 * BLOCK)  # the GPU cache was reset: all from the CPU tier
+    assert seen["whole"][0] == 3 * BLOCK and seen["whole"][1] > 0  # GPU first, the rest from CPU
+    # the CPU tier's own KV events reached the stream with their medium (the device pool says GPU)
+    assert "CPU" in media and "GPU" in media, media
