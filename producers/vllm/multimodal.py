@@ -15,8 +15,8 @@ The encoder's work has no per-request count in vLLM. Two facts give it:
 * ``EncoderCacheManager.check_and_update_cache(request, index)`` returning True: the scheduler
   needed the item's encoder output and the encoder cache held it, so the encoder did not run
   (``Scheduler._try_schedule_encoder_inputs``). The plugin wraps the manager's method on the
-  scheduler's instance (:func:`watch_encoder_cache`); the wrapper only appends
-  ``(request id, index)`` to a list when the answer is True.
+  scheduler's instance (:func:`watch_encoder_cache`); the wrapper only appends an
+  :class:`EncoderHit` (request id, item index) to a list when the answer is True.
 
 The scheduler asks again for an item it has already sent to the encoder for the same request
 (an item that spans two prefill chunks), and again for a cached item in a step whose request it
@@ -33,6 +33,14 @@ from typing import Any
 
 #: SchedulerOutput attribute holding the encoder-cache hits noted while it was scheduled.
 ENCODER_HITS = "_sparseety_encoder_hits"
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderHit:
+    """One True answer of the encoder cache, handed from the engine's thread to the emitter's."""
+
+    request_id: str
+    index: int  # the item's index in the request's mm_features
 
 
 @dataclass
@@ -99,7 +107,8 @@ class EncoderTally:
                 if 0 <= i < len(items.embeds):
                     items.computed_tokens += items.embeds[i]
                     items.encoded.add(i)
-        for rid, i in getattr(scheduler_output, ENCODER_HITS, None) or ():
+        for hit in getattr(scheduler_output, ENCODER_HITS, None) or ():
+            rid, i = hit.request_id, hit.index
             items = self._items.get(rid)
             if items is None or i in items.encoded or i in items.hit or not 0 <= i < len(items.embeds):
                 continue
@@ -125,7 +134,7 @@ class EncoderTally:
         }
 
 
-def watch_encoder_cache(scheduler: Any, hits: list[tuple[str, int]]) -> bool:
+def watch_encoder_cache(scheduler: Any, hits: list[EncoderHit]) -> bool:
     """Wrap the scheduler's ``encoder_cache_manager.check_and_update_cache`` (this instance only)
     so that each True answer appends ``(request id, item index)`` to ``hits``. False when the
     scheduler has no encoder cache manager (a text-only model)."""
@@ -138,7 +147,7 @@ def watch_encoder_cache(scheduler: Any, hits: list[tuple[str, int]]) -> bool:
     def check_and_update_cache(request: Any, input_id: int) -> bool:
         found = orig(request, input_id)
         if found:
-            hits.append((request.request_id, input_id))
+            hits.append(EncoderHit(request.request_id, input_id))
         return bool(found)
 
     check_and_update_cache.__dict__["_sparseety"] = True

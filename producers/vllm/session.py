@@ -35,7 +35,7 @@ from ..emitter import Emitter, new_epoch
 from ..plugin_kit import SessionBase, announce, engine_name
 from ..privacy import PromptPolicy
 from . import facts, routing
-from .multimodal import ENCODER_HITS, watch_encoder_cache
+from .multimodal import ENCODER_HITS, EncoderHit, watch_encoder_cache
 from .reasoning import ReasoningSplit
 from .records import RecordBuilder
 from .stamp import STEP_STAMP, routing_enabled
@@ -135,7 +135,7 @@ class EngineSession(SessionBase):
         self._deferred: list[Any] = []
         #: (request id, item index) of each encoder-cache hit since the last stamped step
         #: (appended by the wrapped EncoderCacheManager.check_and_update_cache, multimodal only).
-        self._encoder_hits: list[tuple[str, int]] = []
+        self._encoder_hits: list[EncoderHit] = []
         model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
         if getattr(model_config, "is_multimodal_model", False):
             watch_encoder_cache(scheduler, self._encoder_hits)

@@ -17,7 +17,13 @@ from sparseety import events as ev
 from sparseety.producers.logs.errors import BadTraceLineError
 from sparseety.producers.logs.jsonl import parse_line, request_payloads
 from sparseety.producers.usage_details import modality_tokens
-from sparseety.producers.vllm.multimodal import ENCODER_HITS, EncoderTally, mm_inputs, watch_encoder_cache
+from sparseety.producers.vllm.multimodal import (
+    ENCODER_HITS,
+    EncoderHit,
+    EncoderTally,
+    mm_inputs,
+    watch_encoder_cache,
+)
 from sparseety.producers.vllm.request_ids import pd_fields
 from sparseety.streams import multimodal
 from tests import factories as f
@@ -34,7 +40,7 @@ def _feature(modality: str, offset: int, length: int, embeds: int, ident: str) -
 def _step(runs: dict[str, list[int]] | None = None, hits: list[tuple[str, int]] | None = None) -> Any:
     out = SimpleNamespace(scheduled_encoder_inputs=runs or {})
     if hits:
-        setattr(out, ENCODER_HITS, hits)
+        setattr(out, ENCODER_HITS, [EncoderHit(rid, i) for rid, i in hits])
     return out
 
 
@@ -79,12 +85,12 @@ def test_the_encoder_cache_watch_notes_only_true_answers_and_wraps_once() -> Non
             return input_id == 1
 
     scheduler = SimpleNamespace(encoder_cache_manager=Manager())
-    hits: list[tuple[str, int]] = []
+    hits: list[EncoderHit] = []
     assert watch_encoder_cache(scheduler, hits)
     assert not watch_encoder_cache(scheduler, hits)  # already wrapped
     req = SimpleNamespace(request_id="r")
     answers = [scheduler.encoder_cache_manager.check_and_update_cache(req, i) for i in (0, 1)]
-    assert answers == [False, True] and hits == [("r", 1)]
+    assert answers == [False, True] and hits == [EncoderHit("r", 1)]
     assert not watch_encoder_cache(SimpleNamespace(), [])  # no encoder cache: nothing wrapped
 
 
