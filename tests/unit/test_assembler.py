@@ -1133,3 +1133,40 @@ def test_a_split_that_does_not_add_up_keeps_the_local_and_external_split() -> No
         ("gpu", 4),
         ("external", 4),
     ]
+
+
+def test_sglang_host_and_storage_tiers_follow_its_device_hit() -> None:
+    """SGLang's cached_tokens_details (device, host, storage), as RequestStarted carries it: its
+    hierarchical cache is the engine's own (no KV connector, num_external_cached_tokens 0), laid
+    out device, host, storage in prompt order, each tier counted apart (issue 36)."""
+    prompt = list(range(16))
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started(engine_kind="sglang")),
+        f.wrap(
+            1,
+            ev.REQUEST_STARTED,
+            f.request_started(
+                "r1",
+                prompt,
+                cached=12,
+                hashes=[],
+                cached_tokens_by_source={"device": 4, "host": 6, "storage": 2},
+            ),
+        ),
+        f.wrap(2, ev.STEP_BATCH, f.step_batch(0, [("r1", 4, 12, [1])])),
+        f.wrap(3, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=16, output=1, cached=12)),
+    ]
+    r1 = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert (r1["cache_read_tokens"], r1["cache_read_host_tokens"], r1["cache_read_storage_tokens"]) == (
+        4,
+        6,
+        2,
+    )
+    assert (r1["cache_read_cpu_offload_tokens"], r1["external_kv_tokens"]) == (0, 0)
+    assert [s[:4] for s in segs(r1)][:4] == [
+        (0, 4, "prompt", "cached"),
+        (4, 10, "prompt", "cached_host"),
+        (10, 12, "prompt", "cached_storage"),
+        (12, 16, "prompt", "computed"),
+    ]
+    assert r1["consistent"]

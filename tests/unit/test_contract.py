@@ -310,3 +310,46 @@ def test_records_written_before_sessions_decode_with_no_session() -> None:
     data = Encoder(with_reader(STORE, old_accounting), "RequestAccounting").encode(rec)
     _, back = Decoder(STORE).decode(data)
     assert back == {**f.accounting(), **added}
+
+
+#: Issue 36's fields (schema v7) and what a record written before them reads.
+V7_STARTED = {
+    "cached_tokens_by_source": {},
+    "service_tier": "",
+    "cache_ttl": "",
+    "pd_join_id": "",
+    "pd_role": "none",
+    "mm_inputs": [],
+}
+V7_FINISHED = {
+    "num_cache_creation_tokens": -1,
+    "prompt_tokens_by_modality": {},
+    "num_encoder_compute_tokens": -1,
+    "num_encoder_cache_hit_tokens": -1,
+}
+
+
+def test_records_written_before_the_bill_of_2026_decode_with_its_defaults() -> None:
+    """EngineEvent and RequestAccounting v6 (schemas/history, before issue 36) resolve: the new
+    fields read their defaults, which mean what a v6 producer reported (no tier split, no
+    service tier, not disaggregated, no cache-write or encoder count: -1, not reported)."""
+    old_events = json.loads((schema_dir() / "history" / "EngineEvent.v6.avsc").read_text())
+    old = with_reader(STORE, old_events)
+    started = {k: v for k, v in f.request_started("r1", list(range(6))).items() if k not in V7_STARTED}
+    finished = {k: v for k, v in f.request_finished("r1").items() if k not in V7_FINISHED}
+    for kind, body, added in (
+        (ev.REQUEST_STARTED, started, V7_STARTED),
+        (ev.REQUEST_FINISHED, finished, V7_FINISHED),
+    ):
+        data = Encoder(old, "EngineEvent").encode(f.wrap(1, kind, body))
+        assert data[2:10] != STORE.wire("EngineEvent").fingerprint_bytes
+        _, back = Decoder(STORE).decode(data)
+        assert {k: ev.payload(back)[k] for k in added} == added
+    old_accounting = json.loads((schema_dir() / "history" / "RequestAccounting.v6.avsc").read_text())
+    v6_fields = {fld["name"] for fld in old_accounting["fields"]}
+    rec = {k: v for k, v in f.accounting().items() if k in v6_fields}
+    data = Encoder(with_reader(STORE, old_accounting), "RequestAccounting").encode(rec)
+    _, back = Decoder(STORE).decode(data)
+    new = {k: v for k, v in f.accounting().items() if k not in v6_fields}
+    assert len(new) == 18 and back == {**rec, **new}
+    assert (new["engine_cache_write_tokens"], new["pd_role"], new["cache_write_tokens"]) == (-1, "none", 0)
