@@ -4,7 +4,9 @@ Seams (SGLang 0.5.23, checked against a running CPU engine):
 
 * ``Scheduler.__init__``: after it, on tensor/pipeline-parallel rank 0 only (every rank runs the
   same schedule), start the session: emitter, EngineStarted;
-* ``Scheduler.run_batch`` / ``Scheduler.process_batch_result``: one step per forward batch;
+* ``Scheduler.run_batch`` / ``Scheduler.process_batch_result``: one step per forward batch, held
+  in flight from launch to its result (keyed by the result object: the overlap scheduler launches
+  batch N+1 before it processes batch N, and hands ``process_batch_result`` a copy of the batch);
 * ``ScheduleBatch.retract_decode``: retractions (SGLang's preemption);
 * ``KVCacheEventRecorder.record_store`` / ``record_remove`` / ``record_all_cleared``: the radix
   cache's inserts, evictions and resets (SGLang calls them whether or not its KV events are on);
@@ -12,6 +14,14 @@ Seams (SGLang 0.5.23, checked against a running CPU engine):
 
 A missing seam disables the producer (one log line) and SGLang runs untouched; an object of an
 unexpected shape at run time stops publishing for that engine, never the engine.
+
+The post-import callbacks below also run in SGLang's launcher, which imports the scheduler module
+(``sglang.srt.entrypoints.engine``) *before* it sets ``PROMETHEUS_MULTIPROC_DIR``. They must not
+import the session (``.session`` loads ``prometheus_client`` through the producer's metrics):
+``prometheus_client`` picks its value class when first imported, and one loaded before that
+variable keeps the launcher's tokenizer metrics out of SGLang's multiprocess ``/metrics``
+(``sglang:prompt_tokens_total`` and the other tokenizer-manager series disappeared). The session
+is imported only in ``Scheduler.__init__``, in the scheduler process.
 """
 
 from __future__ import annotations
@@ -24,7 +34,14 @@ from typing import Any
 
 from sparseety.config import load_config
 
-from ..plugin_kit import Once, after_import, check_scheduler, missing_seams, stop_publishing
+from ..plugin_kit import (
+    Once,
+    after_import,
+    check_scheduler,
+    installed_version,
+    missing_seams,
+    stop_publishing,
+)
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -52,9 +69,7 @@ def _disable(exc: BaseException) -> None:
     session, _session = _session, None
     if session is None:
         return
-    from .session import sglang_version
-
-    stop_publishing(session, exc, logger=log, engine=f"SGLang {sglang_version()}")
+    stop_publishing(session, exc, logger=log, engine=f"SGLang {installed_version('sglang')}")
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,10 +86,9 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def _on_scheduler_module(module: Any) -> list[str]:
     cls = module.Scheduler
-    from .session import sglang_version
-
+    version = installed_version("sglang")
     if not check_scheduler(
-        cls, SCHEDULER_SEAMS, logger=log, engine="SGLang", version=sglang_version(), tested=TESTED_VERSIONS
+        cls, SCHEDULER_SEAMS, logger=log, engine="SGLang", version=version, tested=TESTED_VERSIONS
     ):
         return []
     orig_init, orig_run, orig_result, orig_abort = (
@@ -114,10 +128,16 @@ def _on_scheduler_module(module: Any) -> list[str]:
         session = _session
         if session is not None:
             _guarded(session.before_run)(batch)
-        return orig_run(self, batch, *args, **kwargs)
+        result = orig_run(self, batch, *args, **kwargs)
+        if session is not None:
+            _guarded(session.launched)(result)
+        return result
 
     @functools.wraps(orig_result)
     def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None:
+            _guarded(session.before_result)(args[1] if len(args) > 1 else kwargs.get("result"))
         out = orig_result(self, *args, **kwargs)
         session = _session
         if session is not None:

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety import __version__ as sparseety_version
@@ -46,12 +47,7 @@ _HEALTH_PREFIX = "HEALTH_CHECK"
 
 
 def sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return ""
+    return plugin_kit.installed_version("sglang")
 
 
 def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[str, Any]:
@@ -139,6 +135,22 @@ def _arrival_s(req: Any) -> float:
     return time.time()
 
 
+@dataclass(slots=True)
+class InFlight:
+    """One forward batch between ``run_batch`` and its ``process_batch_result``."""
+
+    step: int
+    start_ns: int
+    rids: list[str]
+    scheduled: list[int]
+    before: list[int]
+    reqs: list[Any]
+    retracted: list[str]  #: retracted while this batch was built (its StepBatch's preemptions)
+    resumed: list[str]
+    result: Any = None
+    outs: list[int] = field(default_factory=list)  #: output lengths right before processing
+
+
 class SglangSession(SessionBase):
     """The producer of one SGLang engine epoch, bound to one ``Scheduler``."""
 
@@ -150,8 +162,16 @@ class SglangSession(SessionBase):
         self._live: set[str] = set()
         self._retracted: set[str] = set()  # retracted, not yet resumed
         self._retracted_now: list[str] = []  # for the next StepBatch
-        #: The batch in flight: step, start, rids, scheduled, computed before, outputs before, reqs.
-        self._pending: tuple[int, int, list[str], list[int], list[int], list[int], list[Any]] | None = None
+        #: Tokens scheduled so far per live request (its next batch's ``num_computed_before``).
+        self._pos: dict[str, int] = {}
+        #: Batches launched and not yet processed that schedule each request.
+        self._inflight: dict[str, int] = {}
+        #: Batches in flight, keyed by the identity of ``run_batch``'s result (the object SGLang
+        #: hands to ``process_batch_result``; the overlap loop passes a copy of the batch, never
+        #: the batch itself), in launch order.
+        self._flights: dict[int, InFlight] = {}
+        self._launching: InFlight | None = None
+        self._processing: InFlight | None = None
 
     @classmethod
     def start(cls, cfg: Config, scheduler: Any) -> SglangSession:
@@ -180,29 +200,41 @@ class SglangSession(SessionBase):
     # --- steps -------------------------------------------------------------------------------
 
     def before_run(self, batch: Any) -> None:
-        """``Scheduler.run_batch(batch)`` is about to launch the forward."""
+        """``Scheduler.run_batch(batch)`` is about to launch the forward: the batch's facts.
+
+        Positions come from the session's own count of what was scheduled per request (an
+        extend sets it to ``prefix_len + extend_len``, a decode adds 1), not from
+        ``output_ids``: under the overlap scheduler batch N+1 launches before batch N's tokens
+        are appended, so ``output_ids`` lags the batch by one there.
+        """
         mode = batch.forward_mode
         reqs = batch.reqs
         if mode.is_extend():
             prefix = list(batch.prefix_lens)
             scheduled = list(batch.extend_lens)
         elif mode.is_decode():
-            prefix = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
-            scheduled = [1] * len(reqs)
+            prefix = None
+            scheduled = None
         else:
             return  # idle / prebuilt batches compute nothing for a request
         rids: list[str] = []
         keep_sched: list[int] = []
         keep_before: list[int] = []
-        outs: list[int] = []
         kept: list[Any] = []
         started: list[tuple[Any, ...]] = []
         resumed: list[str] = []
-        live = self._live
+        live, pos, inflight = self._live, self._pos, self._inflight
         for i, req in enumerate(reqs):
             rid = req.rid
             if rid.startswith(_HEALTH_PREFIX):
                 continue
+            if prefix is None:
+                before = pos.get(rid)
+                if before is None:  # decoding before any extend we saw: the old rule
+                    before = len(req.origin_input_ids) + len(req.output_ids) - 1
+                n = 1
+            else:
+                before, n = prefix[i], scheduled[i]  # type: ignore[index]
             if rid not in live:
                 live.add(rid)
                 sp = req.sampling_params
@@ -210,7 +242,7 @@ class SglangSession(SessionBase):
                     (
                         rid,
                         req.origin_input_ids,
-                        prefix[i],
+                        before,
                         _arrival_s(req),
                         getattr(sp, "max_new_tokens", None),
                         getattr(sp, "custom_params", None),
@@ -220,54 +252,84 @@ class SglangSession(SessionBase):
             elif rid in self._retracted:
                 self._retracted.discard(rid)
                 resumed.append(rid)
+            pos[rid] = before + n
+            inflight[rid] = inflight.get(rid, 0) + 1
             rids.append(rid)
-            keep_sched.append(scheduled[i])
-            keep_before.append(prefix[i])
-            outs.append(len(req.output_ids))
+            keep_sched.append(n)
+            keep_before.append(before)
             kept.append(req)
         if not rids:
             return
         if started:
             self.emitter.emit_many(len(started), self.builder.requests_started, started)
+        retracted, self._retracted_now = self._retracted_now, []
         step = self._step
         self._step = step + 1
-        self._pending = (step, time.monotonic_ns(), rids, keep_sched, keep_before, outs, kept)
-        self._resumed = resumed
+        self._launching = InFlight(
+            step, time.monotonic_ns(), rids, keep_sched, keep_before, kept, retracted, resumed
+        )
+
+    def launched(self, result: Any) -> None:
+        """``run_batch`` returned ``result``: the batch is in flight until SGLang processes it."""
+        flight, self._launching = self._launching, None
+        if flight is not None:
+            flight.result = result  # held: the key's object stays alive while the batch is in flight
+            self._flights[id(result)] = flight
+
+    def before_result(self, result: Any) -> None:
+        """``process_batch_result(batch, result)`` is about to run: which batch it is, and each
+        request's output length before SGLang appends this batch's tokens."""
+        flight = self._flights.pop(id(result), None)
+        if flight is not None:
+            flight.outs = [len(r.output_ids) for r in flight.reqs]
+        self._processing = flight
 
     def after_result(self) -> None:
-        """``process_batch_result`` returned: the StepBatch, then the requests that finished."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """``process_batch_result`` returned: the StepBatch, then the requests that finished with
+        no later batch of theirs still in flight (a request may finish in batch N while the
+        overlap scheduler already launched it in N+1: its finish waits for N+1's result)."""
+        flight, self._processing = self._processing, None
+        if flight is None:
             return
-        step, start, rids, scheduled, before, outs, reqs = pending
         new_tokens: list[int] = []
         token_ids: list[int] = []
         finished: list[tuple[Any, ...]] = []
-        for req, n_before in zip(reqs, outs, strict=True):
+        inflight = self._inflight
+        for req, n_before in zip(flight.reqs, flight.outs, strict=True):
             out = req.output_ids
             n = len(out) - n_before
             new_tokens.append(max(0, n))
             if n > 0:
                 token_ids.extend(out[n_before:])
-            if req.finished() and req.rid in self._live:
-                self._live.discard(req.rid)
-                finished.append(self._finish_facts(req))
-        retracted, self._retracted_now = self._retracted_now, []
+            rid = req.rid
+            left = inflight.get(rid, 1) - 1
+            if left > 0:
+                inflight[rid] = left
+            else:
+                inflight.pop(rid, None)
+                if req.finished() and rid in self._live:
+                    self._close(rid)
+                    finished.append(self._finish_facts(req))
         self.emitter.emit(
             self.builder.step,
-            step,
-            start,
+            flight.step,
+            flight.start_ns,
             time.monotonic_ns(),
-            rids,
-            scheduled,
-            before,
+            flight.rids,
+            flight.scheduled,
+            flight.before,
             new_tokens,
             token_ids,
-            retracted,
-            self._resumed,
+            flight.retracted,
+            flight.resumed,
         )
         if finished:
             self.emitter.emit_many(len(finished), self.builder.requests_finished, finished)
+
+    def _close(self, rid: str) -> None:
+        self._live.discard(rid)
+        self._pos.pop(rid, None)
+        self._retracted.discard(rid)
 
     @staticmethod
     def _finish_facts(req: Any) -> tuple[Any, ...]:
@@ -287,10 +349,21 @@ class SglangSession(SessionBase):
                 self._retracted_now.append(req.rid)
 
     def on_finished_outside_step(self, req: Any) -> None:
-        """A live request that ended while waiting (e.g. aborted after a retraction)."""
-        if req.rid in self._live:
-            self._live.discard(req.rid)
+        """A live request that ended while waiting (e.g. aborted after a retraction). One still in
+        a batch in flight (retracted while the overlap scheduler ran it) finishes when that
+        batch's result is processed."""
+        rid = req.rid
+        if rid in self._live and not self._inflight.get(rid):
+            self._close(rid)
             self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
+
+    def _release(self) -> None:
+        """At stop: requests SGLang finished while a batch of theirs was still in flight."""
+        for flight in [*self._flights.values(), *filter(None, [self._processing])]:
+            for req in flight.reqs:
+                if req.rid in self._live and req.finished():
+                    self._close(req.rid)
+                    self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
 
     # --- radix cache --------------------------------------------------------------------------
 

@@ -9,13 +9,15 @@ production; the parent passes the ``SPARSEETY_*`` variables. What SGLang itself 
 (``meta_info`` per request, ``/metrics``) is what the report is checked against.
 
 On this CPU the server needs SGLang's CPU flags (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
---attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule``) and runs the
-Python radix-tree core, whose inserts and evictions the producer sees (docs/sglang.md).
+--attention-backend torch_native --disable-cuda-graph``); it runs SGLang's GPU-default overlap
+scheduler (``event_loop_overlap``) and the Python radix-tree core, whose inserts and evictions
+the producer sees (docs/sglang.md).
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +33,7 @@ from sparseety.stack.server_process import ServerProcess
 #: :class:`SglangServer`'s to set).
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--disable-overlap-schedule", "--skip-server-warmup", "--enable-metrics",
+    "--skip-server-warmup", "--enable-metrics",
     "--mem-fraction-static", "0.1", "--random-seed", "0",
 )  # fmt: skip
 CPU_ENV = {
@@ -130,6 +132,12 @@ class SglangServer(ServerProcess):
         cmd += [*(("--served-model-name", served) if served else ()), *CPU_ARGS]
         cmd += ["--max-total-tokens", str(max_total_tokens)]
         super().__init__(cmd, {**env, **CPU_ENV}, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
+
+    #: SGLang's graceful shutdown is SIGTERM: its tokenizer manager drains, sends the schedulers
+    #: a ShutdownReq and waits for them to exit (the producer's EngineStopped and flush run at
+    #: the scheduler's exit). On SIGINT its launcher SIGKILLs the schedulers
+    #: (``kill_process_tree``), and no EngineStopped is ever sent (docs/sglang.md).
+    stop_signal = signal.SIGTERM
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
         return generate(self.url, rid, tenant, ids, max_new)

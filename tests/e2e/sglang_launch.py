@@ -8,7 +8,8 @@ SGLang's radix cache. The SparSEEty producer itself loads through its plugin ent
 as in production; this file only adds the test's independent record.
 
 The truth is written as JSON lines to ``$E2E_SGLANG_TRUTH`` (appended and flushed per
-record, so it survives the server's shutdown). Per request, at its first extend batch:
+record, so it survives the server's shutdown): one ``{"event_loop": name}`` line when the
+scheduler enters its loop, then per request, at its first extend batch:
 
 * ``hit``: the radix-cache prefix SGLang matched (``req.prefix_len``);
 * ``recomputed_blocks``: full prompt blocks of ``BLOCK`` tokens at or past the hit whose token
@@ -90,6 +91,19 @@ def install_truth(path: str) -> None:
 
         cls.prepare_for_extend = prepare_for_extend
 
+    def on_scheduler(module: Any) -> None:
+        # Which of SGLang's event loops the scheduler runs (the overlap one is its GPU default).
+        cls = module.Scheduler
+        for name in ("event_loop_overlap", "event_loop_normal"):
+            orig_loop = getattr(cls, name)
+
+            def loop(self: Any, *args: Any, _orig: Any = orig_loop, _name: str = name, **kw: Any) -> Any:
+                out.write(json.dumps({"event_loop": _name}) + "\n")
+                return _orig(self, *args, **kw)
+
+            setattr(cls, name, loop)
+
+    wrapt.register_post_import_hook(on_scheduler, "sglang.srt.managers.scheduler")
     wrapt.register_post_import_hook(on_tree_core, "sglang.srt.mem_cache.unified_cache.unified_tree_core")
     wrapt.register_post_import_hook(on_batch, "sglang.srt.managers.schedule_batch")
 
