@@ -52,6 +52,8 @@ RECORDER_SEAMS = ("record_store", "record_remove", "record_all_cleared")
 _installed = Once()
 #: The session of this process's scheduler (one scheduler per SGLang scheduler process).
 _session: Any = None
+#: Whether the Rust TreeCore adapter's KV event conversion is teed in this process.
+_rust_tee = False
 
 
 def install() -> None:
@@ -61,6 +63,7 @@ def install() -> None:
     after_import("sglang.srt.managers.scheduler", _on_scheduler_module, log)
     after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module, log)
     after_import("sglang.srt.mem_cache.events", _on_events_module, log)
+    after_import("sglang.srt.mem_cache.rust_tree_core.adapter", _on_rust_adapter_module, log)
 
 
 def _disable(exc: BaseException) -> None:
@@ -107,7 +110,7 @@ def _on_scheduler_module(module: Any) -> list[str]:
                 return  # every rank runs the same schedule: rank 0 publishes it
             from .session import SglangSession, kv_events_observed
 
-            _session = SglangSession.start(load_config(env=os.environ), self)
+            _session = SglangSession.start(load_config(env=os.environ), self, rust_tee=_rust_tee)
             log.info(
                 "sparseety: SGLang engine %s hooked (tree cache %s)",
                 _session.emitter.engine_id,
@@ -115,10 +118,11 @@ def _on_scheduler_module(module: Any) -> list[str]:
             )
             if not kv_events_observed(getattr(self, "tree_cache", None)):
                 log.warning(
-                    "sparseety: SGLang runs the Rust radix-tree core, whose inserts and evictions "
-                    "the producer cannot see: cached-token sources and recompute after eviction are "
-                    "not observed (EngineStarted.kv_events_observed false). "
-                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python makes them visible (docs/sglang.md)"
+                    "sparseety: SGLang runs the Rust radix-tree core without its KV events, so the "
+                    "producer cannot see its inserts and evictions: cached-token sources and "
+                    "recompute after eviction are not observed (EngineStarted.kv_events_observed "
+                    "false). SGLang's --kv-events-config (a zmq publisher) makes them visible, or "
+                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python (docs/sglang.md)"
                 )
         except Exception as exc:
             log.warning("sparseety: not publishing this SGLang engine: %r", exc)
@@ -127,6 +131,8 @@ def _on_scheduler_module(module: Any) -> list[str]:
     def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         session = _session
         if session is not None:
+            if session.rust_publisher is not None:
+                _guarded(session.drain_rust_events)()
             _guarded(session.before_run)(batch)
         result = orig_run(self, batch, *args, **kwargs)
         if session is not None:
@@ -221,3 +227,29 @@ def _on_events_module(module: Any) -> list[str]:
     cls.record_remove = record_remove
     cls.record_all_cleared = record_all_cleared
     return [f"KVCacheEventRecorder.{s}" for s in RECORDER_SEAMS]
+
+
+def _on_rust_adapter_module(module: Any) -> list[str]:
+    """Tee the Rust TreeCore's KV events: SGLang converts each tagged tuple the Rust core queued
+    with the adapter's ``_kv_event_from_tagged`` when it takes them for its own publisher
+    (``_RustKVCacheEventRecorder.take``, called only with ``--kv-events-config``); the wrapper
+    hands the same tuple to the session and returns SGLang's conversion unchanged."""
+    global _rust_tee
+    orig = getattr(module, "_kv_event_from_tagged", None)
+    if not callable(orig):
+        log.warning(
+            "sparseety: SGLang's Rust TreeCore adapter has no _kv_event_from_tagged: KV events not teed"
+        )
+        return []
+
+    @functools.wraps(orig)
+    def _kv_event_from_tagged(event: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(event, *args, **kwargs)
+        session = _session
+        if session is not None:
+            _guarded(session.on_rust_event)(event)
+        return out
+
+    module._kv_event_from_tagged = _kv_event_from_tagged
+    _rust_tee = True
+    return ["rust_tree_core.adapter._kv_event_from_tagged"]

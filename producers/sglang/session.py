@@ -36,7 +36,7 @@ from .. import plugin_kit
 from ..emitter import Emitter, new_epoch
 from ..plugin_kit import SessionBase, announce
 from ..privacy import PromptPolicy
-from .records import HASH_ALGO, RecordBuilder
+from .records import HASH_ALGO, RecordBuilder, RustRun
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -50,7 +50,9 @@ def sglang_version() -> str:
     return plugin_kit.installed_version("sglang")
 
 
-def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[str, Any]:
+def engine_started(
+    scheduler: Any, block_size: int, privacy_mode: str, rust_tee: bool = False
+) -> dict[str, Any]:
     """The EngineStarted payload of one SGLang scheduler (tensor-parallel rank 0)."""
     args = scheduler.server_args
     mc = scheduler.model_config
@@ -97,24 +99,40 @@ def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[s
         "num_gpu_blocks": int(getattr(scheduler, "max_total_num_tokens", 0) or 0) // block_size,
         "privacy_mode": privacy_mode,
         "routing_capture": False,
-        "kv_events_observed": kv_events_observed(tree),
+        "kv_events_observed": kv_events_observed(tree, rust_tee),
     }
 
 
-def kv_events_observed(tree: Any) -> bool:
-    """Whether the recorder hooks will see this radix cache's inserts and evictions.
+def kv_events_observed(tree: Any, rust_tee: bool = False) -> bool:
+    """Whether the producer will see this radix cache's inserts and evictions.
 
     SGLang 0.5.23's ``UnifiedRadixCache`` runs its tree in a TreeCore chosen per cache
     (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust`` on Linux, with a fallback to
-    Python for features Rust lacks): the Rust core inserts and evicts inside Rust and never calls
-    the Python ``KVCacheEventRecorder``. What is read here is the backend the cache resolved, not
-    the variable, so a fallback is seen as what runs.
+    Python for features Rust lacks). The Python core calls the ``KVCacheEventRecorder`` the hooks
+    wrap. The Rust core inserts and evicts inside Rust and only queues KV events when SGLang's own
+    are on (``--kv-events-config``); the producer tees that queue (``rust_tee``: the adapter's
+    event conversion is hooked). What is read here is the backend the cache resolved, not the
+    variable, so a fallback is seen as what runs.
     """
     backend = getattr(tree, "_tree_core_backend", None)
-    if isinstance(backend, str):
-        return backend != "rust"
     core = getattr(tree, "tree_core", None)
-    return core is None or "Rust" not in type(core).__name__
+    rust = (
+        backend == "rust" if isinstance(backend, str) else core is not None and "Rust" in type(core).__name__
+    )
+    if not rust:
+        return True
+    return rust_tee and rust_events_enabled(tree)
+
+
+def rust_events_enabled(tree: Any) -> bool:
+    """Whether the Rust TreeCore of ``tree`` queues KV events (SGLang's ``--kv-events-config``)."""
+    recorder = getattr(getattr(tree, "tree_core", None), "kv_events", None)
+    return bool(getattr(recorder, "enabled", False))
+
+
+def _on_device(medium: Any) -> bool:
+    """A KV event's ``medium`` (SGLang's ``StorageMedium`` value) is the device tier."""
+    return str(getattr(medium, "value", medium)) == "GPU"
 
 
 def engine_name(cfg: Config, scheduler: Any, served: str) -> str:
@@ -172,12 +190,18 @@ class SglangSession(SessionBase):
         self._flights: dict[int, InFlight] = {}
         self._launching: InFlight | None = None
         self._processing: InFlight | None = None
+        #: SGLang's KV event publisher when the Rust TreeCore's events are teed (else None).
+        self.rust_publisher: Any = None
+        #: The Rust core's pages this epoch saw stored: SGLang's block hash -> (run, end depth).
+        self._rust_pages: dict[int, tuple[RustRun, int]] = {}
 
     @classmethod
-    def start(cls, cfg: Config, scheduler: Any) -> SglangSession:
+    def start(cls, cfg: Config, scheduler: Any, rust_tee: bool = False) -> SglangSession:
+        """The session of ``scheduler``; ``rust_tee``: the Rust TreeCore's KV events are teed
+        (the hooks wrapped its adapter's event conversion)."""
         page = int(getattr(scheduler, "page_size", 1) or 1)
         block_size = page if page > 1 else DEFAULT_BLOCK_SIZE
-        started = engine_started(scheduler, block_size, cfg.privacy.mode)
+        started = engine_started(scheduler, block_size, cfg.privacy.mode, rust_tee)
         emitter = Emitter(
             cfg, engine_name=engine_name(cfg, scheduler, started["served_model_name"]), epoch=new_epoch()
         )
@@ -187,6 +211,9 @@ class SglangSession(SessionBase):
             block_size=block_size,
         )
         session = cls(cfg, emitter, builder)
+        tree = getattr(scheduler, "tree_cache", None)
+        if rust_tee and started["kv_events_observed"] and rust_events_enabled(tree):
+            session.rust_publisher = getattr(scheduler, "kv_events_publisher", None)
         announce(session, started)
         log.info(
             "sparseety: publishing SGLang engine %s to %s (topic %s, block size %d)",
@@ -390,3 +417,59 @@ class SglangSession(SessionBase):
 
     def on_cleared(self) -> None:
         self.emitter.emit_record(ev.KV_CLEARED, {"medium": "GPU"})
+
+    # --- the Rust TreeCore's KV events ---------------------------------------------------------
+
+    def drain_rust_events(self) -> None:
+        """Before a batch launches: SGLang's own ``publish_kv_events`` (it takes the Rust core's
+        queued KV events and publishes them on SGLang's configured publisher, as it does after
+        each prefill result), so the inserts and evictions before this batch's admissions reach
+        the stream before its RequestStarted. SGLang's subscribers get the same events, sooner."""
+        publisher = self.rust_publisher
+        if publisher is not None:
+            publisher.publish_kv_events()
+
+    def on_rust_event(self, event: Any) -> None:
+        """One of the Rust core's tagged KV events, as SGLang converts it
+        (``block_stored``: hashes, parent hash, token ids, block size, medium, cache_salt,
+        session id, extra_key; ``block_removed``: hashes, medium, extra_key;
+        ``all_blocks_cleared``). Device-tier pages only; a page whose path the session never saw
+        (stored before it started) is skipped."""
+        tag = event[0]
+        pages = self._rust_pages
+        bs = self.block_size
+        if tag == "block_stored":
+            hashes, parent, tokens = event[1], event[2], event[3]
+            if not hashes or not _on_device(event[5]):
+                return
+            if parent is None:
+                prev, start = None, 0
+            else:
+                at = pages.get(parent)
+                if at is None:
+                    return
+                prev, start = at
+            page = len(tokens) // len(hashes)
+            run = RustRun(prev, start, tokens, page, (event[8], event[6]))
+            for i, h in enumerate(hashes):
+                pages[h] = (run, start + (i + 1) * page)
+            end = start + len(tokens)
+            if end // bs > start // bs:  # some block ends in this run
+                self.emitter.emit(self.builder.rust_stored, run, end)
+        elif tag == "block_removed":
+            if not _on_device(event[2]):
+                return
+            ends: list[tuple[RustRun, int]] = []
+            for h in event[1]:
+                at = pages.pop(h, None)
+                if at is None:
+                    continue
+                run, end = at
+                block_end = end // bs * bs
+                if block_end > end - run.page and block_end > 0:  # a block ends in this page
+                    ends.append((run, block_end))
+            if ends:
+                self.emitter.emit(self.builder.rust_removed, ends)
+        elif tag == "all_blocks_cleared":
+            pages.clear()
+            self.on_cleared()

@@ -16,6 +16,7 @@ the producer sees (docs/sglang.md).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -48,6 +49,15 @@ CPU_ENV = {
 DEMO_MAX_TOTAL_TOKENS = 1024
 #: Longest prompt + output the demo sends (the vLLM demo's max_model_len).
 MAX_LEN = 512
+
+
+def kv_events_args(port: int) -> tuple[str, ...]:
+    """SGLang's own KV events on, published by zmq on loopback ``port``: what makes the Rust
+    TreeCore queue its inserts and evictions, which the producer tees (docs/sglang.md). The
+    ``null`` publisher would do, but SGLang 0.5.23 crashes on it (``NullEventPublisher() takes
+    no arguments``)."""
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv-events"}
+    return ("--kv-events-config", json.dumps(config))
 
 
 def generate(url: str, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
@@ -113,6 +123,10 @@ class SglangServer(ServerProcess):
             ``sglang.launch_server``'s arguments (the e2e tests' ground-truth recorder).
         cwd: The server's working directory (where ``module`` is importable from).
         timeout_s: How long it may take to answer /health.
+        tree_core: SGLang's radix TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``):
+            ``python`` (the recorder hooks see it), or ``rust`` (its Linux default; seen when
+            ``extra_args`` turn SGLang's KV events on: :func:`kv_events_args`).
+        extra_args: More ``sglang.launch_server`` arguments.
     """
 
     def __init__(
@@ -127,11 +141,14 @@ class SglangServer(ServerProcess):
         module: str = "sglang.launch_server",
         cwd: Path | None = None,
         timeout_s: float = 600.0,
+        tree_core: str = "python",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         cmd = [str(python), "-m", module, "--model-path", str(model)]
         cmd += [*(("--served-model-name", served) if served else ()), *CPU_ARGS]
-        cmd += ["--max-total-tokens", str(max_total_tokens)]
-        super().__init__(cmd, {**env, **CPU_ENV}, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
+        cmd += ["--max-total-tokens", str(max_total_tokens), *extra_args]
+        env = {**env, **CPU_ENV, "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": tree_core}
+        super().__init__(cmd, env, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
 
     #: SGLang's graceful shutdown is SIGTERM: its tokenizer manager drains, sends the schedulers
     #: a ShutdownReq and waits for them to exit (the producer's EngineStopped and flush run at
