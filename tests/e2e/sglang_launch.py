@@ -9,7 +9,9 @@ as in production; this file only adds the test's independent record.
 
 The truth is written as JSON lines to ``$E2E_SGLANG_TRUTH`` (appended and flushed per
 record, so it survives the server's shutdown): one ``{"event_loop": name}`` line when the
-scheduler enters its loop, then per request, at its first extend batch:
+scheduler enters its loop, one ``{"resumed": rid, "hit": prefix}`` line at each first extend
+of a retracted request (the cached prefix it reads back), then per request, at its first
+extend batch:
 
 * ``hit``: the radix-cache prefix SGLang matched (``req.prefix_len``);
 * ``recomputed_blocks``: full prompt blocks of ``BLOCK`` tokens at or past the hit whose token
@@ -115,6 +117,9 @@ def install_truth(path: str) -> None:
             if getattr(tree, "_tree_core_backend", None) == "rust":
                 tree.take_events()  # what the Rust core queued before this batch (seen by take)
             for req in self.reqs:
+                if req.rid in seen and getattr(req, "is_retracted", False):
+                    # a retracted request's first extend again: the prefix it reads back
+                    out.write(json.dumps({"resumed": req.rid, "hit": int(req.prefix_len)}) + "\n")
                 if req.rid in seen or req.rid.startswith("HEALTH_CHECK"):
                     continue
                 seen.add(req.rid)
