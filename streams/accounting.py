@@ -133,6 +133,12 @@ def build(
         **token_fields(cfg.get("privacy_mode", ""), r),
         "kv_groups": kv_memory.record(kv_memory.KvShape(cfg), r) if r.steps else [],
         "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,
+        "engine_cache_write_tokens": fin.get("num_cache_creation_tokens", -1),
+        "priority": r.priority,
+        "service_tier": r.service_tier,
+        "cache_ttl": r.cache_ttl,
+        "pd_join_id": r.pd_join_id,
+        "pd_role": r.pd_role,
     }
 
 

@@ -105,6 +105,11 @@ class PositionFold:
         r.external_request_id = body.get("external_request_id", "")
         r.parent_request_id = body.get("parent_request_id", "")
         r.choice_index = body.get("choice_index", 0)
+        r.priority = body.get("priority", 0)
+        r.service_tier = body.get("service_tier", "")
+        r.cache_ttl = body.get("cache_ttl", "")
+        r.pd_join_id = body.get("pd_join_id", "")
+        r.pd_role = body.get("pd_role", "none")
         r.model = base_model(body, epoch.config)
         r.lora_name = body["lora_name"]
         if epoch.config is None:

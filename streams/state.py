@@ -192,6 +192,13 @@ class RequestState(_Record):
     # Of draft_cut, the drafts of a step in which the request ended before they were verified
     # (vLLM counts them nowhere; appended: older persisted states still load).
     draft_unverified: int = 0
+    # Issue 36 (schema v7; appended: older persisted states still load). RequestStarted's
+    # billing facts, carried to the record (sparseety/billing.py names them).
+    priority: int = 0
+    service_tier: str = ""
+    cache_ttl: str = ""
+    pd_join_id: str = ""
+    pd_role: str = "none"
 
     @property
     def uid(self) -> str:

@@ -108,6 +108,12 @@ def request_started(
         "parent_request_id": "",
         "choice_index": 0,
         "num_external_cached_tokens": 0,
+        "cached_tokens_by_source": {},
+        "service_tier": "",
+        "cache_ttl": "",
+        "pd_join_id": "",
+        "pd_role": "none",
+        "mm_inputs": [],
         **over,
     }
 
@@ -157,6 +163,10 @@ def request_finished(
         "reasoning_spans": None,
         "kv_freed_before_step": -1,
         "kv_freed_ts_ns": 0,
+        "num_cache_creation_tokens": -1,
+        "prompt_tokens_by_modality": {},
+        "num_encoder_compute_tokens": -1,
+        "num_encoder_cache_hit_tokens": -1,
         **over,
     }
 
@@ -353,6 +363,24 @@ def accounting(uid: str = f"{EID}/r1", **over: Any) -> dict[str, Any]:
         "kv_groups": [],
         "kv_peak_bytes": -1,
         "draft_unverified_tokens": 0,
+        "cache_write_tokens": 0,
+        "engine_cache_write_tokens": -1,
+        "cache_read_cpu_offload_tokens": 0,
+        "cache_read_host_tokens": 0,
+        "cache_read_storage_tokens": 0,
+        "priority": 0,
+        "service_tier": "",
+        "cache_ttl": "",
+        "pd_join_id": "",
+        "pd_role": "none",
+        "image_tokens": 0,
+        "audio_tokens": 0,
+        "video_tokens": 0,
+        "image_cached_tokens": 0,
+        "audio_cached_tokens": 0,
+        "video_cached_tokens": 0,
+        "encoder_compute_tokens": 0,
+        "encoder_cache_hit_tokens": 0,
     }
     rec.update(over)
     return rec

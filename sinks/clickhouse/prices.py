@@ -41,10 +41,41 @@ from .migrate import on_cluster
 if TYPE_CHECKING:
     from .client import Store
 
-PRICE_CLASSES = ("input", "cached_input", "output", "gpu_hour", "kv", "reasoning_output")
+PRICE_CLASSES = (
+    "input",
+    "cached_input",
+    "output",
+    "gpu_hour",
+    "kv",
+    "reasoning_output",
+    # issue 36 (migration 017; docs/cost-model.md, "The bill of 2026")
+    "cache_write",
+    "cached_input_cpu_offload",
+    "cached_input_external",
+    "cached_input_host",
+    "cached_input_storage",
+    "image_input",
+    "audio_input",
+    "video_input",
+    "encoder_compute",
+    "encoder_cache_read",
+    "service_tier_multiplier",
+    "cache_write_ttl_multiplier",
+)
+
+#: Classes that hold a factor (not USD) for the value their entry's ``qualifier`` names: the
+#: service tier, the cache TTL. Every other class has no qualifier.
+MULTIPLIER_CLASSES = ("service_tier_multiplier", "cache_write_ttl_multiplier")
 
 #: The unit each class is priced in (token classes: per million tokens).
-PRICE_UNITS = {"gpu_hour": "GPU-hour", "kv": "GiB-hour of KV cache held"}
+PRICE_UNITS = {
+    "gpu_hour": "GPU-hour",
+    "kv": "GiB-hour of KV cache held",
+    "encoder_compute": "1M encoder tokens",
+    "encoder_cache_read": "1M encoder tokens",
+    "service_tier_multiplier": "factor on the request's token cost",
+    "cache_write_ttl_multiplier": "factor on the cache_write price",
+}
 MICRO = Decimal(1_000_000)
 
 
