@@ -45,6 +45,18 @@ def chain_hashes(tokens: Any, block_size: int, seed: bytes, first: int = 0) -> l
     return out
 
 
+#: SGLang's cache tiers, in ``cached_tokens_details`` order (sparseety.billing.SOURCE_TIERS).
+SGLANG_SOURCES = ("device", "host", "storage")
+
+
+def cached_by_source(tiers: tuple[Any, Any, Any] | None) -> dict[str, int]:
+    """RequestStarted.cached_tokens_by_source from SGLang's (device, host, storage) split: the
+    non-zero entries under SGLang's own names; empty when not reported."""
+    if tiers is None:
+        return {}
+    return {name: int(n) for name, n in zip(SGLANG_SOURCES, tiers, strict=True) if n}
+
+
 def _finish_reason(reason: Any) -> str:
     """SGLang's finish classes (FINISH_LENGTH, FINISH_MATCHED_TOKEN, FINISH_ABORT, ...)."""
     name = type(reason).__name__ if reason is not None else "FINISH_ABORT"
@@ -107,7 +119,11 @@ class RecordBuilder:
         max_tokens: int | None,
         custom: Any,
         namespace: tuple[Any, Any],
+        tiers: tuple[Any, Any, Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
+        """``tiers``: SGLang's split of the admission hit (``req.cached_tokens_device``,
+        ``_host``, ``_storage``: what ``meta_info.cached_tokens_details`` reports), None when
+        the request has none."""
         ids, hashes = self.policy.fields(list(prompt))
         custom = custom if isinstance(custom, dict) else {}
         tenant = engine_tenant(custom.get("tenant"))
@@ -127,6 +143,7 @@ class RecordBuilder:
             "lora_name": None,
             "priority": 0,
             "session_id": str(session),
+            "cached_tokens_by_source": cached_by_source(tiers),
             **request_identity(rid),
         }
 

@@ -130,6 +130,15 @@ def rust_events_enabled(tree: Any) -> bool:
     return bool(getattr(recorder, "enabled", False))
 
 
+def _tiers(req: Any) -> tuple[Any, Any, Any] | None:
+    """SGLang's split of a request's admission hit by tier (set by ``prepare_for_extend`` on its
+    first extend, before ``run_batch``): device, host (HiCache L2), storage (L3)."""
+    device = getattr(req, "cached_tokens_device", None)
+    if device is None:
+        return None
+    return (device, getattr(req, "cached_tokens_host", 0), getattr(req, "cached_tokens_storage", 0))
+
+
 def _on_device(medium: Any) -> bool:
     """A KV event's ``medium`` (SGLang's ``StorageMedium`` value) is the device tier."""
     return str(getattr(medium, "value", medium)) == "GPU"
@@ -274,6 +283,7 @@ class SglangSession(SessionBase):
                         getattr(sp, "max_new_tokens", None),
                         getattr(sp, "custom_params", None),
                         (req.extra_key, getattr(req, "cache_salt", None)),
+                        _tiers(req),
                     )
                 )
             elif rid in self._retracted:

@@ -99,6 +99,9 @@ def test_every_class_equals_what_sglang_reported(mode: Mode, runs: dict[str, Mod
             bad.append((rid, "hit", started[rid]["num_cached_tokens"], run.truth[rid]["hit"]))
         if details.get("device", 0) != info["cached_tokens"]:  # one tier: the device
             bad.append((rid, "details", details))
+        # RequestStarted.cached_tokens_by_source (issue 36's contract): SGLang's own split
+        if started[rid]["cached_tokens_by_source"] != {k: v for k, v in details.items() if v}:
+            bad.append((rid, "by source", started[rid]["cached_tokens_by_source"], details))
         # every full block of the hit names the request that computed it (all were computed here)
         full = info["cached_tokens"] // BLOCK * BLOCK
         sources = {

@@ -125,3 +125,25 @@ def test_the_rust_cores_kv_events_name_the_blocks_the_prompts_name() -> None:
     assert recs == []  # its parent page was never seen: its path is unknown, nothing is named
     s.on_rust_event(("all_blocks_cleared",))
     assert [t for t, _ in recs] == [ev.KV_CLEARED] and s._rust_pages == {}
+
+
+def test_the_admission_hit_is_split_by_sglangs_tiers_and_encodes() -> None:
+    """RequestStarted.cached_tokens_by_source (schema v7, issue 36's contract) carries SGLang's
+    own split of the hit, ``cached_tokens_details`` (device, host, storage): non-zero entries
+    under SGLang's names, summing to the hit; nothing when SGLang reported no split."""
+    from sparseety import events as ev
+    from sparseety.schema_store import SchemaStore
+    from sparseety.serde import Encoder
+
+    b = _builder()
+    prompt = list(range(100, 140))
+    _, split = b.request_started("r", prompt, 32, 0.0, 8, {}, (None, None), (16, 16, 0))
+    assert split["cached_tokens_by_source"] == {"device": 16, "host": 16}
+    assert sum(split["cached_tokens_by_source"].values()) == split["num_cached_tokens"]
+    _, none = b.request_started("r", prompt, 0, 0.0, 8, {}, (None, None), None)
+    assert none["cached_tokens_by_source"] == {}
+    record = ev.envelope(
+        engine_name="e", engine_id_="e@1", stream=ev.CORE_STREAM, seq=0, ts_ns=1, mono_ns=1,
+        payload_type=ev.REQUEST_STARTED, payload=split,
+    )  # fmt: skip
+    assert Encoder(SchemaStore.load(), "EngineEvent").encode(record)
