@@ -39,8 +39,9 @@ CPU_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 CPU_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
-    # the Python TreeCore: the producer sees its radix inserts and evictions (the Rust TreeCore,
-    # SGLang's Linux default, keeps them in Rust: docs/sglang.md)
+    # the default TreeCore here: Python, whose inserts and evictions the recorder hooks see (the
+    # Rust TreeCore, SGLang's Linux default, is seen with its KV events on: SglangServer's
+    # tree_core and kv_events_args; docs/sglang.md)
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
     "TOKENIZERS_PARALLELISM": "false",
 }
