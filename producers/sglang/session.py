@@ -199,6 +199,8 @@ class SglangSession(SessionBase):
         self._flights: dict[int, InFlight] = {}
         self._launching: InFlight | None = None
         self._processing: InFlight | None = None
+        #: Ended outside a step (aborted while waiting) with a batch of theirs still in flight.
+        self._ended: set[str] = set()
         #: SGLang's KV event publisher when the Rust TreeCore's events are teed (else None).
         self.rust_publisher: Any = None
         #: The Rust core's pages this epoch saw stored: SGLang's block hash -> (run, end depth).
@@ -344,7 +346,7 @@ class SglangSession(SessionBase):
                 inflight[rid] = left
             else:
                 inflight.pop(rid, None)
-                if req.finished() and rid in self._live:
+                if (req.finished() or rid in self._ended) and rid in self._live:
                     self._close(rid)
                     finished.append(self._finish_facts(req))
         self.emitter.emit(
@@ -365,6 +367,7 @@ class SglangSession(SessionBase):
 
     def _close(self, rid: str) -> None:
         self._live.discard(rid)
+        self._ended.discard(rid)
         self._pos.pop(rid, None)
         self._retracted.discard(rid)
 
@@ -390,15 +393,19 @@ class SglangSession(SessionBase):
         a batch in flight (retracted while the overlap scheduler ran it) finishes when that
         batch's result is processed."""
         rid = req.rid
-        if rid in self._live and not self._inflight.get(rid):
-            self._close(rid)
-            self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
+        if rid not in self._live:
+            return
+        if self._inflight.get(rid):
+            self._ended.add(rid)  # SGLang may leave finished_reason unset on this path
+            return
+        self._close(rid)
+        self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
 
     def _release(self) -> None:
         """At stop: requests SGLang finished while a batch of theirs was still in flight."""
         for flight in [*self._flights.values(), *filter(None, [self._processing])]:
             for req in flight.reqs:
-                if req.rid in self._live and req.finished():
+                if req.rid in self._live and (req.finished() or req.rid in self._ended):
                     self._close(req.rid)
                     self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
 

@@ -114,6 +114,7 @@ class ModeRun:
     truth: dict[str, dict[str, Any]]
     loops: list[str]
     events: list[dict[str, Any]]
+    topic: str = ""
     accounts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -173,6 +174,7 @@ def run_modes(modes: list[Mode], model: Path, broker: Config, workdir: Path) -> 
             truth=_truth(lines),
             loops=[t["event_loop"] for t in lines if "event_loop" in t],
             events=events,
+            topic=cfg.topics.engine_events,
             accounts=fold(events),
         )
     return out

@@ -1,5 +1,7 @@
 """SGLang's real scheduler in its production modes, a simulated model worker, the real broker
-and the real fold: every class equals what SGLang itself reported, per request.
+and the real fold: every class equals what SGLang itself reported, per request. Then every
+mode's events once more through a real worker process (the Faust assembler) and the ClickHouse
+sink into a chDB store, which must say what the pure fold says.
 
 The matrix (docs/sglang.md, "Modes"): scheduler overlap (SGLang's GPU default) / normal x
 TreeCore Rust (its Linux default, KV events teed) / Python; each with prefix sharing, chunked
@@ -9,6 +11,7 @@ prefill, retraction and radix eviction in one workload (``tests/harness/sglang_m
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +115,73 @@ def test_every_class_equals_what_sglang_reported(mode: Mode, runs: dict[str, Mod
         if full and (None in sources or not sources):
             bad.append((rid, "sources", sources))
     assert bad == []
+
+
+#: The RequestAccounting fields the store must hold as the pure fold has them.
+STORED = ("prompt_tokens", "output_tokens", "cache_read_tokens", "engine_cached_tokens", "preemptions",
+          "recomputed_eviction_tokens", "tenant")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    runs: dict[str, ModeRun], broker: Config, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every mode's raw events on one topic, a real worker, its records through the sink into a
+    chDB store; the store's ``requests`` rows by (engine name, request id)."""
+    from sparseety.kafka import ensure_topics
+    from sparseety.sinks.clickhouse.tables import SINK_TABLES
+    from tests.helpers import (
+        ComponentProcess,
+        chdb_config,
+        latest_by_key,
+        produce_raw,
+        read_topic,
+        throwaway_store,
+        wait_folded,
+        write_accounting,
+    )
+    from tests.topology.test_worker import worker_cfg
+
+    tmp = tmp_path_factory.mktemp("sglang-pipeline")
+    topics = {
+        "engine_events": "sgh.ee",
+        "timelines": "sgh.tl",
+        "usage": "sgh.us",
+        "dlq": "sgh.dlq",
+        "partitions": 2,
+    }
+    cfg = worker_cfg(broker.replace(topics=topics, data_dir=str(tmp / "data")), "sglang-harness")
+    ensure_topics(cfg)
+    for run in runs.values():
+        raw = read_topic(cfg, run.topic, decode=False, quiet_s=0.5)
+        produce_raw(cfg, cfg.topics.engine_events, [(r[2], r[3]) for r in raw])
+    expected = sum(len(run.answers) for run in runs.values())
+    worker = ComponentProcess(cfg, ["worker"], tmp / "worker.log").start()
+    try:
+        wait_folded(cfg, worker, expected, 240, "every harness request")
+        records = list(latest_by_key(read_topic(cfg, cfg.topics.timelines)).values())
+        dead = read_topic(cfg, cfg.topics.dlq)
+    finally:
+        worker.stop()
+    assert dead == []
+    table = next(t for t in SINK_TABLES if t.name == "requests")
+    with throwaway_store(chdb_config(tmp_path_factory)) as store:
+        write_accounting(store, records)
+        cols = ["engine_name", "request_id", *STORED]
+        _, rows = store.query_rows(f"SELECT {', '.join(cols)} FROM {store.table(table.name)} FINAL")
+    return {(r[0], r[1]): dict(zip(cols, r, strict=True)) for r in rows}
+
+
+def test_the_worker_and_the_store_say_what_the_fold_says(
+    runs: dict[str, ModeRun], pipeline: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    bad = []
+    for run in runs.values():
+        engine = next(e["engine_name"] for e in run.events)
+        for rid in run.answers:
+            row = pipeline.get((engine, rid))
+            want = {k: run.accounts[rid][k] for k in STORED}
+            if row is None or {k: row[k] for k in STORED} != want:
+                bad.append((run.mode.name, rid, row, want))
+    assert bad == []
+    assert len(pipeline) == sum(len(run.answers) for run in runs.values())

@@ -132,3 +132,23 @@ def test_an_unknown_result_is_ignored() -> None:
     loop.reqs = {}  # type: ignore[attr-defined]
     loop.process(object(), {})
     assert loop.records == []
+
+
+def test_an_abort_while_a_batch_of_the_request_is_in_flight_waits_for_it() -> None:
+    """A request retracted from the running batch while its previous batch is still in flight,
+    then aborted from the waiting queue (SGLang leaves its finished_reason unset there): it
+    finishes once that batch is processed, never before its StepBatch."""
+    loop = Loop()
+    a = Req("a", [1, 2, 3])
+    loop.reqs = {"a": a}  # type: ignore[attr-defined]
+    r_ext = loop.run(extend(a))
+    r_d1 = loop.run(decode(a))
+    loop.process(r_ext, {"a": 10})
+    loop.s.on_retract([a])
+    loop.s.on_finished_outside_step(a)  # aborted while waiting; d1 is still in flight
+    assert [t for t, _ in loop.records].count(ev.REQUEST_FINISHED) == 0
+    loop.process(r_d1, {"a": None})  # retracted: SGLang skips it
+    kinds = [t for t, _ in loop.records]
+    assert kinds[-2:] == [ev.STEP_BATCH, ev.REQUEST_FINISHED]
+    fin = loop.records[-1][1]
+    assert (fin["request_id"], fin["finish_reason"], fin["num_output_tokens"]) == ("a", "abort", 1)
