@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,11 @@ WORKLOAD: list[tuple[str, str, list[int]]] = [
 ]
 
 
-def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
+def start_server(cfg: Config, workdir: Path, **options: Any) -> tuple[SglangServer, Path]:
     """The product's launcher (``sparseety.stack.sglang_engine.SglangServer``) running
     ``tests/e2e/sglang_launch.py`` (SGLang's server plus the radix-cache truth recorder) on the
-    tiny Llama with this module's KV pool; returns the server and where its truth goes."""
+    tiny Llama with this module's KV pool, and ``options`` (``tree_core``, ``extra_args``);
+    returns the server and where its truth goes."""
     truth_path = workdir / "truth.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
     env.update({**to_env(cfg), "E2E_SGLANG_TRUTH": str(truth_path)})
@@ -80,6 +82,7 @@ def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
         max_total_tokens=MAX_TOTAL_TOKENS,
         module="tests.e2e.sglang_launch",
         cwd=ROOT,
+        **options,
     )
     return server, truth_path
 
@@ -120,6 +123,29 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
     return result
 
 
+def engine_workdir(broker: Config, e2e_dir: Path, name: str) -> tuple[Config, Path]:
+    """The engine ``name``'s config (its own topic) and directory; SGLang's venv must exist."""
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/setup_sglang.sh (scripts/setup.sh does)")
+    workdir = e2e_dir / name
+    workdir.mkdir(exist_ok=True)
+    return engine_config(broker, workdir, name), workdir
+
+
+def settled_realtime_tokens(url: str) -> dict[str, float]:
+    """``sglang:realtime_tokens_total`` once it stops moving. SGLang streams a request's last
+    output before it adds that batch's decode count (``stream_output`` comes before
+    ``report_decode_stats``), and under overlap an aborted request's batch in flight is
+    processed after the abort's answer: a read right after the workload can be a batch short."""
+    now = realtime_tokens(url)
+    for _ in range(20):
+        time.sleep(0.5)
+        now, before = realtime_tokens(url), now
+        if now == before:
+            break
+    return now
+
+
 def run_workload(server: SglangServer) -> dict[str, dict[str, Any]]:
     """:data:`WORKLOAD`, then the abort; SGLang's answer per request, with its tenant."""
     answers = {rid: {"tenant": t, **server.generate(rid, t, ids, MAX_NEW)} for rid, t, ids in WORKLOAD}
@@ -129,15 +155,11 @@ def run_workload(server: SglangServer) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/setup_sglang.sh (scripts/setup.sh does)")
-    workdir = e2e_dir / "sglang"
-    workdir.mkdir(exist_ok=True)
-    cfg = engine_config(broker, workdir, "sglang")
+    cfg, workdir = engine_workdir(broker, e2e_dir, "sglang")
     server, truth_path = start_server(cfg, workdir)
     try:
         answers = run_workload(server)
-        metrics = realtime_tokens(server.url)
+        metrics = settled_realtime_tokens(server.url)
         metrics_text = httpx.get(f"{server.url}/metrics", timeout=10).text
     finally:
         server.close()

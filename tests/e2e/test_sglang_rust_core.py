@@ -12,7 +12,6 @@ recompute after eviction equals the truth, and EngineStarted says the KV events 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,11 @@ from typing import Any
 import pytest
 
 from sparseety import events as ev
-from sparseety.config import Config, to_env
+from sparseety.config import Config
 from sparseety.stack.server_process import _free_port
-from sparseety.stack.sglang_engine import SglangServer, kv_events_args, realtime_tokens
-from tests.e2e.conftest import engine_config, tiny_model
+from sparseety.stack.sglang_engine import kv_events_args
 from tests.e2e.engine_events import engine_events
-from tests.e2e.test_sglang_engine import MAX_TOTAL_TOKENS, ROOT, SGLANG_PYTHON, run_workload
+from tests.e2e.test_sglang_engine import engine_workdir, run_workload, settled_realtime_tokens, start_server
 from tests.sglang_checks import check_run, fold
 
 pytestmark = pytest.mark.e2e
@@ -33,28 +31,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def rust_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
-    if not SGLANG_PYTHON.exists():
-        pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/setup_sglang.sh (scripts/setup.sh does)")
-    workdir = e2e_dir / "sglang-rust"
-    workdir.mkdir(exist_ok=True)
-    cfg = engine_config(broker, workdir, "sglang-rust")
-    truth_path = workdir / "truth.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
-    env.update({**to_env(cfg), "E2E_SGLANG_TRUTH": str(truth_path)})
-    server = SglangServer(
-        SGLANG_PYTHON,
-        tiny_model("llama"),
-        env,
-        workdir / "sglang.log",
-        max_total_tokens=MAX_TOTAL_TOKENS,
-        module="tests.e2e.sglang_launch",
-        cwd=ROOT,
-        tree_core="rust",
-        extra_args=kv_events_args(_free_port()),
-    )
+    cfg, workdir = engine_workdir(broker, e2e_dir, "sglang-rust")
+    server, truth_path = start_server(cfg, workdir, tree_core="rust", extra_args=kv_events_args(_free_port()))
     try:
         answers = run_workload(server)
-        metrics = realtime_tokens(server.url)
+        metrics = settled_realtime_tokens(server.url)
     finally:
         server.close()
     n = len(answers)
