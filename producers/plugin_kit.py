@@ -83,6 +83,17 @@ def after_import(name: str, callback: Callable[[Any], Any], logger: logging.Logg
     wrapt.register_post_import_hook(functools.partial(_run_callback, name, callback, logger), name)
 
 
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` ("" when unknown), read from its metadata only:
+    the hooks' registration calls this in the engine's launcher, where nothing heavy may load."""
+    try:
+        from importlib.metadata import version
+
+        return version(distribution)
+    except Exception:
+        return ""
+
+
 def missing_seams(cls: Any, seams: tuple[str, ...]) -> list[str]:
     """The methods of ``seams`` that ``cls`` lacks (or has as something not callable)."""
     return [m for m in seams if not callable(getattr(cls, m, None))]

@@ -1,6 +1,7 @@
 """Shared fixtures. Tiers follow folders: tests/unit (pure), tests/topology (real broker + Faust),
-tests/harness (vLLM's real engine core in its GPU-default modes, simulated executor, real broker),
-tests/e2e (real vLLM), tests/security (the store's and the API's walls, on real chDB and uvicorn).
+tests/harness (vLLM's real engine core and SGLang's real scheduler in their GPU-default modes, a
+simulated executor or model worker, real broker), tests/e2e (real vLLM and SGLang),
+tests/security (the store's and the API's walls, on real chDB and uvicorn).
 Services start once per session and are shared; names are unique per test.
 """
 

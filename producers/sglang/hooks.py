@@ -4,7 +4,9 @@ Seams (SGLang 0.5.23, checked against a running CPU engine):
 
 * ``Scheduler.__init__``: after it, on tensor/pipeline-parallel rank 0 only (every rank runs the
   same schedule), start the session: emitter, EngineStarted;
-* ``Scheduler.run_batch`` / ``Scheduler.process_batch_result``: one step per forward batch;
+* ``Scheduler.run_batch`` / ``Scheduler.process_batch_result``: one step per forward batch, held
+  in flight from launch to its result (keyed by the result object: the overlap scheduler launches
+  batch N+1 before it processes batch N, and hands ``process_batch_result`` a copy of the batch);
 * ``ScheduleBatch.retract_decode``: retractions (SGLang's preemption);
 * ``KVCacheEventRecorder.record_store`` / ``record_remove`` / ``record_all_cleared``: the radix
   cache's inserts, evictions and resets (SGLang calls them whether or not its KV events are on);
@@ -12,6 +14,14 @@ Seams (SGLang 0.5.23, checked against a running CPU engine):
 
 A missing seam disables the producer (one log line) and SGLang runs untouched; an object of an
 unexpected shape at run time stops publishing for that engine, never the engine.
+
+The post-import callbacks below also run in SGLang's launcher, which imports the scheduler module
+(``sglang.srt.entrypoints.engine``) *before* it sets ``PROMETHEUS_MULTIPROC_DIR``. They must not
+import the session (``.session`` loads ``prometheus_client`` through the producer's metrics):
+``prometheus_client`` picks its value class when first imported, and one loaded before that
+variable keeps the launcher's tokenizer metrics out of SGLang's multiprocess ``/metrics``
+(``sglang:prompt_tokens_total`` and the other tokenizer-manager series disappeared). The session
+is imported only in ``Scheduler.__init__``, in the scheduler process.
 """
 
 from __future__ import annotations
@@ -24,7 +34,14 @@ from typing import Any
 
 from sparseety.config import load_config
 
-from ..plugin_kit import Once, after_import, check_scheduler, missing_seams, stop_publishing
+from ..plugin_kit import (
+    Once,
+    after_import,
+    check_scheduler,
+    installed_version,
+    missing_seams,
+    stop_publishing,
+)
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -35,6 +52,8 @@ RECORDER_SEAMS = ("record_store", "record_remove", "record_all_cleared")
 _installed = Once()
 #: The session of this process's scheduler (one scheduler per SGLang scheduler process).
 _session: Any = None
+#: Whether the Rust TreeCore adapter's KV event conversion is teed in this process.
+_rust_tee = False
 
 
 def install() -> None:
@@ -44,6 +63,7 @@ def install() -> None:
     after_import("sglang.srt.managers.scheduler", _on_scheduler_module, log)
     after_import("sglang.srt.managers.schedule_batch", _on_schedule_batch_module, log)
     after_import("sglang.srt.mem_cache.events", _on_events_module, log)
+    after_import("sglang.srt.mem_cache.rust_tree_core.adapter", _on_rust_adapter_module, log)
 
 
 def _disable(exc: BaseException) -> None:
@@ -52,9 +72,7 @@ def _disable(exc: BaseException) -> None:
     session, _session = _session, None
     if session is None:
         return
-    from .session import sglang_version
-
-    stop_publishing(session, exc, logger=log, engine=f"SGLang {sglang_version()}")
+    stop_publishing(session, exc, logger=log, engine=f"SGLang {installed_version('sglang')}")
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,10 +89,9 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def _on_scheduler_module(module: Any) -> list[str]:
     cls = module.Scheduler
-    from .session import sglang_version
-
+    version = installed_version("sglang")
     if not check_scheduler(
-        cls, SCHEDULER_SEAMS, logger=log, engine="SGLang", version=sglang_version(), tested=TESTED_VERSIONS
+        cls, SCHEDULER_SEAMS, logger=log, engine="SGLang", version=version, tested=TESTED_VERSIONS
     ):
         return []
     orig_init, orig_run, orig_result, orig_abort = (
@@ -93,7 +110,7 @@ def _on_scheduler_module(module: Any) -> list[str]:
                 return  # every rank runs the same schedule: rank 0 publishes it
             from .session import SglangSession, kv_events_observed
 
-            _session = SglangSession.start(load_config(env=os.environ), self)
+            _session = SglangSession.start(load_config(env=os.environ), self, rust_tee=_rust_tee)
             log.info(
                 "sparseety: SGLang engine %s hooked (tree cache %s)",
                 _session.emitter.engine_id,
@@ -101,10 +118,11 @@ def _on_scheduler_module(module: Any) -> list[str]:
             )
             if not kv_events_observed(getattr(self, "tree_cache", None)):
                 log.warning(
-                    "sparseety: SGLang runs the Rust radix-tree core, whose inserts and evictions "
-                    "the producer cannot see: cached-token sources and recompute after eviction are "
-                    "not observed (EngineStarted.kv_events_observed false). "
-                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python makes them visible (docs/sglang.md)"
+                    "sparseety: SGLang runs the Rust radix-tree core without its KV events, so the "
+                    "producer cannot see its inserts and evictions: cached-token sources and "
+                    "recompute after eviction are not observed (EngineStarted.kv_events_observed "
+                    "false). SGLang's --kv-events-config (a zmq publisher) makes them visible, or "
+                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python (docs/sglang.md)"
                 )
         except Exception as exc:
             log.warning("sparseety: not publishing this SGLang engine: %r", exc)
@@ -113,11 +131,19 @@ def _on_scheduler_module(module: Any) -> list[str]:
     def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         session = _session
         if session is not None:
+            if session.rust_publisher is not None:
+                _guarded(session.drain_rust_events)()
             _guarded(session.before_run)(batch)
-        return orig_run(self, batch, *args, **kwargs)
+        result = orig_run(self, batch, *args, **kwargs)
+        if session is not None:
+            _guarded(session.launched)(result)
+        return result
 
     @functools.wraps(orig_result)
     def process_batch_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is not None:
+            _guarded(session.before_result)(args[1] if len(args) > 1 else kwargs.get("result"))
         out = orig_result(self, *args, **kwargs)
         session = _session
         if session is not None:
@@ -201,3 +227,29 @@ def _on_events_module(module: Any) -> list[str]:
     cls.record_remove = record_remove
     cls.record_all_cleared = record_all_cleared
     return [f"KVCacheEventRecorder.{s}" for s in RECORDER_SEAMS]
+
+
+def _on_rust_adapter_module(module: Any) -> list[str]:
+    """Tee the Rust TreeCore's KV events: SGLang converts each tagged tuple the Rust core queued
+    with the adapter's ``_kv_event_from_tagged`` when it takes them for its own publisher
+    (``_RustKVCacheEventRecorder.take``, called only with ``--kv-events-config``); the wrapper
+    hands the same tuple to the session and returns SGLang's conversion unchanged."""
+    global _rust_tee
+    orig = getattr(module, "_kv_event_from_tagged", None)
+    if not callable(orig):
+        log.warning(
+            "sparseety: SGLang's Rust TreeCore adapter has no _kv_event_from_tagged: KV events not teed"
+        )
+        return []
+
+    @functools.wraps(orig)
+    def _kv_event_from_tagged(event: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(event, *args, **kwargs)
+        session = _session
+        if session is not None:
+            _guarded(session.on_rust_event)(event)
+        return out
+
+    module._kv_event_from_tagged = _kv_event_from_tagged
+    _rust_tee = True
+    return ["rust_tree_core.adapter._kv_event_from_tagged"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 from sparseety import events as ev
@@ -44,12 +45,50 @@ def chain_hashes(tokens: Any, block_size: int, seed: bytes, first: int = 0) -> l
     return out
 
 
+#: SGLang's cache tiers, in ``cached_tokens_details`` order (sparseety.billing.SOURCE_TIERS).
+SGLANG_SOURCES = ("device", "host", "storage")
+
+
+def cached_by_source(tiers: tuple[Any, Any, Any] | None) -> dict[str, int]:
+    """RequestStarted.cached_tokens_by_source from SGLang's (device, host, storage) split: the
+    non-zero entries under SGLang's own names; empty when not reported."""
+    if tiers is None:
+        return {}
+    return {name: int(n) for name, n in zip(SGLANG_SOURCES, tiers, strict=True) if n}
+
+
 def _finish_reason(reason: Any) -> str:
     """SGLang's finish classes (FINISH_LENGTH, FINISH_MATCHED_TOKEN, FINISH_ABORT, ...)."""
     name = type(reason).__name__ if reason is not None else "FINISH_ABORT"
     if name in ("FINISH_MATCHED_TOKEN", "FINISH_MATCHED_STR", "FINISHED_MATCHED_REGEX"):
         return "stop"
     return name.removeprefix("FINISH_").lower()
+
+
+@dataclass(frozen=True, slots=True)
+class RustRun:
+    """The tokens one KV event of SGLang's Rust TreeCore stored: ``tokens`` from depth ``start``
+    of their radix path, ``page`` tokens per SGLang block hash, under ``parent`` (the run that
+    holds the token before ``start``; None at the root). Immutable: the hot path makes it, the
+    emitter thread reads it."""
+
+    parent: RustRun | None
+    start: int
+    tokens: Any
+    page: int
+    namespace: tuple[Any, Any]  #: (extra_key, cache_salt), as a node's
+
+
+def rust_path(run: RustRun | None, end: int) -> list[int]:
+    """The token path from the root to depth ``end`` (inside ``run``)."""
+    parts = []
+    while run is not None:
+        parts.append(run.tokens[: end - run.start])
+        end, run = run.start, run.parent
+    out: list[int] = []
+    for part in reversed(parts):
+        out.extend(part)
+    return out
 
 
 class RecordBuilder:
@@ -80,7 +119,11 @@ class RecordBuilder:
         max_tokens: int | None,
         custom: Any,
         namespace: tuple[Any, Any],
+        tiers: tuple[Any, Any, Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
+        """``tiers``: SGLang's split of the admission hit (``req.cached_tokens_device``,
+        ``_host``, ``_storage``: what ``meta_info.cached_tokens_details`` reports), None when
+        the request has none."""
         ids, hashes = self.policy.fields(list(prompt))
         custom = custom if isinstance(custom, dict) else {}
         tenant = engine_tenant(custom.get("tenant"))
@@ -100,6 +143,7 @@ class RecordBuilder:
             "lora_name": None,
             "priority": 0,
             "session_id": str(session),
+            "cached_tokens_by_source": cached_by_source(tiers),
             **request_identity(rid),
         }
 
@@ -173,7 +217,30 @@ class RecordBuilder:
         return chain_hashes(tokens, self.block_size, _seed(node.extra_key, node.cache_salt), first)
 
     def kv_stored(self, keys: list[Any]) -> tuple[str, dict[str, Any]]:
-        blocks = self.node_blocks(keys)
+        return self._stored(self.node_blocks(keys))
+
+    def kv_removed(self, keys: list[Any]) -> tuple[str, dict[str, Any]]:
+        return self._removed(self.node_blocks(keys))
+
+    # --- the Rust TreeCore's KV events (teed) -------------------------------------------------
+
+    def rust_stored(self, run: RustRun, end: int) -> tuple[str, dict[str, Any]]:
+        """The blocks that end in ``run`` (its path from the root up to depth ``end``)."""
+        tokens = rust_path(run, end)
+        return self._stored(
+            chain_hashes(tokens, self.block_size, _seed(*run.namespace), run.start // self.block_size)
+        )
+
+    def rust_removed(self, ends: list[tuple[RustRun, int]]) -> tuple[str, dict[str, Any]]:
+        """The blocks ending at each ``(run, depth)`` of ``ends`` (pages the core evicted)."""
+        bs = self.block_size
+        blocks = [
+            chain_hashes(rust_path(run, end), bs, _seed(*run.namespace), end // bs - 1)[-1]
+            for run, end in ends
+        ]
+        return self._removed(blocks)
+
+    def _stored(self, blocks: list[bytes]) -> tuple[str, dict[str, Any]]:
         return ev.KV_STORED, {
             "block_hashes": blocks,
             "parent_block_hash": None,
@@ -185,9 +252,9 @@ class RecordBuilder:
             "sliding_window": None,
         }
 
-    def kv_removed(self, keys: list[Any]) -> tuple[str, dict[str, Any]]:
+    def _removed(self, blocks: list[bytes]) -> tuple[str, dict[str, Any]]:
         return ev.KV_REMOVED, {
-            "block_hashes": self.node_blocks(keys),
+            "block_hashes": blocks,
             "medium": "GPU",
             "group_kind": "full_attention",
         }

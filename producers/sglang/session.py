@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparseety import __version__ as sparseety_version
@@ -35,7 +36,7 @@ from .. import plugin_kit
 from ..emitter import Emitter, new_epoch
 from ..plugin_kit import SessionBase, announce
 from ..privacy import PromptPolicy
-from .records import HASH_ALGO, RecordBuilder
+from .records import HASH_ALGO, RecordBuilder, RustRun
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -46,15 +47,12 @@ _HEALTH_PREFIX = "HEALTH_CHECK"
 
 
 def sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return ""
+    return plugin_kit.installed_version("sglang")
 
 
-def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[str, Any]:
+def engine_started(
+    scheduler: Any, block_size: int, privacy_mode: str, rust_tee: bool = False
+) -> dict[str, Any]:
     """The EngineStarted payload of one SGLang scheduler (tensor-parallel rank 0)."""
     args = scheduler.server_args
     mc = scheduler.model_config
@@ -101,24 +99,49 @@ def engine_started(scheduler: Any, block_size: int, privacy_mode: str) -> dict[s
         "num_gpu_blocks": int(getattr(scheduler, "max_total_num_tokens", 0) or 0) // block_size,
         "privacy_mode": privacy_mode,
         "routing_capture": False,
-        "kv_events_observed": kv_events_observed(tree),
+        "kv_events_observed": kv_events_observed(tree, rust_tee),
     }
 
 
-def kv_events_observed(tree: Any) -> bool:
-    """Whether the recorder hooks will see this radix cache's inserts and evictions.
+def kv_events_observed(tree: Any, rust_tee: bool = False) -> bool:
+    """Whether the producer will see this radix cache's inserts and evictions.
 
     SGLang 0.5.23's ``UnifiedRadixCache`` runs its tree in a TreeCore chosen per cache
     (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, default ``rust`` on Linux, with a fallback to
-    Python for features Rust lacks): the Rust core inserts and evicts inside Rust and never calls
-    the Python ``KVCacheEventRecorder``. What is read here is the backend the cache resolved, not
-    the variable, so a fallback is seen as what runs.
+    Python for features Rust lacks). The Python core calls the ``KVCacheEventRecorder`` the hooks
+    wrap. The Rust core inserts and evicts inside Rust and only queues KV events when SGLang's own
+    are on (``--kv-events-config``); the producer tees that queue (``rust_tee``: the adapter's
+    event conversion is hooked). What is read here is the backend the cache resolved, not the
+    variable, so a fallback is seen as what runs.
     """
     backend = getattr(tree, "_tree_core_backend", None)
-    if isinstance(backend, str):
-        return backend != "rust"
     core = getattr(tree, "tree_core", None)
-    return core is None or "Rust" not in type(core).__name__
+    rust = (
+        backend == "rust" if isinstance(backend, str) else core is not None and "Rust" in type(core).__name__
+    )
+    if not rust:
+        return True
+    return rust_tee and rust_events_enabled(tree)
+
+
+def rust_events_enabled(tree: Any) -> bool:
+    """Whether the Rust TreeCore of ``tree`` queues KV events (SGLang's ``--kv-events-config``)."""
+    recorder = getattr(getattr(tree, "tree_core", None), "kv_events", None)
+    return bool(getattr(recorder, "enabled", False))
+
+
+def _tiers(req: Any) -> tuple[Any, Any, Any] | None:
+    """SGLang's split of a request's admission hit by tier (set by ``prepare_for_extend`` on its
+    first extend, before ``run_batch``): device, host (HiCache L2), storage (L3)."""
+    device = getattr(req, "cached_tokens_device", None)
+    if device is None:
+        return None
+    return (device, getattr(req, "cached_tokens_host", 0), getattr(req, "cached_tokens_storage", 0))
+
+
+def _on_device(medium: Any) -> bool:
+    """A KV event's ``medium`` (SGLang's ``StorageMedium`` value) is the device tier."""
+    return str(getattr(medium, "value", medium)) == "GPU"
 
 
 def engine_name(cfg: Config, scheduler: Any, served: str) -> str:
@@ -139,6 +162,22 @@ def _arrival_s(req: Any) -> float:
     return time.time()
 
 
+@dataclass(slots=True)
+class InFlight:
+    """One forward batch between ``run_batch`` and its ``process_batch_result``."""
+
+    step: int
+    start_ns: int
+    rids: list[str]
+    scheduled: list[int]
+    before: list[int]
+    reqs: list[Any]
+    retracted: list[str]  #: retracted while this batch was built (its StepBatch's preemptions)
+    resumed: list[str]
+    result: Any = None
+    outs: list[int] = field(default_factory=list)  #: output lengths right before processing
+
+
 class SglangSession(SessionBase):
     """The producer of one SGLang engine epoch, bound to one ``Scheduler``."""
 
@@ -150,14 +189,30 @@ class SglangSession(SessionBase):
         self._live: set[str] = set()
         self._retracted: set[str] = set()  # retracted, not yet resumed
         self._retracted_now: list[str] = []  # for the next StepBatch
-        #: The batch in flight: step, start, rids, scheduled, computed before, outputs before, reqs.
-        self._pending: tuple[int, int, list[str], list[int], list[int], list[int], list[Any]] | None = None
+        #: Tokens scheduled so far per live request (its next batch's ``num_computed_before``).
+        self._pos: dict[str, int] = {}
+        #: Batches launched and not yet processed that schedule each request.
+        self._inflight: dict[str, int] = {}
+        #: Batches in flight, keyed by the identity of ``run_batch``'s result (the object SGLang
+        #: hands to ``process_batch_result``; the overlap loop passes a copy of the batch, never
+        #: the batch itself), in launch order.
+        self._flights: dict[int, InFlight] = {}
+        self._launching: InFlight | None = None
+        self._processing: InFlight | None = None
+        #: Ended outside a step (aborted while waiting) with a batch of theirs still in flight.
+        self._ended: set[str] = set()
+        #: SGLang's KV event publisher when the Rust TreeCore's events are teed (else None).
+        self.rust_publisher: Any = None
+        #: The Rust core's pages this epoch saw stored: SGLang's block hash -> (run, end depth).
+        self._rust_pages: dict[int, tuple[RustRun, int]] = {}
 
     @classmethod
-    def start(cls, cfg: Config, scheduler: Any) -> SglangSession:
+    def start(cls, cfg: Config, scheduler: Any, rust_tee: bool = False) -> SglangSession:
+        """The session of ``scheduler``; ``rust_tee``: the Rust TreeCore's KV events are teed
+        (the hooks wrapped its adapter's event conversion)."""
         page = int(getattr(scheduler, "page_size", 1) or 1)
         block_size = page if page > 1 else DEFAULT_BLOCK_SIZE
-        started = engine_started(scheduler, block_size, cfg.privacy.mode)
+        started = engine_started(scheduler, block_size, cfg.privacy.mode, rust_tee)
         emitter = Emitter(
             cfg, engine_name=engine_name(cfg, scheduler, started["served_model_name"]), epoch=new_epoch()
         )
@@ -167,6 +222,9 @@ class SglangSession(SessionBase):
             block_size=block_size,
         )
         session = cls(cfg, emitter, builder)
+        tree = getattr(scheduler, "tree_cache", None)
+        if rust_tee and started["kv_events_observed"] and rust_events_enabled(tree):
+            session.rust_publisher = getattr(scheduler, "kv_events_publisher", None)
         announce(session, started)
         log.info(
             "sparseety: publishing SGLang engine %s to %s (topic %s, block size %d)",
@@ -180,29 +238,41 @@ class SglangSession(SessionBase):
     # --- steps -------------------------------------------------------------------------------
 
     def before_run(self, batch: Any) -> None:
-        """``Scheduler.run_batch(batch)`` is about to launch the forward."""
+        """``Scheduler.run_batch(batch)`` is about to launch the forward: the batch's facts.
+
+        Positions come from the session's own count of what was scheduled per request (an
+        extend sets it to ``prefix_len + extend_len``, a decode adds 1), not from
+        ``output_ids``: under the overlap scheduler batch N+1 launches before batch N's tokens
+        are appended, so ``output_ids`` lags the batch by one there.
+        """
         mode = batch.forward_mode
         reqs = batch.reqs
         if mode.is_extend():
             prefix = list(batch.prefix_lens)
             scheduled = list(batch.extend_lens)
         elif mode.is_decode():
-            prefix = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
-            scheduled = [1] * len(reqs)
+            prefix = None
+            scheduled = None
         else:
             return  # idle / prebuilt batches compute nothing for a request
         rids: list[str] = []
         keep_sched: list[int] = []
         keep_before: list[int] = []
-        outs: list[int] = []
         kept: list[Any] = []
         started: list[tuple[Any, ...]] = []
         resumed: list[str] = []
-        live = self._live
+        live, pos, inflight = self._live, self._pos, self._inflight
         for i, req in enumerate(reqs):
             rid = req.rid
             if rid.startswith(_HEALTH_PREFIX):
                 continue
+            if prefix is None:
+                before = pos.get(rid)
+                if before is None:  # decoding before any extend we saw: the old rule
+                    before = len(req.origin_input_ids) + len(req.output_ids) - 1
+                n = 1
+            else:
+                before, n = prefix[i], scheduled[i]  # type: ignore[index]
             if rid not in live:
                 live.add(rid)
                 sp = req.sampling_params
@@ -210,64 +280,96 @@ class SglangSession(SessionBase):
                     (
                         rid,
                         req.origin_input_ids,
-                        prefix[i],
+                        before,
                         _arrival_s(req),
                         getattr(sp, "max_new_tokens", None),
                         getattr(sp, "custom_params", None),
                         (req.extra_key, getattr(req, "cache_salt", None)),
+                        _tiers(req),
                     )
                 )
             elif rid in self._retracted:
                 self._retracted.discard(rid)
                 resumed.append(rid)
+            pos[rid] = before + n
+            inflight[rid] = inflight.get(rid, 0) + 1
             rids.append(rid)
-            keep_sched.append(scheduled[i])
-            keep_before.append(prefix[i])
-            outs.append(len(req.output_ids))
+            keep_sched.append(n)
+            keep_before.append(before)
             kept.append(req)
         if not rids:
             return
         if started:
             self.emitter.emit_many(len(started), self.builder.requests_started, started)
+        retracted, self._retracted_now = self._retracted_now, []
         step = self._step
         self._step = step + 1
-        self._pending = (step, time.monotonic_ns(), rids, keep_sched, keep_before, outs, kept)
-        self._resumed = resumed
+        self._launching = InFlight(
+            step, time.monotonic_ns(), rids, keep_sched, keep_before, kept, retracted, resumed
+        )
+
+    def launched(self, result: Any) -> None:
+        """``run_batch`` returned ``result``: the batch is in flight until SGLang processes it."""
+        flight, self._launching = self._launching, None
+        if flight is not None:
+            flight.result = result  # held: the key's object stays alive while the batch is in flight
+            self._flights[id(result)] = flight
+
+    def before_result(self, result: Any) -> None:
+        """``process_batch_result(batch, result)`` is about to run: which batch it is, and each
+        request's output length before SGLang appends this batch's tokens."""
+        flight = self._flights.pop(id(result), None)
+        if flight is not None:
+            flight.outs = [len(r.output_ids) for r in flight.reqs]
+        self._processing = flight
 
     def after_result(self) -> None:
-        """``process_batch_result`` returned: the StepBatch, then the requests that finished."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """``process_batch_result`` returned: the StepBatch, then the requests that finished with
+        no later batch of theirs still in flight (a request may finish in batch N while the
+        overlap scheduler already launched it in N+1: its finish waits for N+1's result)."""
+        flight, self._processing = self._processing, None
+        if flight is None:
             return
-        step, start, rids, scheduled, before, outs, reqs = pending
         new_tokens: list[int] = []
         token_ids: list[int] = []
         finished: list[tuple[Any, ...]] = []
-        for req, n_before in zip(reqs, outs, strict=True):
+        inflight = self._inflight
+        for req, n_before in zip(flight.reqs, flight.outs, strict=True):
             out = req.output_ids
             n = len(out) - n_before
             new_tokens.append(max(0, n))
             if n > 0:
                 token_ids.extend(out[n_before:])
-            if req.finished() and req.rid in self._live:
-                self._live.discard(req.rid)
-                finished.append(self._finish_facts(req))
-        retracted, self._retracted_now = self._retracted_now, []
+            rid = req.rid
+            left = inflight.get(rid, 1) - 1
+            if left > 0:
+                inflight[rid] = left
+            else:
+                inflight.pop(rid, None)
+                if (req.finished() or rid in self._ended) and rid in self._live:
+                    self._close(rid)
+                    finished.append(self._finish_facts(req))
         self.emitter.emit(
             self.builder.step,
-            step,
-            start,
+            flight.step,
+            flight.start_ns,
             time.monotonic_ns(),
-            rids,
-            scheduled,
-            before,
+            flight.rids,
+            flight.scheduled,
+            flight.before,
             new_tokens,
             token_ids,
-            retracted,
-            self._resumed,
+            flight.retracted,
+            flight.resumed,
         )
         if finished:
             self.emitter.emit_many(len(finished), self.builder.requests_finished, finished)
+
+    def _close(self, rid: str) -> None:
+        self._live.discard(rid)
+        self._ended.discard(rid)
+        self._pos.pop(rid, None)
+        self._retracted.discard(rid)
 
     @staticmethod
     def _finish_facts(req: Any) -> tuple[Any, ...]:
@@ -287,10 +389,25 @@ class SglangSession(SessionBase):
                 self._retracted_now.append(req.rid)
 
     def on_finished_outside_step(self, req: Any) -> None:
-        """A live request that ended while waiting (e.g. aborted after a retraction)."""
-        if req.rid in self._live:
-            self._live.discard(req.rid)
-            self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
+        """A live request that ended while waiting (e.g. aborted after a retraction). One still in
+        a batch in flight (retracted while the overlap scheduler ran it) finishes when that
+        batch's result is processed."""
+        rid = req.rid
+        if rid not in self._live:
+            return
+        if self._inflight.get(rid):
+            self._ended.add(rid)  # SGLang may leave finished_reason unset on this path
+            return
+        self._close(rid)
+        self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
+
+    def _release(self) -> None:
+        """At stop: requests SGLang finished while a batch of theirs was still in flight."""
+        for flight in [*self._flights.values(), *filter(None, [self._processing])]:
+            for req in flight.reqs:
+                if req.rid in self._live and (req.finished() or req.rid in self._ended):
+                    self._close(req.rid)
+                    self.emitter.emit(self.builder.request_finished, *self._finish_facts(req))
 
     # --- radix cache --------------------------------------------------------------------------
 
@@ -317,3 +434,59 @@ class SglangSession(SessionBase):
 
     def on_cleared(self) -> None:
         self.emitter.emit_record(ev.KV_CLEARED, {"medium": "GPU"})
+
+    # --- the Rust TreeCore's KV events ---------------------------------------------------------
+
+    def drain_rust_events(self) -> None:
+        """Before a batch launches: SGLang's own ``publish_kv_events`` (it takes the Rust core's
+        queued KV events and publishes them on SGLang's configured publisher, as it does after
+        each prefill result), so the inserts and evictions before this batch's admissions reach
+        the stream before its RequestStarted. SGLang's subscribers get the same events, sooner."""
+        publisher = self.rust_publisher
+        if publisher is not None:
+            publisher.publish_kv_events()
+
+    def on_rust_event(self, event: Any) -> None:
+        """One of the Rust core's tagged KV events, as SGLang converts it
+        (``block_stored``: hashes, parent hash, token ids, block size, medium, cache_salt,
+        session id, extra_key; ``block_removed``: hashes, medium, extra_key;
+        ``all_blocks_cleared``). Device-tier pages only; a page whose path the session never saw
+        (stored before it started) is skipped."""
+        tag = event[0]
+        pages = self._rust_pages
+        bs = self.block_size
+        if tag == "block_stored":
+            hashes, parent, tokens = event[1], event[2], event[3]
+            if not hashes or not _on_device(event[5]):
+                return
+            if parent is None:
+                prev, start = None, 0
+            else:
+                at = pages.get(parent)
+                if at is None:
+                    return
+                prev, start = at
+            page = len(tokens) // len(hashes)
+            run = RustRun(prev, start, tokens, page, (event[8], event[6]))
+            for i, h in enumerate(hashes):
+                pages[h] = (run, start + (i + 1) * page)
+            end = start + len(tokens)
+            if end // bs > start // bs:  # some block ends in this run
+                self.emitter.emit(self.builder.rust_stored, run, end)
+        elif tag == "block_removed":
+            if not _on_device(event[2]):
+                return
+            ends: list[tuple[RustRun, int]] = []
+            for h in event[1]:
+                at = pages.pop(h, None)
+                if at is None:
+                    continue
+                run, end = at
+                block_end = end // bs * bs
+                if block_end > end - run.page and block_end > 0:  # a block ends in this page
+                    ends.append((run, block_end))
+            if ends:
+                self.emitter.emit(self.builder.rust_removed, ends)
+        elif tag == "all_blocks_cleared":
+            pages.clear()
+            self.on_cleared()

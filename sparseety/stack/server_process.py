@@ -101,13 +101,16 @@ class ServerProcess:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
         return "\n".join(lines[-n:])
 
+    #: The signal that asks this server for its graceful shutdown (its engine drains and the
+    #: SparSEEty producer sends EngineStopped and flushes).
+    stop_signal = signal.SIGINT
+
     def close(self, timeout_s: float = 40.0) -> None:
-        """SIGINT (the server shuts its engine down; the producer sends EngineStopped and
-        flushes), then the process group is killed."""
+        """:attr:`stop_signal`, then the process group is killed."""
         if self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGINT)
+            os.kill(self.proc.pid, self.stop_signal)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout_s)
         with contextlib.suppress(ProcessLookupError):

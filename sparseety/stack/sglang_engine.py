@@ -9,13 +9,16 @@ production; the parent passes the ``SPARSEETY_*`` variables. What SGLang itself 
 (``meta_info`` per request, ``/metrics``) is what the report is checked against.
 
 On this CPU the server needs SGLang's CPU flags (``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
---attention-backend torch_native --disable-cuda-graph --disable-overlap-schedule``) and runs the
-Python radix-tree core, whose inserts and evictions the producer sees (docs/sglang.md).
+--attention-backend torch_native --disable-cuda-graph``); it runs SGLang's GPU-default overlap
+scheduler (``event_loop_overlap``) and the Python radix-tree core, whose inserts and evictions
+the producer sees (docs/sglang.md).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +34,14 @@ from sparseety.stack.server_process import ServerProcess
 #: :class:`SglangServer`'s to set).
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--disable-overlap-schedule", "--skip-server-warmup", "--enable-metrics",
+    "--skip-server-warmup", "--enable-metrics",
     "--mem-fraction-static", "0.1", "--random-seed", "0",
 )  # fmt: skip
 CPU_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
-    # the Python TreeCore: the producer sees its radix inserts and evictions (the Rust TreeCore,
-    # SGLang's Linux default, keeps them in Rust: docs/sglang.md)
+    # the default TreeCore here: Python, whose inserts and evictions the recorder hooks see (the
+    # Rust TreeCore, SGLang's Linux default, is seen with its KV events on: SglangServer's
+    # tree_core and kv_events_args; docs/sglang.md)
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -46,6 +50,15 @@ CPU_ENV = {
 DEMO_MAX_TOTAL_TOKENS = 1024
 #: Longest prompt + output the demo sends (the vLLM demo's max_model_len).
 MAX_LEN = 512
+
+
+def kv_events_args(port: int) -> tuple[str, ...]:
+    """SGLang's own KV events on, published by zmq on loopback ``port``: what makes the Rust
+    TreeCore queue its inserts and evictions, which the producer tees (docs/sglang.md). The
+    ``null`` publisher would do, but SGLang 0.5.23 crashes on it (``NullEventPublisher() takes
+    no arguments``)."""
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv-events"}
+    return ("--kv-events-config", json.dumps(config))
 
 
 def generate(url: str, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
@@ -111,6 +124,10 @@ class SglangServer(ServerProcess):
             ``sglang.launch_server``'s arguments (the e2e tests' ground-truth recorder).
         cwd: The server's working directory (where ``module`` is importable from).
         timeout_s: How long it may take to answer /health.
+        tree_core: SGLang's radix TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``):
+            ``python`` (the recorder hooks see it), or ``rust`` (its Linux default; seen when
+            ``extra_args`` turn SGLang's KV events on: :func:`kv_events_args`).
+        extra_args: More ``sglang.launch_server`` arguments.
     """
 
     def __init__(
@@ -125,11 +142,20 @@ class SglangServer(ServerProcess):
         module: str = "sglang.launch_server",
         cwd: Path | None = None,
         timeout_s: float = 600.0,
+        tree_core: str = "python",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         cmd = [str(python), "-m", module, "--model-path", str(model)]
         cmd += [*(("--served-model-name", served) if served else ()), *CPU_ARGS]
-        cmd += ["--max-total-tokens", str(max_total_tokens)]
-        super().__init__(cmd, {**env, **CPU_ENV}, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
+        cmd += ["--max-total-tokens", str(max_total_tokens), *extra_args]
+        env = {**env, **CPU_ENV, "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": tree_core}
+        super().__init__(cmd, env, log, what="the SGLang server", cwd=cwd, timeout_s=timeout_s)
+
+    #: SGLang's graceful shutdown is SIGTERM: its tokenizer manager drains, sends the schedulers
+    #: a ShutdownReq and waits for them to exit (the producer's EngineStopped and flush run at
+    #: the scheduler's exit). On SIGINT its launcher SIGKILLs the schedulers
+    #: (``kill_process_tree``), and no EngineStopped is ever sent (docs/sglang.md).
+    stop_signal = signal.SIGTERM
 
     def generate(self, rid: str, tenant: str, ids: list[int], max_new: int) -> dict[str, Any]:
         return generate(self.url, rid, tenant, ids, max_new)

@@ -8,13 +8,18 @@ SGLang's radix cache. The SparSEEty producer itself loads through its plugin ent
 as in production; this file only adds the test's independent record.
 
 The truth is written as JSON lines to ``$E2E_SGLANG_TRUTH`` (appended and flushed per
-record, so it survives the server's shutdown). Per request, at its first extend batch:
+record, so it survives the server's shutdown): one ``{"event_loop": name}`` line when the
+scheduler enters its loop, one ``{"resumed": rid, "hit": prefix}`` line at each first extend
+of a retracted request (the cached prefix it reads back), then per request, at its first
+extend batch:
 
 * ``hit``: the radix-cache prefix SGLang matched (``req.prefix_len``);
 * ``recomputed_blocks``: full prompt blocks of ``BLOCK`` tokens at or past the hit whose token
   prefix the radix tree had held and evicted before this admission (the Python TreeCore's
   ``_release_all_component_layers``/``_demote``: SGLang's own choice of leaves, read as token
-  paths, independent of the producer's recorder hooks and hashes).
+  paths, independent of the producer's recorder hooks and hashes; under the Rust TreeCore,
+  SGLang's own converted KV events, ``BlockStored.token_ids`` chained by its own parent hashes,
+  as ``_RustKVCacheEventRecorder.take`` returns them to whoever drains the queue).
 """
 
 from __future__ import annotations
@@ -68,12 +73,53 @@ def install_truth(path: str) -> None:
         cls._release_all_component_layers = _release_all_component_layers
         cls._demote = _demote
 
+    pages: dict[int, tuple[tuple[int, ...], int]] = {}  # SGLang's page hash -> (path, page size)
+
+    def note_rust(events: list[Any]) -> None:
+        # SGLang's own KV events of the Rust TreeCore (its BlockStored/BlockRemoved, its hashes
+        # and token ids): each page's token path; an evicted page evicts the block that ends in it.
+        for e in events:
+            kind = type(e).__name__
+            if kind == "AllBlocksCleared":
+                pages.clear()
+            elif getattr(e.medium, "value", e.medium) != "GPU":
+                continue
+            elif kind == "BlockStored":
+                parent = pages.get(e.parent_block_hash) if e.parent_block_hash is not None else None
+                base = parent[0] if parent is not None else ()
+                page = len(e.token_ids) // len(e.block_hashes)
+                for i, h in enumerate(e.block_hashes):
+                    pages[h] = (base + tuple(e.token_ids[: (i + 1) * page]), page)
+            elif kind == "BlockRemoved":
+                for h in e.block_hashes:
+                    path, page = pages.pop(h, ((), 1))
+                    end = len(path) // BLOCK * BLOCK
+                    if end > 0 and end > len(path) - page:
+                        evicted.add(path[:end])
+
+    def on_rust_adapter(module: Any) -> None:
+        cls = module._RustKVCacheEventRecorder
+        orig_take = cls.take
+
+        def take(self: Any) -> Any:
+            out = orig_take(self)
+            note_rust(out)
+            return out
+
+        cls.take = take
+
     def on_batch(module: Any) -> None:
         cls = module.ScheduleBatch
         orig = cls.prepare_for_extend
 
         def prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> Any:
+            tree = getattr(self, "tree_cache", None)
+            if getattr(tree, "_tree_core_backend", None) == "rust":
+                tree.take_events()  # what the Rust core queued before this batch (seen by take)
             for req in self.reqs:
+                if req.rid in seen and getattr(req, "is_retracted", False):
+                    # a retracted request's first extend again: the prefix it reads back
+                    out.write(json.dumps({"resumed": req.rid, "hit": int(req.prefix_len)}) + "\n")
                 if req.rid in seen or req.rid.startswith("HEALTH_CHECK"):
                     continue
                 seen.add(req.rid)
@@ -90,8 +136,22 @@ def install_truth(path: str) -> None:
 
         cls.prepare_for_extend = prepare_for_extend
 
+    def on_scheduler(module: Any) -> None:
+        # Which of SGLang's event loops the scheduler runs (the overlap one is its GPU default).
+        cls = module.Scheduler
+        for name in ("event_loop_overlap", "event_loop_normal"):
+            orig_loop = getattr(cls, name)
+
+            def loop(self: Any, *args: Any, _orig: Any = orig_loop, _name: str = name, **kw: Any) -> Any:
+                out.write(json.dumps({"event_loop": _name}) + "\n")
+                return _orig(self, *args, **kw)
+
+            setattr(cls, name, loop)
+
+    wrapt.register_post_import_hook(on_scheduler, "sglang.srt.managers.scheduler")
     wrapt.register_post_import_hook(on_tree_core, "sglang.srt.mem_cache.unified_cache.unified_tree_core")
     wrapt.register_post_import_hook(on_batch, "sglang.srt.managers.schedule_batch")
+    wrapt.register_post_import_hook(on_rust_adapter, "sglang.srt.mem_cache.rust_tree_core.adapter")
 
 
 if os.environ.get("E2E_SGLANG_TRUTH"):

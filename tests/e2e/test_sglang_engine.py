@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,10 +66,11 @@ WORKLOAD: list[tuple[str, str, list[int]]] = [
 ]
 
 
-def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
+def start_server(cfg: Config, workdir: Path, **options: Any) -> tuple[SglangServer, Path]:
     """The product's launcher (``sparseety.stack.sglang_engine.SglangServer``) running
     ``tests/e2e/sglang_launch.py`` (SGLang's server plus the radix-cache truth recorder) on the
-    tiny Llama with this module's KV pool; returns the server and where its truth goes."""
+    tiny Llama with this module's KV pool, and ``options`` (``tree_core``, ``extra_args``);
+    returns the server and where its truth goes."""
     truth_path = workdir / "truth.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
     env.update({**to_env(cfg), "E2E_SGLANG_TRUTH": str(truth_path)})
@@ -79,6 +82,7 @@ def start_server(cfg: Config, workdir: Path) -> tuple[SglangServer, Path]:
         max_total_tokens=MAX_TOTAL_TOKENS,
         module="tests.e2e.sglang_launch",
         cwd=ROOT,
+        **options,
     )
     return server, truth_path
 
@@ -119,25 +123,53 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(scope="module")
-def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
+def engine_workdir(broker: Config, e2e_dir: Path, name: str) -> tuple[Config, Path]:
+    """The engine ``name``'s config (its own topic) and directory; SGLang's venv must exist."""
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/setup_sglang.sh (scripts/setup.sh does)")
-    workdir = e2e_dir / "sglang"
+    workdir = e2e_dir / name
     workdir.mkdir(exist_ok=True)
-    cfg = engine_config(broker, workdir, "sglang")
+    return engine_config(broker, workdir, name), workdir
+
+
+def settled_realtime_tokens(url: str) -> dict[str, float]:
+    """``sglang:realtime_tokens_total`` once it stops moving. SGLang streams a request's last
+    output before it adds that batch's decode count (``stream_output`` comes before
+    ``report_decode_stats``), and under overlap an aborted request's batch in flight is
+    processed after the abort's answer: a read right after the workload can be a batch short."""
+    now = realtime_tokens(url)
+    for _ in range(20):
+        time.sleep(0.5)
+        now, before = realtime_tokens(url), now
+        if now == before:
+            break
+    return now
+
+
+def run_workload(server: SglangServer) -> dict[str, dict[str, Any]]:
+    """:data:`WORKLOAD`, then the abort; SGLang's answer per request, with its tenant."""
+    answers = {rid: {"tenant": t, **server.generate(rid, t, ids, MAX_NEW)} for rid, t, ids in WORKLOAD}
+    answers["abort-1"] = {"tenant": "globex", **_abort_one(server)}
+    return answers
+
+
+@pytest.fixture(scope="module")
+def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
+    cfg, workdir = engine_workdir(broker, e2e_dir, "sglang")
     server, truth_path = start_server(cfg, workdir)
     try:
-        answers = {rid: {"tenant": t, **server.generate(rid, t, ids, MAX_NEW)} for rid, t, ids in WORKLOAD}
-        answers["abort-1"] = {"tenant": "globex", **_abort_one(server)}
-        metrics = realtime_tokens(server.url)
+        answers = run_workload(server)
+        metrics = settled_realtime_tokens(server.url)
+        metrics_text = httpx.get(f"{server.url}/metrics", timeout=10).text
     finally:
         server.close()
     n = len(answers)
     events = engine_events(
         cfg, lambda es: sum(ev.payload_type(e) == ev.REQUEST_FINISHED for e in es) >= n, timeout=60
     )
-    truth = {t["rid"]: t for t in map(json.loads, truth_path.read_text().splitlines())}
+    lines = [json.loads(line) for line in truth_path.read_text().splitlines()]
+    truth = {t["rid"]: t for t in lines if "rid" in t}
+    loops = [t["event_loop"] for t in lines if "event_loop" in t]
     if os.environ.get("RECORD_SGLANG_FIXTURE") == "1":
         from tests.recorded import pack
 
@@ -149,7 +181,14 @@ def sglang_run(broker: Config, e2e_dir: Path) -> Iterator[dict[str, Any]]:
             json.dumps({"requests": meta, "tenants": {r: a["tenant"] for r, a in answers.items()},
                         "radix_truth": truth, "metrics": metrics}, indent=1, sort_keys=True)
         )  # fmt: skip
-    yield {"answers": answers, "metrics": metrics, "events": events, "truth": truth}
+    yield {
+        "answers": answers,
+        "metrics": metrics,
+        "events": events,
+        "truth": truth,
+        "loops": loops,
+        "metrics_text": metrics_text,
+    }
 
 
 def test_sglang_accounting_equals_sglang(sglang_run: dict[str, Any]) -> None:
@@ -168,5 +207,63 @@ def test_sglang_engine_identity(sglang_run: dict[str, Any]) -> None:
     assert started[0]["block_size"] == 16 and started[0]["enable_prefix_caching"]
     # the server runs the Python TreeCore: the producer read that from the cache SGLang built
     assert started[0]["kv_events_observed"] is True
+    # ... and SGLang's GPU-default scheduler: batch N+1 launched before batch N's result
+    assert sglang_run["loops"] == ["event_loop_overlap"]
+    stopped = [ev.payload(e) for e in sglang_run["events"] if ev.payload_type(e) == ev.ENGINE_STOPPED]
+    assert len(stopped) == 1, stopped
     seqs = sorted(e["seq"] for e in sglang_run["events"] if e["stream"] == ev.CORE_STREAM)
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def metric_families(text: str) -> set[str]:
+    """The metric families a Prometheus text exposition declares (its ``# TYPE`` lines)."""
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_sglang_metrics_same_without_the_plugin(sglang_run: dict[str, Any], e2e_dir: Path) -> None:
+    """SGLang's ``/metrics`` declares the same ``sglang:`` families with the plugin loaded as
+    without it (the plugin adds only its own ``sparseety:`` ones).
+
+    SGLang's launcher imports the scheduler module before it sets ``PROMETHEUS_MULTIPROC_DIR``;
+    the plugin's hook on that module once loaded ``prometheus_client`` there, and the launcher's
+    tokenizer metrics (``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``, ...)
+    were then missing from ``/metrics``. A server without the plugin (no ``SPARSEETY_*``) runs
+    the same workload and is compared with the module's server, which has it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    server = SglangServer(
+        SGLANG_PYTHON, tiny_model("llama"), env, e2e_dir / "bare.log", max_total_tokens=MAX_TOTAL_TOKENS
+    )
+    try:
+        run_workload(server)
+        bare = metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.close()
+    with_plugin = metric_families(sglang_run["metrics_text"])
+    assert "sglang:prompt_tokens" in bare or "sglang:prompt_tokens_total" in bare, sorted(bare)
+    ours = {name for name in with_plugin if name.startswith("sparseety:")}
+    assert ours and not {name for name in bare if name.startswith("sparseety:")}
+    assert with_plugin - ours == bare, {
+        "missing": sorted(bare - with_plugin),
+        "extra": sorted(with_plugin - ours - bare),
+    }
+
+
+def test_the_plugin_leaves_prometheus_client_to_sglangs_launcher(tmp_path: Path) -> None:
+    """The cause, without a server: in a launcher with the plugin configured, importing SGLang's
+    engine entry point (which imports the scheduler module, firing the plugin's hook) leaves
+    ``prometheus_client`` unimported, so SGLang can still set ``PROMETHEUS_MULTIPROC_DIR`` first."""
+    code = (
+        "import sys\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "import sglang.srt.entrypoints.http_server\n"
+        "assert 'sglang.srt.managers.scheduler' in sys.modules\n"
+        "print('prometheus_client' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSEETY_")}
+    env.update({"SPARSEETY_KAFKA_BOOTSTRAP": "127.0.0.1:1", "SGLANG_USE_CPU_ENGINE": "1"})
+    run = subprocess.run(
+        [str(SGLANG_PYTHON), "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "False", run.stdout

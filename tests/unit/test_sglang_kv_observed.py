@@ -103,3 +103,20 @@ class UnifiedTreeCore:
 )
 def test_the_producer_reads_the_tree_core_sglang_resolved(tree: Any, observed: bool) -> None:
     assert kv_events_observed(tree) is observed
+
+
+def _rust_tree(enabled: bool) -> Any:
+    core = RustUnifiedTreeCore()
+    core.kv_events = SimpleNamespace(enabled=enabled)  # type: ignore[attr-defined]
+    return SimpleNamespace(_tree_core_backend="rust", tree_core=core)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "teed", "observed"),
+    [(True, True, True), (False, True, False), (True, False, False)],
+)
+def test_the_rust_core_is_observed_when_its_kv_events_are_on_and_teed(
+    enabled: bool, teed: bool, observed: bool
+) -> None:
+    """SGLang's --kv-events-config makes the Rust core queue its events; the hooks tee them."""
+    assert kv_events_observed(_rust_tree(enabled), rust_tee=teed) is observed
