@@ -37,6 +37,11 @@ from .state import (
     request_prefix,
 )
 
+#: Fewest rows of a step folded in columns: a columnar step costs a fixed ~0.1 ms of numpy calls
+#: plus well under a microsecond a row, the general path ~2.5 us a row (docs/benchmarks.md), so
+#: smaller steps take the general path (and their requests leave their slots).
+COLUMNAR_MIN_ROWS = 32
+
 
 class PositionFold:
     """Request state in the store, and the steps that fold engine events into it.
@@ -82,16 +87,16 @@ class PositionFold:
             cols.release_all()
 
     def _steady_columns(
-        self, epoch: EpochState, kv_shape: kv_memory.KvShape, shape: ModelShape, step: int
+        self, epoch: EpochState, kv_shape: kv_memory.KvShape, shape: ModelShape, step: int, n_rows: int
     ) -> SteadyColumns | None:
-        """The epoch's steady columns, when this step may fold rows in them."""
+        """The epoch's steady columns, when this step (of ``n_rows`` rows) may fold rows in them."""
         if not self.columnar:
             return None
         cols = self.columns.get(epoch.engine_id)
         if cols is not None and cols.kv_shape is not kv_shape:
             self.forget_columns(epoch.engine_id)
             cols = None
-        if shape.limited or not fast_kv(kv_shape) or is_warmup_step(step):
+        if shape.limited or not fast_kv(kv_shape) or is_warmup_step(step) or n_rows < COLUMNAR_MIN_ROWS:
             if cols is not None:
                 cols.release_all()
             return None
@@ -218,7 +223,7 @@ class PositionFold:
         total = 0.0
         # Steady rows (one token, nothing else happening) fold in the epoch's columns; the rest
         # take the loop below (streams/columnar.py).
-        cols = self._steady_columns(epoch, kv_shape, shape, step)
+        cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
         plan = None
         if cols is not None and cols.slot_of:
             general_mask = None

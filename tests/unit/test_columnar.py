@@ -15,10 +15,18 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
+from sparseety.streams import fold as fold_module
 from sparseety.streams.assembler import Assembler
 from sparseety.streams.state import MemoryStore, decode_state, encode_state
 from tests import factories as f
 from tests.sim import SimEngine, workload
+
+
+@pytest.fixture(autouse=True)
+def columns_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulated engines run small batches: fold every step's steady rows in columns."""
+    monkeypatch.setattr(fold_module, "COLUMNAR_MIN_ROWS", 1)
+
 
 CFG = WorkerConfig(window_s=60, allowed_lateness_s=5, closed_retention_s=0)
 
@@ -97,6 +105,13 @@ def test_columnar_equals_general_with_async_steps_and_replays() -> None:
             events.append(events[-1])  # a re-delivery
     events.append(f.wrap(seq, ev.REQUEST_FINISHED, f.request_finished("a", prompt=8, output=30)))
     fold_both(events, every=1)
+
+
+def test_small_steps_take_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fold_module, "COLUMNAR_MIN_ROWS", 9)
+    events = SimEngine(seed=3, max_batch=8).run(workload(24, seed=3, max_tokens=40))
+    _, steady_rows = fold_both(events)
+    assert steady_rows == 0
 
 
 def test_a_state_restored_mid_stream_continues_identically() -> None:
