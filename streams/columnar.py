@@ -108,6 +108,8 @@ _INC_BY = np.array([[by] for _, by in STEADY_INCREMENTS], dtype=np.int64)
     PEAK_BYTES,
 ) = range(len(INTS))
 FLOPS, GPU_NS = range(len(FLOATS))
+_PLAIN_AT = tuple((name, _I[name]) for name in _PLAIN_INTS)
+_KV_AT = tuple((_I[name], item) for name, item in _KV_ITEMS)
 
 
 def fast_kv(shape: kvm.KvShape) -> bool:
@@ -215,19 +217,20 @@ class SteadyColumns:
     def _write_back(self, s: int) -> None:
         r = self.reqs[s]
         assert r is not None
-        ints, floats = self.ints, self.floats
-        for name in _PLAIN_INTS:
-            setattr(r, name, int(ints[_I[name], s]))
-        r.segments[-1][sg.END] = int(ints[_I["seg_end"], s])
+        ints = self.ints[:, s].tolist()  # Python ints and floats, one conversion each
+        flops, gpu_ns = self.floats[:, s].tolist()
+        for name, i in _PLAIN_AT:
+            setattr(r, name, ints[i])
+        r.segments[-1][sg.END] = ints[_SEG_END]
         if self.kv_on:
             g = r.kv[0]
-            for name, item in _KV_ITEMS:
-                g[item] = int(ints[_I[name], s])
-            r.kv_since[0] = int(ints[SINCE_STEP, s])
-            r.kv_since[1] = int(ints[SINCE_TS, s])
-            r.kv_peak_bytes = int(ints[PEAK_BYTES, s])
-        r.flops = float(floats[FLOPS, s])
-        r.gpu_ns = float(floats[GPU_NS, s])
+            for i, item in _KV_AT:
+                g[item] = ints[i]
+            r.kv_since[0] = ints[SINCE_STEP]
+            r.kv_since[1] = ints[SINCE_TS]
+            r.kv_peak_bytes = ints[PEAK_BYTES]
+        r.flops = flops
+        r.gpu_ns = gpu_ns
         self.stale[s] = False
 
     def release(self, key: str) -> None:

@@ -17,7 +17,6 @@ last core seq (and worker seq) it absorbed, so a replayed event changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -235,19 +234,22 @@ class PositionFold:
                     general_mask |= np.asarray(accepted) != 0
             plan = cols.plan(rids, n_sched, n_new, before, seq, general_mask)
         rows: Any = range(len(rids))
-        starts: Any = None
+        ends: Any = None  # with a plan in raw mode: where each row's new token ids end
         row_f: list[int] = []  # with a plan: the general rows with a share, in order
         if plan is not None:
-            rows = sorted(set(range(len(rids))).difference(plan[0].tolist()))
+            general = np.ones(len(rids), dtype=bool)
+            general[plan[0]] = False
+            rows = np.flatnonzero(general).tolist()
             if new_ids is not None:
-                starts = [0, *accumulate(n_new)]
+                ends = np.cumsum(np.asarray(n_new, dtype=np.int64))
         for i in rows:
             rid = rids[i]
-            if starts is None:
+            if ends is None:
                 ids_from = ids_at
                 ids_at += n_new[i]
             else:
-                ids_from, ids_at = starts[i], starts[i + 1]
+                ids_at = int(ends[i])
+                ids_from = ids_at - n_new[i]
             key = prefix + rid
             req = known.get(key)
             if req is None:
@@ -384,8 +386,7 @@ class PositionFold:
                 shape.flops_per_pair,
             )
             if new_ids is not None:
-                at = (np.cumsum(np.asarray(n_new, dtype=np.int64)) - 1)[steady_rows]
-                cols.append_ids(slots, np.asarray(new_ids)[at].tolist())
+                cols.append_ids(slots, np.asarray(new_ids)[ends[steady_rows] - 1].tolist())
             # The step's total in row order, as the general loop sums it.
             by_row = np.zeros(len(rids))
             by_row[steady_rows] = f_steady
