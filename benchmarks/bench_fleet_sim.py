@@ -153,6 +153,12 @@ def main() -> None:
         help="the worker group's session timeout (default: worker.session_timeout_s's default)",
     )
     ap.add_argument(
+        "--standby-replicas",
+        type=int,
+        default=None,
+        help="worker.standby_replicas (Faust's table_standby_replicas; default: the config's)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="4 engines x batch 64 x 10 steps/s for 60 s, kill at 25 s"
     )
     args = ap.parse_args()
@@ -177,14 +183,23 @@ def main() -> None:
         broker={"port": free_port()},
         api={"port": free_port()},
         topics={"partitions": max(4, args.workers * 2)},
-        **({"worker": {"session_timeout_s": args.session_timeout_s}} if args.session_timeout_s else {}),
+        worker={
+            k: v
+            for k, v in (
+                ("session_timeout_s", args.session_timeout_s),
+                ("standby_replicas", args.standby_replicas),
+            )
+            if v is not None
+        },
     )
     stack = Stack(cfg, workers=args.workers)
     print(
         f"bench_fleet_sim: {args.engines} engines x batch {args.batch} x {args.steps_per_s:g} steps/s "
         f"({args.engines * args.batch * args.steps_per_s:,.0f} request-steps/s offered) for "
         f"{args.duration_s:g} s, {args.workers} worker(s), "
-        f"session timeout {cfg.worker.session_timeout_s:g} s; {os.cpu_count()} cores; data {tmp}",
+        f"session timeout {cfg.worker.session_timeout_s:g} s, "
+        f"standby replicas {cfg.worker.standby_replicas}; "
+        f"{os.cpu_count()} cores; data {tmp}",
         flush=True,
     )
     stack.up()
