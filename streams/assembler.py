@@ -228,6 +228,7 @@ class Assembler:
         for rec in windows.close_due(epoch, self.window_ns, self.lateness_ns, flush=True):
             out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
         epoch.stopped = True
+        self.fold.forget_columns(epoch.engine_id)
         return out
 
     # --- finishing -------------------------------------------------------------------------

@@ -80,10 +80,12 @@ class PositionFold:
         return r  # type: ignore[no-any-return]
 
     def forget_columns(self, engine_id: str) -> None:
-        """Release the epoch's steady columns (its configuration, hence its shapes, changed)."""
+        """Release and drop the epoch's steady columns (its configuration, hence its shapes,
+        changed; or it ended)."""
         cols = self.columns.pop(engine_id, None)
         if cols is not None:
             cols.release_all()
+            self.store.drop_lessee(cols)
 
     def _steady_columns(
         self, epoch: EpochState, kv_shape: kv_memory.KvShape, shape: ModelShape, step: int, n_rows: int

@@ -357,6 +357,10 @@ class StateStore(Protocol):
         """Make every object current (each lessee writes its changes back)."""
         ...
 
+    def drop_lessee(self, lessee: Lessee) -> None:
+        """Forget a lessee that holds no key any more."""
+        ...
+
 
 class Lessee(Protocol):
     """Holds some values newer than the store's objects (``streams.columnar.SteadyColumns``)."""
@@ -401,6 +405,10 @@ class MemoryStore:
     def sync(self) -> None:
         for lessee in self.lessees:
             lessee.sync()
+
+    def drop_lessee(self, lessee: Lessee) -> None:
+        if lessee in self.lessees:
+            self.lessees.remove(lessee)
 
     def get(self, key: str) -> Any | None:
         if self.leased and key in self.leased:

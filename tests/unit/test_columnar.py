@@ -131,3 +131,18 @@ def test_a_state_restored_mid_stream_continues_identically() -> None:
     restored = Assembler(CFG, copy, clock=lambda: 0)
     b = [o for e in events[half:] for o in restored.apply(e)]
     assert a == b
+
+
+def test_an_engine_that_stops_leaves_no_columns_behind() -> None:
+    engine = SimEngine(seed=4, max_batch=12)
+    events = engine.run(workload(12, seed=4, max_tokens=30))
+    assert ev.payload_type(events[-1]) == ev.ENGINE_STOPPED
+    store = MemoryStore()
+    asm = Assembler(CFG, store, clock=lambda: 0)
+    used = 0
+    for e in events[:-1]:
+        asm.apply(e)
+        used = max(used, sum(len(c) for c in asm.fold.columns.values()))
+    assert used > 0
+    asm.apply(events[-1])
+    assert not asm.fold.columns and not store.lessees and not store.leased
