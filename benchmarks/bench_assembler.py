@@ -12,7 +12,9 @@ StepBatch, RequestFinished and KV events in realistic proportions. Reported (med
   arrays, ``schemas/history/EngineEvent.v2.avsc``) and by the current v3 producer (packed int32
   ``bytes`` columns, ``sparseety/packed.py``); the runs interleave, so both see the same load;
 * with --worker: the real Faust worker against the embedded broker, events produced up front,
-  timed from the first output to the last (request-steps/s through the whole worker).
+  timed from the first output to the last (request-steps/s through the whole worker);
+* with --by-kind: the fold's CPU per event kind (µs per event, and per engine step), with the
+  steady columns (streams/columnar.py) and without (every row on the general path), in one run.
 
 Also the serialized state of one 128k-token request (chunked prefill, half the prompt cached).
 """
@@ -129,6 +131,40 @@ def fold(events: list[dict[str, Any]]) -> float:
     return time.perf_counter() - start
 
 
+def by_kind(events: list[dict[str, Any]], runs: int) -> None:
+    """The fold's CPU per event kind, columns on and off (medians over ``runs``, interleaved)."""
+    from collections import defaultdict
+
+    from sparseety.lifecycle import tune_gc
+
+    tune_gc()
+    steps = sum(1 for e in events if ev.payload_type(e) == ev.STEP_BATCH)
+    per: dict[tuple[bool, str], list[float]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    for e in events:
+        counts[ev.payload_type(e)] += 1
+    clock = time.process_time
+    for _ in range(runs):
+        for columnar in (False, True):
+            asm = Assembler(WorkerConfig(), MemoryStore(), columnar=columnar)
+            spent: dict[str, float] = defaultdict(float)
+            for e in events:
+                t = clock()
+                asm.apply(e)
+                spent[ev.payload_type(e)] += clock() - t
+            for k, v in spent.items():
+                per[(columnar, k)].append(v)
+    for columnar in (False, True):
+        label = "columns" if columnar else "general"
+        parts = []
+        for k in sorted(counts, key=lambda k: -statistics.median(per[(columnar, k)])):
+            s = statistics.median(per[(columnar, k)])
+            parts.append(
+                f"{k.rsplit('.', 1)[-1]} {s / counts[k] * 1e6:,.0f} us/event ({s / steps * 1e6:,.0f}/step)"
+            )
+        print(f"by kind, {label}: " + "; ".join(parts))
+
+
 def decode_fold(blobs: list[bytes]) -> float:
     dec = Decoder(SchemaStore.load())
     asm = Assembler(WorkerConfig(closed_retention_s=0), MemoryStore())
@@ -209,8 +245,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worker", action="store_true", help="also measure the real Faust worker")
+    ap.add_argument("--by-kind", action="store_true", help="the fold's CPU per event kind, columns on/off")
     args = ap.parse_args()
     events, request_steps = synthetic(args.batch, args.steps)
+    if args.by_kind:
+        by_kind(events, args.runs)
+        return
     blobs = encodings(events)
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
     sizes = ", ".join(f"{k} {sum(map(len, b)) / len(b):,.0f} B/event" for k, b in blobs.items())

@@ -14,11 +14,18 @@
    * freshness: RequestFinished produced -> the request listed by the API (``since=10m``);
    * lost (finished, never stored) and doubled (stored rows beyond one per request, and the sum
      of output tokens against the replayed RequestFinished totals);
-   * ``--kill-at`` seconds in, worker-0 is SIGKILLed and started again (``Stack.up``).
+   * ``--kill-at`` seconds in, worker-0 is SIGKILLed and started again (``Stack.up``); the
+     failover time is, per engine, from the kill to the first request of that engine finished
+     after it being listed by the API, and the largest over the engines: when the killed
+     worker's partitions were served again (the restarted worker started, joined the group and
+     recovered its table; with more workers, whoever took the partitions over first).
 
 The last line::
 
-    bench_fleet_sim: N request-steps/s sustained, W worker(s), freshness p99 N.NN s, lost N, doubled N
+    bench_fleet_sim: N request-steps/s sustained, W worker(s), freshness p99 N.NN s, failover N.N s,
+    lost N, doubled N
+
+(one line; "failover" is nan in a run without a kill).
 
     .venv/bin/python benchmarks/bench_fleet_sim.py          # 16 engines x batch 256 x 30 steps/s, 10 min
     .venv/bin/python benchmarks/bench_fleet_sim.py --quick  # 4 engines x batch 64 x 10 steps/s, 60 s
@@ -141,6 +148,18 @@ def main() -> None:
         "--kill-at", type=float, default=None, help="SIGKILL worker-0 this many seconds in (< 0: never)"
     )
     ap.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=None,
+        help="the worker group's session timeout (default: worker.session_timeout_s's default)",
+    )
+    ap.add_argument(
+        "--standby-replicas",
+        type=int,
+        default=None,
+        help="worker.standby_replicas (Faust's table_standby_replicas; default: the config's)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="4 engines x batch 64 x 10 steps/s for 60 s, kill at 25 s"
     )
     args = ap.parse_args()
@@ -165,13 +184,23 @@ def main() -> None:
         broker={"port": free_port()},
         api={"port": free_port()},
         topics={"partitions": max(4, args.workers * 2)},
-        worker={"session_timeout_s": 10.0},
+        worker={
+            k: v
+            for k, v in (
+                ("session_timeout_s", args.session_timeout_s),
+                ("standby_replicas", args.standby_replicas),
+            )
+            if v is not None
+        },
     )
     stack = Stack(cfg, workers=args.workers)
     print(
         f"bench_fleet_sim: {args.engines} engines x batch {args.batch} x {args.steps_per_s:g} steps/s "
         f"({args.engines * args.batch * args.steps_per_s:,.0f} request-steps/s offered) for "
-        f"{args.duration_s:g} s, {args.workers} worker(s); {os.cpu_count()} cores; data {tmp}",
+        f"{args.duration_s:g} s, {args.workers} worker(s), "
+        f"session timeout {cfg.worker.session_timeout_s:g} s, "
+        f"standby replicas {cfg.worker.standby_replicas}; "
+        f"{os.cpu_count()} cores; data {tmp}",
         flush=True,
     )
     stack.up()
@@ -197,6 +226,7 @@ def main() -> None:
         producer = make_producer(scfg, **{"linger.ms": 5})
         emitted: dict[str, float] = {}
         expected_out: dict[str, int] = {}
+        engine_of: dict[str, str] = {}
         seen: dict[str, float] = {}
         lags: list[tuple[float, int]] = []
         done = threading.Event()
@@ -228,6 +258,14 @@ def main() -> None:
         epochs = [f"{i:04x}-fleet" for i in range(args.engines)]
         produced_steps = produced_rs = 0
         killed = False
+        kill_t = float("nan")
+        restarted_t = float("nan")
+
+        def restart() -> None:
+            nonlocal restarted_t
+            stack.up()
+            restarted_t = time.monotonic()
+
         gap = 1.0 / args.steps_per_s
         i = 0
         while time.monotonic() - start < args.duration_s:
@@ -257,6 +295,7 @@ def main() -> None:
                     elif kind == ev.REQUEST_FINISHED:
                         uid = f"{engine_id}/{ev.payload(e)['request_id']}"
                         emitted[uid] = time.monotonic()
+                        engine_of[uid] = name
                         expected_out[uid] = int(ev.payload(e)["num_output_tokens"])
             producer.poll(0)
             i += 1
@@ -268,11 +307,12 @@ def main() -> None:
                     # zombie) and Stack.up() would not start it again.
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, 0)
+                    kill_t = time.monotonic()
                     print(
-                        f"{time.monotonic() - start:.0f} s: SIGKILLed worker-0 (pid {pid}); restarting",
+                        f"{kill_t - start:.0f} s: SIGKILLed worker-0 (pid {pid}); restarting",
                         flush=True,
                     )
-                    threading.Thread(target=stack.up, daemon=True).start()
+                    threading.Thread(target=restart, daemon=True).start()
                 killed = True
         producer.flush(30)
         elapsed = time.monotonic() - start
@@ -283,6 +323,14 @@ def main() -> None:
             time.sleep(1)
         done.set()
         fresh = [seen[u] - t for u, t in emitted.items() if u in seen]
+        # Served again: per engine, the first request finished after the kill that the API
+        # listed; the killed worker's engines are the last to come back.
+        back: dict[str, float] = {}
+        for u, t in emitted.items():
+            if t >= kill_t and u in seen:
+                name = engine_of[u]
+                back[name] = min(back.get(name, seen[u]), seen[u])
+        failover = max(back.values()) - kill_t if back else float("nan")
         stack.down()
         lost, doubled = reconcile(stack.cfg, emitted, expected_out)
         max_lag = max((lag for _, lag in lags), default=0)
@@ -298,10 +346,16 @@ def main() -> None:
             f"freshness s: p50 {percentile(fresh, 0.5):.2f} p90 {percentile(fresh, 0.9):.2f} "
             f"p99 {percentile(fresh, 0.99):.2f} max {max(fresh) if fresh else float('nan'):.2f}"
         )
+        if killed:
+            print(
+                f"failover: worker-0 restarted and ready {restarted_t - kill_t:.1f} s after the kill; "
+                f"its partitions served again after {failover:.1f} s"
+            )
         print(
             f"bench_fleet_sim: {produced_rs / elapsed:,.0f} request-steps/s sustained, "
             f"{args.workers} worker(s), "
-            f"freshness p99 {percentile(fresh, 0.99):.2f} s, lost {lost}, doubled {doubled}"
+            f"freshness p99 {percentile(fresh, 0.99):.2f} s, failover {failover:.1f} s, "
+            f"lost {lost}, doubled {doubled}"
         )
     finally:
         stack.down()

@@ -207,7 +207,10 @@ class WorkerConfig(_Section):
     take_within_s: float = Field(0.2, gt=0)
     tick_interval_s: float = Field(5.0, gt=0)
     metrics_port: int = Field(0, ge=0, le=65535)  # 0: no Prometheus endpoint
-    session_timeout_s: float = Field(30.0, gt=0)
+    # How soon the group notices a dead worker and gives its partitions to another (or to its
+    # restarted self): 6 s is Apache Kafka's default floor (group.min.session.timeout.ms); the
+    # heartbeat goes every min(3 s, a third of it). docs/operations.md, "Failover".
+    session_timeout_s: float = Field(6.0, gt=0)
     commit_interval_s: float = Field(2.8, gt=0)
     standby_replicas: int = Field(0, ge=0)
 

@@ -54,14 +54,23 @@ class Assembler:
         cfg: Worker settings (window, lateness, timeouts, bounds).
         store: Where state lives (a dict in tests and replay, a Faust table in the worker).
         clock: Wall clock for processing-time closing of engines that went silent.
+        columnar: Fold steady decode rows in columns (streams/columnar.py); False: every row on
+            the general path (the reference for tests).
     """
 
-    def __init__(self, cfg: WorkerConfig, store: StateStore, clock: Callable[[], int] = time.time_ns) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        store: StateStore,
+        clock: Callable[[], int] = time.time_ns,
+        *,
+        columnar: bool = True,
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.clock = clock
         self.stats = Stats()
-        self.fold = PositionFold(store, self.stats, cfg.prefix_index_max_blocks)
+        self.fold = PositionFold(store, self.stats, cfg.prefix_index_max_blocks, columnar=columnar)
         self.window_ns = int(cfg.window_s * 1e9)
         self.lateness_ns = int(cfg.allowed_lateness_s * 1e9)
         self.idle_ns = int(cfg.idle_timeout_s * 1e9)
@@ -196,6 +205,7 @@ class Assembler:
         epoch.history_lost_ts_ns = kv_history_lost_at(body, ts, epoch.history_lost_ts_ns)
         self._shapes.pop(epoch.engine_id, None)
         self.fold.kv_shapes.pop(epoch.engine_id, None)
+        self.fold.forget_columns(epoch.engine_id)
         out: list[Output] = []
         head = self.store.get(head_key(epoch.engine_name)) or HeadState(epoch.engine_name)
         if head.current and head.current != epoch.engine_id:
@@ -219,6 +229,7 @@ class Assembler:
         for rec in windows.close_due(epoch, self.window_ns, self.lateness_ns, flush=True):
             out.append(Output(USAGE, rec["usage_id"], ev.USAGE_WINDOW, rec))
         epoch.stopped = True
+        self.fold.forget_columns(epoch.engine_id)
         return out
 
     # --- finishing -------------------------------------------------------------------------

@@ -19,11 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from sparseety import billing
 
 from . import admission, kv_memory, multimodal
 from . import segments as sg
 from .caveats import is_warmup_step
+from .columnar import SteadyColumns, fast_kv, steady
 from .flops import ModelShape
 from .outputs import Stats
 from .served import base_model
@@ -35,6 +38,11 @@ from .state import (
     request_prefix,
 )
 
+#: Fewest rows of a step folded in columns: a columnar step costs a fixed ~0.1 ms of numpy calls
+#: plus well under a microsecond a row, the general path ~2.5 us a row (docs/benchmarks.md), so
+#: smaller steps take the general path (and their requests leave their slots).
+COLUMNAR_MIN_ROWS = 32
+
 
 class PositionFold:
     """Request state in the store, and the steps that fold engine events into it.
@@ -43,9 +51,12 @@ class PositionFold:
         store: Where state lives (a dict in tests and replay, a Faust table in the worker).
         stats: Counters to update (late events, reopened requests).
         max_blocks: Bound of one epoch's prefix index (``prefix_index_max_blocks``).
+        columnar: Fold steady decode rows in columns (:mod:`streams.columnar`) where the store
+            supports leases; False folds every row on the general path (the reference the
+            columnar path is tested against).
     """
 
-    def __init__(self, store: StateStore, stats: Stats, max_blocks: int) -> None:
+    def __init__(self, store: StateStore, stats: Stats, max_blocks: int, *, columnar: bool = True) -> None:
         self.store = store
         self.stats = stats
         self.max_blocks = max_blocks
@@ -54,6 +65,9 @@ class PositionFold:
         self._requests: dict[str, RequestState] = {}
         #: KV-cache shapes per engine epoch (KV memory-time; dropped when an epoch restarts).
         self.kv_shapes: dict[str, kv_memory.KvShape] = {}
+        #: Steady decode rows in columns, per engine epoch (streams/columnar.py).
+        self.columnar = columnar and hasattr(store, "lease")
+        self.columns: dict[str, SteadyColumns] = {}
 
     # --- request state ---------------------------------------------------------------------
 
@@ -67,6 +81,34 @@ class PositionFold:
             epoch.open_requests.append(rid)
         return r  # type: ignore[no-any-return]
 
+    def forget_columns(self, engine_id: str) -> None:
+        """Release and drop the epoch's steady columns (its configuration, hence its shapes,
+        changed; or it ended)."""
+        cols = self.columns.pop(engine_id, None)
+        if cols is not None:
+            cols.release_all()
+            self.store.drop_lessee(cols)
+
+    def _steady_columns(
+        self, epoch: EpochState, kv_shape: kv_memory.KvShape, shape: ModelShape, step: int, n_rows: int
+    ) -> SteadyColumns | None:
+        """The epoch's steady columns, when this step (of ``n_rows`` rows) may fold rows in them."""
+        if not self.columnar:
+            return None
+        cols = self.columns.get(epoch.engine_id)
+        if cols is not None and cols.kv_shape is not kv_shape:
+            self.forget_columns(epoch.engine_id)
+            cols = None
+        if shape.limited or not fast_kv(kv_shape) or is_warmup_step(step) or n_rows < COLUMNAR_MIN_ROWS:
+            if cols is not None:
+                cols.release_all()
+            return None
+        if cols is None:
+            cols = self.columns[epoch.engine_id] = SteadyColumns(
+                self.store, request_prefix(epoch.engine_id), kv_shape
+            )
+        return cols
+
     def put(self, r: RequestState) -> None:
         self.store.put(request_key(r.engine_id, r.request_id), r)
 
@@ -74,7 +116,7 @@ class PositionFold:
         """Forget a request's state."""
         key = request_key(engine_id, rid)
         self._requests.pop(key, None)
-        self.store.delete(key)
+        self.store.delete(key)  # also ends the key's lease, if the columns held it
 
     def reopen(self, epoch: EpochState, req: RequestState) -> bool:
         """A closed request got an event: reopen it when the close was an idle timeout (its record
@@ -212,9 +254,36 @@ class PositionFold:
         hits: list[tuple[RequestState, int, bool]] = []
         held: list[tuple[RequestState, int, int, int]] = []  # KV holdings, folded after the loop
         total = 0.0
-        for i, rid in enumerate(rids):
-            ids_from = ids_at
-            ids_at += n_new[i]
+        # Steady rows (one token, nothing else happening) fold in the epoch's columns; the rest
+        # take the loop below (streams/columnar.py).
+        cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
+        plan = None
+        if cols is not None and cols.slot_of:
+            general_mask = None
+            if preempted or any(proposed) or any(accepted):
+                general_mask = np.fromiter((rid in preempted for rid in rids), dtype=bool, count=len(rids))
+                if proposed:
+                    general_mask |= np.asarray(proposed) != 0
+                if accepted:
+                    general_mask |= np.asarray(accepted) != 0
+            plan = cols.plan(rids, n_sched, n_new, before, seq, general_mask)
+        rows: Any = range(len(rids))
+        ends: Any = None  # with a plan in raw mode: where each row's new token ids end
+        row_f: list[int] = []  # with a plan: the general rows with a share, in order
+        if plan is not None:
+            general = np.ones(len(rids), dtype=bool)
+            general[plan[0]] = False
+            rows = np.flatnonzero(general).tolist()
+            if new_ids is not None:
+                ends = np.cumsum(np.asarray(n_new, dtype=np.int64))
+        for i in rows:
+            rid = rids[i]
+            if ends is None:
+                ids_from = ids_at
+                ids_at += n_new[i]
+            else:
+                ids_at = int(ends[i])
+                ids_from = ids_at - n_new[i]
             key = prefix + rid
             req = known.get(key)
             if req is None:
@@ -241,6 +310,8 @@ class PositionFold:
             req.flops += f
             total += f
             shares.append((req, f))
+            if plan is not None:
+                row_f.append(i)
             req.seq = seq
             # vLLM frees sliding-window blocks on the tokens processed at schedule time: with
             # the request's previous step still in flight, that is where the previous step began.
@@ -333,6 +404,31 @@ class PositionFold:
                     sg.append(segs, new - drafts, sg.OUTPUT, sg.COMPUTED)
             touched.append(key)
         self.store.touch_many(touched)
+        if plan is not None:
+            assert cols is not None
+            steady_rows, slots, cb = plan
+            f_steady = cols.fold(
+                slots,
+                cb,
+                seq,
+                step,
+                ts,
+                start_ts,
+                kv_ts,
+                in_flight_from,
+                shape.linear_flops_per_token,
+                shape.flops_per_pair,
+            )
+            if new_ids is not None:
+                cols.append_ids(slots, np.asarray(new_ids)[ends[steady_rows] - 1].tolist())
+            # The step's total in row order, as the general loop sums it.
+            by_row = np.zeros(len(rids))
+            by_row[steady_rows] = f_steady
+            if row_f:
+                by_row[row_f] = [f for _, f in shares]
+            total = float(np.add.accumulate(by_row)[-1])
+            if total > 0:
+                cols.add_time(slots, f_steady, step_ns / total)
         if held:
             kv_memory.on_steps(kv_shape, self.store, step, kv_ts, held)
         if hits:
@@ -344,6 +440,11 @@ class PositionFold:
             if is_warmup_step(step):  # the cold start: flagged, its share reported apart
                 for req, f in shares:
                     req.warmup_gpu_ns += f * scale
+        if cols is not None:
+            kv_on_cols = cols.kv_on
+            for req, _ in shares:
+                if steady(req, kv_on_cols):
+                    cols.admit(req)
 
     # --- KV memory-time (streams/kv_memory.py) ----------------------------------------------
 

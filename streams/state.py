@@ -364,19 +364,77 @@ class StateStore(Protocol):
 
     def keys(self, prefix: str) -> Iterator[str]: ...
 
+    def lease(self, key: str, lessee: Lessee) -> None:
+        """``lessee`` holds ``key``'s value newer than its object until the lease ends."""
+        ...
+
+    def unlease(self, key: str) -> None: ...
+
+    def sync(self) -> None:
+        """Make every object current (each lessee writes its changes back)."""
+        ...
+
+    def drop_lessee(self, lessee: Lessee) -> None:
+        """Forget a lessee that holds no key any more."""
+        ...
+
+
+class Lessee(Protocol):
+    """Holds some values newer than the store's objects (``streams.columnar.SteadyColumns``)."""
+
+    def release(self, key: str) -> None:
+        """Write ``key``'s value back into its object and stop holding it."""
+        ...
+
+    def sync(self) -> None:
+        """Write every changed value back into its object (and mark it dirty in the store)."""
+        ...
+
 
 class MemoryStore:
-    """A dict; tracks dirty keys so an adapter can persist them (epoch keys last)."""
+    """A dict; tracks dirty keys so an adapter can persist them (epoch keys last).
+
+    Leases: a :class:`Lessee` (the fold's steady columns) may hold a key's value newer than the
+    object in ``data``. Any ``get``, ``put`` or ``delete`` of a leased key first ends the lease (the
+    lessee writes the value back), so readers always see the current state; :meth:`sync` writes
+    back every lessee's changes without ending the leases (``data`` is then current: the worker
+    does it before each changelog write, tests before reading ``data`` directly).
+    """
 
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
         self.dirty: set[str] = set()
         self.deleted: set[str] = set()
+        self.leased: dict[str, Lessee] = {}
+        self.lessees: list[Lessee] = []
+
+    def lease(self, key: str, lessee: Lessee) -> None:
+        self.leased[key] = lessee
+        if lessee not in self.lessees:
+            self.lessees.append(lessee)
+
+    def unlease(self, key: str) -> None:
+        """End the lease on ``key`` (if any): its value is written back."""
+        lessee = self.leased.pop(key, None)
+        if lessee is not None:
+            lessee.release(key)
+
+    def sync(self) -> None:
+        for lessee in self.lessees:
+            lessee.sync()
+
+    def drop_lessee(self, lessee: Lessee) -> None:
+        if lessee in self.lessees:
+            self.lessees.remove(lessee)
 
     def get(self, key: str) -> Any | None:
+        if self.leased and key in self.leased:
+            self.unlease(key)
         return self.data.get(key)
 
     def put(self, key: str, value: Any) -> None:
+        if self.leased and key in self.leased:
+            self.unlease(key)
         self.data[key] = value
         self.dirty.add(key)
         if self.deleted:
@@ -389,6 +447,8 @@ class MemoryStore:
         self.dirty.update(keys)
 
     def delete(self, key: str) -> None:
+        if self.leased and key in self.leased:
+            self.unlease(key)
         if self.data.pop(key, None) is not None:
             self.deleted.add(key)
         self.dirty.discard(key)
@@ -398,6 +458,7 @@ class MemoryStore:
 
     def size_bytes(self, prefix: str = "") -> int:
         """Serialised size of the values under ``prefix`` (for state-size benchmarks)."""
+        self.sync()
         return sum(len(encode_state(v)) for k, v in self.data.items() if k.startswith(prefix))
 
 
@@ -425,6 +486,8 @@ class TableStore(MemoryStore):
         self.changelog = changelog
 
     def get(self, key: str) -> Any | None:
+        if self.leased and key in self.leased:
+            self.unlease(key)
         value = self.data.get(key)
         if value is None:
             if key in self.deleted:
@@ -438,6 +501,8 @@ class TableStore(MemoryStore):
         return value
 
     def delete(self, key: str) -> None:
+        if self.leased and key in self.leased:
+            self.unlease(key)
         self.data.pop(key, None)
         self.dirty.discard(key)
         self.deleted.add(key)
@@ -449,6 +514,7 @@ class TableStore(MemoryStore):
 
     async def flush(self) -> int:
         """Write dirty keys (epoch and head keys last) and deletions; return how many."""
+        self.sync()  # the fold's steady columns: each changed request once per flush
         items = [
             (k.encode(), encode_state(self.data[k])) for k in sorted(self.dirty, key=lambda k: k[0] in "en")
         ]

@@ -20,10 +20,12 @@ import pytest
 
 from sparseety import events as ev
 from sparseety.config import Config
+from sparseety.streams import fold as fold_module
 from tests.e2e.conftest import tiny_model
 from tests.e2e.ground_truth import KV_CHECKS, kv_mismatches, majority_end, unattended_end
 from tests.harness.engine import Mode
 from tests.harness.pipeline import ModeRun, mismatches, run_mode
+from tests.unit.test_columnar import fold_both
 
 FULL = [
     Mode(async_scheduling=a, v2=v, spec=s, pressure=p)
@@ -46,6 +48,13 @@ PD = [Mode(async_scheduling=a, pd_consumer=True, pressure=p) for a in (False, Tr
 MODES = FULL + SHAPED + PD
 
 _RUNS: dict[str, ModeRun] = {}
+
+
+@pytest.fixture(autouse=True)
+def columns_from_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness runs small batches: the fold takes its columnar path for every steady row
+    (streams/columnar.py), so every class below is checked on it too."""
+    monkeypatch.setattr(fold_module, "COLUMNAR_MIN_ROWS", 1)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +101,17 @@ def test_truth_equals_what_vllm_reported(mode: Mode, broker: Config, workdir: Pa
     assert any(h.finish[r] == "stop" for r in h.finish), "a stop token ends some requests"
     if mode.pd_consumer:
         assert sum(truth.external.values()) > 0
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_ids(MODES))
+def test_the_columnar_fold_equals_the_general_path(mode: Mode, broker: Config, workdir: Path) -> None:
+    """Output for output and state for state (tests/unit/test_columnar.py), over vLLM's real
+    scheduler's events; shapes whose attention is limited take the general path only."""
+    run = mode_run(mode, broker, workdir)
+    events = sorted(run.events, key=lambda e: (e["stream"], e["seq"]))
+    _, steady_rows = fold_both(events, every=13)
+    if mode.shape == "full":
+        assert steady_rows > 0
 
 
 @pytest.mark.parametrize("mode", MODES, ids=_ids(MODES))
