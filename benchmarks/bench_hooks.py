@@ -36,7 +36,7 @@ from sparseety.config import load_config
 from sparseety.producers.emitter import Emitter
 from sparseety.producers.privacy import PromptPolicy
 from sparseety.producers.vllm import plugin
-from sparseety.producers.vllm.records import RecordBuilder
+from sparseety.producers.vllm.records import Admission, RecordBuilder
 from sparseety.producers.vllm.session import EngineSession
 
 
@@ -230,7 +230,7 @@ def measure(shape: str, batch: int, steps: int, tmp: str) -> tuple[float, float,
     step_item = (0, 0, 0, 0, builder.step, (so, outs, spec, 1, 0, 10, frozenset()))
     items = [step_item]
     if admit:
-        started = (0, len(requests), 0, 0, builder.requests_started, ([(r, 64, 0, None) for r in requests],))
+        started = (0, len(requests), 0, 0, builder.requests_started, ([Admission(r, 64) for r in requests],))
         finished = (0, len(requests), 0, 0, builder.requests_finished, (requests,))
         items = [started, step_item, finished]
     bg = []

@@ -13,6 +13,7 @@ the last 8 bytes of its bytes form, so it does not depend on that switch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -38,6 +39,18 @@ def block_hash_bytes(h: Any) -> bytes:
 def _finish_reason(reason: Any) -> str:
     text = str(reason) if reason is not None else "abort"
     return text.rsplit(".", 1)[-1].lower()
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """One request admitted in a step, as the engine thread saw it at ``schedule()``; the
+    emitter thread builds its RequestStarted from it."""
+
+    req: Any  #: vLLM's ``Request`` (read on the emitter thread only for fields fixed at admission)
+    num_cached: int  #: prompt tokens already computed at admission (PrefillStats.num_cached_tokens)
+    num_external: int = 0  #: of them, loaded by a KV connector from outside this engine
+    #: RequestStarted.cached_tokens_by_source (the engine's source names); None: not reported
+    sources: dict[str, int] | None = None
 
 
 class RecordBuilder:
@@ -153,12 +166,9 @@ class RecordBuilder:
             "mm_inputs": items,
         }
 
-    def requests_started(
-        self, items: list[tuple[Any, int, int, dict[str, int] | None]]
-    ) -> list[tuple[str, dict[str, Any]]]:
-        """RequestStarted for each ``(request, cached tokens, of which external, tokens per cache
-        tier)`` admitted in one step."""
-        return [self.request_started(*item) for item in items]
+    def requests_started(self, items: list[Admission]) -> list[tuple[str, dict[str, Any]]]:
+        """RequestStarted for each request admitted in one step."""
+        return [self.request_started(a.req, a.num_cached, a.num_external, a.sources) for a in items]
 
     def requests_finished(self, reqs: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         """RequestFinished for each request freed in one step."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sparseety.config import Config
@@ -37,7 +38,7 @@ from ..privacy import PromptPolicy
 from . import facts, routing
 from .multimodal import ENCODER_HITS, EncoderHit, watch_encoder_cache
 from .reasoning import ReasoningSplit
-from .records import RecordBuilder
+from .records import Admission, RecordBuilder
 from .stamp import STEP_STAMP, routing_enabled
 
 log = logging.getLogger("sparseety.producer.vllm")
@@ -57,6 +58,18 @@ def default_engine_name(cfg: Config, vllm_config: Any, served: str) -> str:
     are vLLM's)."""
     size = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)
     return engine_name(cfg, served, dp_rank=facts.dp_rank(vllm_config), dp_size=size)
+
+
+@dataclass(slots=True, frozen=True)
+class PendingStep:
+    """A step scheduled and not yet updated (under async scheduling, up to two)."""
+
+    start_mono_ns: int  #: when ``schedule()`` began (monotonic clock)
+    admitted: list[Admission]  #: requests admitted in it (their RequestStarted precede its StepBatch)
+    carried: frozenset[str]  #: preemptions from empty steps before it, reported with it
+    resumed: frozenset[str]  #: resumes Model Runner V2 lists in ``scheduled_new_reqs``
+    updates_before: int  #: updates completed when it was scheduled
+    scheduler_output: Any  #: vLLM's SchedulerOutput (which requests it schedules)
 
 
 def hit_sources(connector: Any, req: Any, cached: int, external: int) -> dict[str, int] | None:
@@ -107,19 +120,8 @@ class EngineSession(SessionBase):
         self._connector: Any = getattr(scheduler, "connector", None)
         self._step = 0
         self._updates = 0  # stamped steps whose update_from_output completed
-        #: Steps scheduled and not yet updated: start time, admissions, preemptions carried over,
-        #: resumes seen in scheduled_new_reqs, updates completed at schedule time, the output.
-        self._pending: dict[
-            int,
-            tuple[
-                int,
-                list[tuple[Any, int, int, dict[str, int] | None]],
-                frozenset[str],
-                frozenset[str],
-                int,
-                Any,
-            ],
-        ] = {}
+        #: Steps scheduled and not yet updated, by step number.
+        self._pending: dict[int, PendingStep] = {}
         #: Finishes held for an in-flight step that still schedules the request.
         self._held: dict[int, list[Any]] = {}
         #: KV events in vLLM's queue when each step not yet drained was scheduled: a drain
@@ -198,7 +200,7 @@ class EngineSession(SessionBase):
         owner = self._kv_queue_owner
         if owner is not None:
             self._kv_marks.append((step, len(owner.kv_event_queue)))
-        new: list[tuple[Any, int, int, dict[str, int] | None]] = []
+        new: list[Admission] = []
         resumed: set[str] | None = None
         if scheduler_output.scheduled_new_reqs:
             requests = self._requests
@@ -220,13 +222,14 @@ class EngineSession(SessionBase):
                     # vLLM < 0.32 has no split of local and external hits
                     external = getattr(prefill_stats, "num_external_cached_tokens", 0) or 0
                     cached = prefill_stats.num_cached_tokens
-                    new.append((req, cached, external, hit_sources(self._connector, req, cached, external)))
+                    sources = hit_sources(self._connector, req, cached, external)
+                    new.append(Admission(req, cached, external, sources))
                 else:
-                    new.append((req, new_request.num_computed_tokens, 0, None))
+                    new.append(Admission(req, new_request.num_computed_tokens))
                 live.add(new_request.req_id)
         carried = frozenset(self._carry) if self._carry else frozenset()
         self._carry.clear()
-        self._pending[step] = (
+        self._pending[step] = PendingStep(
             start_mono_ns,
             new,
             carried,
@@ -269,7 +272,7 @@ class EngineSession(SessionBase):
             # Steps are updated in the order they were scheduled (the batch queue is FIFO), so
             # this count is also the number of the next step to be updated.
             self._updates += 1
-            start, new, carried, resumed, updates_before, _ = pending
+            new = pending.admitted
             builder = self.builder
             kv = self._kv_held.pop(step, None)
             if kv is not None and kv[0]:
@@ -284,11 +287,11 @@ class EngineSession(SessionBase):
                 outputs,
                 spec,
                 step,
-                start,
+                pending.start_mono_ns,
                 end_mono_ns,
-                carried,
-                resumed,
-                updates_before,
+                pending.carried,
+                pending.resumed,
+                pending.updates_before,
             )
         if self._deferred:
             self._flush_deferred()
@@ -322,7 +325,8 @@ class EngineSession(SessionBase):
             # compute for it; its finish follows that step's StepBatch.
             last = -1
             for step, pending in self._pending.items():
-                if step > last and rid in pending[5].num_scheduled_tokens and not self._updating(step):
+                scheduled = pending.scheduler_output.num_scheduled_tokens
+                if step > last and rid in scheduled and not self._updating(step):
                     last = step
             if last >= 0:
                 self._held.setdefault(last, []).append(req)
