@@ -5,8 +5,9 @@ obtained (``status``) and what became of its KV (``kv_fate``). Prompt positions 
 admission plan (cached with their source, computed, or recomputed_after_eviction when the block
 had a cache lifetime on this engine that ended before admission); output positions are appended
 as tokens arrive (draft-accepted ones flagged); re-prefill after a preemption overwrites with
-recomputed_after_preemption. Fates and the not_computed tail are settled when the request closes
-(:mod:`streams.accounting`).
+recomputed_after_preemption, while hit positions a request's first step computes (the engine gave
+them back: the last token of a prompt a KV connector loaded whole) become computed. Fates and the
+not_computed tail are settled when the request closes (:mod:`streams.accounting`).
 
 Each ``on_*`` method is a step ``(state, event) -> state``: it reads and writes the request (and
 prefix-index block) states in the store and emits nothing; outputs come only from closing a
@@ -326,8 +327,9 @@ class PositionFold:
                 if 0 <= in_flight_from <= req.last_step and req.steps
                 else computed_before
             )
-            if kv_on and (not req.steps or req.preempted):
-                hits.append((req, computed_before, not req.steps))
+            first_step = not req.steps
+            if kv_on and (first_step or req.preempted):
+                hits.append((req, computed_before, first_step))
             req.steps += 1
             req.last_step = step
             req.last_ts = ts
@@ -368,8 +370,14 @@ class PositionFold:
                 req.draft_unverified += n_unverified
             kv_end = req.kv_end
             if computed_before < kv_end:
-                _recompute_after_preemption(req, computed_before, min(valid_end, kv_end))
-                computed_before = kv_end
+                if first_step and not req.preemptions:
+                    # Never preempted: the engine computes part of the hit it reported at
+                    # admission (a whole prompt a KV connector loaded: vLLM computes its last
+                    # token again to sample the next one).
+                    _hit_given_back(req, computed_before, kv_end)
+                else:
+                    _recompute_after_preemption(req, computed_before, min(valid_end, kv_end))
+                    computed_before = kv_end
             if valid_end > computed_before:
                 # First computation of [computed_before, valid_end) for this request: accepted
                 # drafts are their own class; blocks the engine had evicted are recomputes.
@@ -535,6 +543,32 @@ class PositionFold:
             self.put(r)
         if body["step"] > epoch.worker_step:
             epoch.worker_step = body["step"]
+
+
+#: The RequestState counter of each status an admission hit lays out (one per cache tier).
+_HIT_COUNTER = {
+    billing.TIER_STATUS[billing.GPU]: "cache_read",
+    billing.TIER_STATUS[billing.CPU_OFFLOAD]: "cpu_offload_read",
+    billing.TIER_STATUS[billing.EXTERNAL]: "external_kv",
+    billing.TIER_STATUS[billing.HOST]: "host_read",
+    billing.TIER_STATUS[billing.STORAGE]: "storage_read",
+}
+
+
+def _hit_given_back(req: RequestState, start: int, end: int) -> None:
+    """The request's first step computes [start, end), positions the engine counted in its
+    admission hit: it loaded or found them, then discarded them and computes them here, as it
+    computes the last token of its own full prefix-cache hit (vLLM caps that hit at the prompt
+    less one; after a KV connector loaded a whole prompt it sets num_computed_tokens back by one
+    instead, ``Scheduler._update_waiting_for_remote_kv``). Not a recompute: nothing was
+    preempted and the request had not obtained them. They become ``computed`` (counted by the
+    step as uncached), each leaves the tier that counted it, and the request's KV ends at
+    ``start`` (docs/streams.md, "Hits the engine gives back")."""
+    for lo, hi, status in sg.assign(req.segments, start, end, sg.COMPUTED):
+        counter = _HIT_COUNTER.get(status)
+        if counter is not None:
+            setattr(req, counter, getattr(req, counter) - (hi - lo))
+    req.kv_end = start
 
 
 def _recompute_after_preemption(req: RequestState, start: int, end: int) -> None:

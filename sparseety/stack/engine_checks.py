@@ -128,7 +128,7 @@ def check_engine_counters(
     problems += check_bill_2026(stored, engine)
     hit = m.get("vllm:prompt_tokens_by_source|source=local_cache_hit")
     # vLLM's local hits: its cached tokens less what a KV connector loaded (every tier beside gpu)
-    local = total("engine_cached_tokens") - total(*TIER_READS)
+    local = sum(local_hit(r) for r in stored)
     if hit is not None and local != int(hit):
         problems.append(
             f"cached: {local} stored, {int(hit)} counted by vLLM "
@@ -143,7 +143,8 @@ def check_bill_2026(stored: list[dict[str, Any]], engine: dict[str, Any]) -> lis
     and SparSEEty's ``cache_write_tokens`` at most that (vLLM also counts a copy of a block that
     two requests computed in one step: docs/cost-model.md); engine-wide each cache tier's
     admission hits = ``vllm:prompt_tokens_cached_by_source{source}`` (gpu = device, cpu_offload =
-    host)."""
+    host), with the position vLLM gave back of a whole-prompt load added back to its tier
+    (:func:`given_back`)."""
     problems: list[str] = []
     theirs: dict[str, int] = {}
     for r in engine["requests"]:
@@ -163,16 +164,37 @@ def check_bill_2026(stored: list[dict[str, Any]], engine: dict[str, Any]) -> lis
             problems.append(f"tenant {name}: cache writes {mine} folded, more than vLLM's {created}")
     m = engine.get("metrics", {})
     tiers = {
-        "device": sum(
-            int(r.get("engine_cached_tokens", 0)) - sum(int(r.get(k, 0)) for k in TIER_READS) for r in stored
-        ),
-        "host": sum(int(r.get("cache_read_cpu_offload_tokens", 0)) for r in stored),
+        "device": sum(local_hit(r) for r in stored),
+        "host": sum(int(r.get("cache_read_cpu_offload_tokens", 0)) + host_given_back(r) for r in stored),
     }
     for source, got in tiers.items():
         metric = f"vllm:prompt_tokens_cached_by_source|source={source}"
         if metric in m and got != int(m[metric]):  # vLLM < 0.32 has no such counter
             problems.append(f"cached ({source}): {got} stored, {int(m[metric])} counted by vLLM ({metric})")
     return problems
+
+
+def given_back(r: dict[str, Any]) -> int:
+    """Prompt positions vLLM counted in a request's admission hit (``engine_cached_tokens``) and
+    then computed, which the fold counts computed and in no tier (docs/streams.md, "Hits the
+    engine gives back"). vLLM's own prefix-cache hit stops short of the prompt's last token, so a
+    hit of the whole prompt is a KV connector's load, whose last token vLLM computes again: 1;
+    else 0."""
+    prompt = int(r.get("prompt_tokens", 0) or 0)
+    return 1 if 0 < prompt <= int(r.get("engine_cached_tokens", -1)) else 0
+
+
+def host_given_back(r: dict[str, Any]) -> int:
+    """What vLLM gave back of a hit whose connector part the CPU offload tier alone served (no
+    external or storage positions): that position was in its ``host`` count."""
+    other = int(r.get("external_kv_tokens", 0) or 0) + int(r.get("cache_read_storage_tokens", 0) or 0)
+    return 0 if other else given_back(r)
+
+
+def local_hit(r: dict[str, Any]) -> int:
+    """vLLM's local (device) hit of a stored request at admission: its cached tokens less every
+    other tier's and less what it gave back (from the connector's part)."""
+    return int(r.get("engine_cached_tokens", 0)) - sum(int(r.get(k, 0)) for k in TIER_READS) - given_back(r)
 
 
 #: The cache tiers' read columns beside gpu (sparseety/billing.py).

@@ -58,7 +58,15 @@ def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> 
     cache is reset (the CPU tier kept); its first half comes back from the CPU tier alone; the
     whole prompt then reads the first half from the GPU cache and the rest from the CPU tier.
     Per request the fold's tiers (``cache_read_tokens`` = gpu, ``cache_read_cpu_offload_tokens``)
-    and the timeline statuses equal the engine's own split; nothing is external."""
+    and the timeline statuses equal the engine's own split; nothing is external.
+
+    Then two block-aligned prompts are loaded whole (the GPU cache reset again): one all from the
+    CPU tier, one GPU first and its last block from the CPU tier. vLLM counts the whole prompt
+    cached (its ``num_cached_tokens``, its counters by source) and, after the load, computes the
+    last token again (``Scheduler._update_waiting_for_remote_kv``). The fold counts that position
+    once, computed: the CPU tier's read is the engine's host count less one, nothing is
+    recomputed after a preemption (none happened), and the engine scheduled exactly that one
+    prompt token."""
     from vllm import SamplingParams
 
     from sparseety.config import WorkerConfig
@@ -71,8 +79,8 @@ def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> 
     tok = llm.get_tokenizer()
     ids = tok.encode(text)[: 7 * BLOCK + 5]
     half = ids[: 3 * BLOCK + 5]
-    # not block-aligned: a whole prompt loaded from a tier would be recomputed at its last token
     assert len(ids) == 7 * BLOCK + 5
+    aligned, aligned_more = ids[: 4 * BLOCK], ids[: 5 * BLOCK]  # every block loaded
     runs: list[tuple[str, Any, dict[str, float]]] = []
 
     def run(name: str, prompt: list[int]) -> None:
@@ -86,6 +94,9 @@ def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> 
     assert llm.reset_prefix_cache(reset_connector=False)  # the GPU cache only
     run("half", half)
     run("whole", ids)
+    assert llm.reset_prefix_cache(reset_connector=False)
+    run("aligned", aligned)  # all four blocks from the CPU tier
+    run("aligned_more", aligned_more)  # four from the GPU cache, the fifth from the CPU tier
     names = {out.request_id: name for name, out, _ in runs}
 
     def complete(events: list[dict[str, Any]]) -> bool:
@@ -111,7 +122,18 @@ def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> 
         assert started[rid]["cached_tokens_by_source"] == {
             k: v for k, v in (("device", device), ("host", host)) if v
         }, name
-        assert (rec["cache_read_tokens"], rec["cache_read_cpu_offload_tokens"]) == (device, host), name
+        # A whole prompt loaded: vLLM counts its last token in the hit, then computes it; the
+        # fold counts it computed only (docs/streams.md, "Hits the engine gives back").
+        whole_load = out.num_cached_tokens == len(out.prompt_token_ids)
+        back = 1 if whole_load else 0
+        assert (rec["cache_read_tokens"], rec["cache_read_cpu_offload_tokens"]) == (device, host - back), name
+        assert rec["preemptions"] == rec["recomputed_preemption_tokens"] == rec["waste_tokens"] == 0, name
+        # what the engine scheduled: the prompt positions it computed, then one per output token
+        # but the last (each is computed first here)
+        output = len(out.outputs[0].token_ids)
+        computed_prompt = len(out.prompt_token_ids) - out.num_cached_tokens + back
+        scheduled = computed_prompt + output - 1
+        assert rec["scheduled_tokens"] == rec["uncached_computed_tokens"] == scheduled, name
         assert rec["external_kv_tokens"] == 0 and rec["consistent"], name
         # a block loaded from the CPU tier is no cache write (vLLM: its created_cache_tokens
         # leaves the hit out, the connector's part included), a block computed here is
@@ -122,13 +144,16 @@ def test_cached_tokens_by_tier_equal_the_engines_own(offload: OfflineEngine) -> 
             (s["start"], s["end"], s["status"]) for s in rec["timeline"]["segments"] if s["kind"] == "prompt"
         ]
         want = [(0, device, "cached")] if device else []
-        want += [(device, device + host, "cached_cpu_offload")] if host else []
-        assert statuses[: len(want)] == want, (name, statuses)
+        want += [(device, device + host - back, "cached_cpu_offload")] if host else []
+        want += [(device + host - back, len(out.prompt_token_ids), "computed")]
+        assert [s for s in statuses if s[0] < s[1]] == want, (name, statuses)
     assert (
         seen["cold"] == (0, 0)
         and records[engine_rid(events, runs[0][1].request_id)]["cache_write_tokens"] == 7 * BLOCK
     )
     assert seen["half"] == (0, 3 * BLOCK)  # the GPU cache was reset: all from the CPU tier
     assert seen["whole"][0] == 3 * BLOCK and seen["whole"][1] > 0  # GPU first, the rest from CPU
+    assert seen["aligned"] == (0, 4 * BLOCK)  # the whole prompt from the CPU tier, as vLLM counts
+    assert seen["aligned_more"] == (4 * BLOCK, BLOCK)
     # the CPU tier's own KV events reached the stream with their medium (the device pool says GPU)
     assert "CPU" in media and "GPU" in media, media

@@ -1120,6 +1120,72 @@ def test_cache_tiers_at_admission_follow_the_engines_split() -> None:
     assert epoch.offload_events == 1 and epoch.cleared == []
 
 
+def test_a_whole_prompt_loaded_from_a_tier_computes_its_last_token_once() -> None:
+    """Issue 36: a KV connector loads every block of a block-aligned prompt (vLLM counts the
+    whole prompt cached: PrefillStats.num_cached_tokens = 8, the device hit 4 and the connector's
+    host 4); after the load vLLM sets num_computed_tokens back to 7 and computes the last token
+    (Scheduler._update_waiting_for_remote_kv). That position is computed here once: not a
+    recompute after a preemption (nothing was preempted), not also a CPU-tier read. A real
+    preemption afterwards still re-prefills as recomputed_after_preemption."""
+    prompt = list(range(8))
+    events = [
+        f.wrap(0, ev.ENGINE_STARTED, f.engine_started()),
+        f.wrap(1, ev.KV_STORED, f.kv_stored([b"a"])),
+        f.wrap(
+            2,
+            ev.REQUEST_STARTED,
+            f.request_started(
+                "r1",
+                prompt,
+                cached=8,
+                hashes=[b"a", b"b"],
+                num_external_cached_tokens=4,
+                cached_tokens_by_source={"device": 4, "host": 4},
+            ),
+        ),
+        f.wrap(3, ev.STEP_BATCH, f.step_batch(0, [("r1", 1, 7, [1])])),
+        f.wrap(4, ev.STEP_BATCH, f.step_batch(1, [("r1", 1, 8, [2])])),
+        f.wrap(5, ev.STEP_BATCH, f.step_batch(2, [], preempted=["r1"])),
+        # resumed: the first block is found in the prefix cache again, 4..10 re-prefilled
+        f.wrap(6, ev.STEP_BATCH, f.step_batch(3, [("r1", 6, 4, [3])], resumed=["r1"])),
+        f.wrap(7, ev.REQUEST_FINISHED, f.request_finished("r1", prompt=8, output=3, cached=8)),
+    ]
+    acc = accounts(run(events)[0])[f"{f.EID}/r1"]
+    assert acc["engine_cached_tokens"] == 8 and acc["consistent"]
+    # the admission hit less the given-back position: device 4 (+ 4 re-read on resume), host 3
+    assert (acc["cache_read_tokens"], acc["cache_read_cpu_offload_tokens"], acc["external_kv_tokens"]) == (
+        8,
+        3,
+        0,
+    )
+    # position 7 and output 8 computed first; 4..9 re-prefilled after the preemption (5)
+    assert (acc["uncached_computed_tokens"], acc["recomputed_preemption_tokens"], acc["waste_tokens"]) == (
+        2 + 1,
+        5,
+        5,
+    )
+    assert acc["scheduled_tokens"] == 8 and acc["cache_write_tokens"] == 0
+    assert segs(acc) == [
+        (0, 4, "prompt", "cached", False),
+        (4, 8, "prompt", "recomputed_after_preemption", False),
+        (8, 9, "output", "recomputed_after_preemption", False),
+        (9, 11, "output", "computed", False),
+    ]
+    # without the preemption: each position in exactly one class
+    alone = [*events[:5], f.wrap(5, ev.REQUEST_FINISHED, f.request_finished("r1", 8, 2, 8))]
+    acc = accounts(run(alone)[0])[f"{f.EID}/r1"]
+    assert segs(acc) == [
+        (0, 4, "prompt", "cached", False),
+        (4, 7, "prompt", "cached_cpu_offload", False),
+        (7, 8, "prompt", "computed", False),
+        (8, 10, "output", "computed", False),
+    ]
+    tiers = (acc["cache_read_tokens"], acc["cache_read_cpu_offload_tokens"])
+    assert tiers == (4, 3) and acc["uncached_computed_tokens"] == 2
+    assert acc["recomputed_preemption_tokens"] == acc["waste_tokens"] == 0 and acc["consistent"]
+    assert acc["cache_read_tokens"] + acc["cache_read_cpu_offload_tokens"] + 1 == acc["engine_cached_tokens"]
+
+
 def test_a_split_that_does_not_add_up_keeps_the_local_and_external_split() -> None:
     from sparseety.billing import split_cached
 

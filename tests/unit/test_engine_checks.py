@@ -106,3 +106,39 @@ def test_cache_writes_and_tiers_are_compared_with_vllms_own() -> None:
         "tenant acme: cache writes 3 folded, more than vLLM's 2",
         "cached (host): 4 stored, 5 counted by vLLM (vllm:prompt_tokens_cached_by_source|source=host)",
     ]
+
+
+def test_a_whole_prompt_loaded_from_the_cpu_tier_gives_its_last_token_back() -> None:
+    """A 6-token prompt the CPU tier loaded whole: vLLM counts 6 cached (num_cached_tokens, host
+    6), then computes the last token again; the fold counts it computed, the CPU tier 5
+    (docs/streams.md, "Hits the engine gives back"). The checks add it back to vLLM's side:
+    device = cached less the tiers less 1, host = the CPU tier + 1."""
+    stored = [
+        {**STORED[0], "cache_write_tokens": 0, "engine_cache_write_tokens": 0},
+        {
+            **STORED[1],
+            "engine_cached_tokens": 6,
+            "cache_read_cpu_offload_tokens": 5,
+            "engine_cache_write_tokens": 0,
+        },
+    ]
+    engine = {
+        "requests": [
+            {**ENGINE["requests"][0], "num_cache_creation_tokens": 0},
+            {**ENGINE["requests"][1], "num_cached_tokens": 6, "num_cache_creation_tokens": 0},
+        ],
+        "metrics": {
+            **ENGINE["metrics"],
+            "vllm:prompt_tokens_by_source|source=local_cache_hit": 2,
+            "vllm:prompt_tokens_cached_by_source|source=device": 2,
+            "vllm:prompt_tokens_cached_by_source|source=host": 6,
+        },
+    }
+    assert check_engine_counters(stored, engine) == []
+    # the position counted twice (in the tier and computed), as the fold did before
+    stored[1]["cache_read_cpu_offload_tokens"] = 6
+    assert check_engine_counters(stored, engine) == [
+        "cached (device): 1 stored, 2 counted by vLLM (vllm:prompt_tokens_cached_by_source|source=device)",
+        "cached (host): 7 stored, 6 counted by vLLM (vllm:prompt_tokens_cached_by_source|source=host)",
+        "cached: 1 stored, 2 counted by vLLM (vllm:prompt_tokens_by_source{source=local_cache_hit})",
+    ]
