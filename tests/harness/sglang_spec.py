@@ -38,6 +38,17 @@ def accepted(rid: str, verify_ct: int, num_drafts: int) -> int:
     return min(p[(verify_ct + zlib.crc32(rid.encode())) % len(p)], num_drafts)
 
 
+def allow_overlap() -> None:
+    """SGLang turns the overlap scheduler off for speculation on the CPU
+    (``arg_groups/speculative_hook._disable_overlap_schedule_for_cpu``: "Overlap schedule is not
+    implemented for speculative decoding on CPU"); on a GPU spec v2 runs under the overlap loop by
+    default. The harness keeps the mode's own setting (in the launcher, where the server
+    arguments are resolved)."""
+    import sglang.srt.arg_groups.speculative_hook as hook
+
+    hook._disable_overlap_schedule_for_cpu = lambda server_args: None
+
+
 def install(next_token: Any) -> None:
     """Patch ``SpeculativeAlgorithm.create_worker`` so EAGLE builds :class:`SimEagleWorker`."""
     import torch
@@ -176,3 +187,16 @@ def install(next_token: Any) -> None:
         module.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu
 
     wrapt.register_post_import_hook(on_allocation, "sglang.srt.mem_cache.allocation")
+
+    def on_overlap_utils(module: Any) -> None:
+        """Under the overlap scheduler the next verify's draft input is resolved from the future
+        map by ``gather_spec_extras``, a Triton kernel (no CPU driver here). The same row gather
+        in torch: each buffer's rows at ``indices`` (what the kernel fuses)."""
+
+        def gather_spec_extras(indices: Any, topk_p: Any, topk_index: Any, tokens: Any, hidden: Any) -> Any:
+            rows = indices.to(torch.int64)
+            return (topk_p[rows], topk_index[rows], tokens[rows], None if hidden is None else hidden[rows])
+
+        module.gather_spec_extras = gather_spec_extras
+
+    wrapt.register_post_import_hook(on_overlap_utils, "sglang.srt.managers.overlap_utils")
