@@ -411,20 +411,26 @@ class SglangSession(SessionBase):
         (the last committed token and its drafts), ``accept_lens`` committed (the accepted drafts
         and the bonus token). A request skipped by the processing had its drafts judged by
         nobody: reported as proposed and not accepted, with no new token (the fold's
-        unverified). Sets the scheduled counts and moves each request's position."""
+        unverified). Sets the scheduled counts and positions, and moves each request's position."""
         result = flight.result
         stride = int(result.speculative_num_draft_tokens)
         lens = result.accept_lens.tolist()
         pos = self._pos
         proposed = [stride - 1] * len(flight.rids)
         accepted: list[int] = []
+        before = flight.before
         for i, rid in enumerate(flight.rids):
+            # the position when this verify's result is processed: under the overlap loop this
+            # batch launched before the previous verify's accept_lens were known
+            at = pos.get(rid)
+            if at is not None:
+                before[i] = at
             if flight.skipped[i]:
                 accepted.append(0)
                 continue
             accepted.append(int(lens[i]) - 1)
-            if rid in pos:
-                pos[rid] = flight.before[i] + int(lens[i])
+            if at is not None:
+                pos[rid] = at + int(lens[i])
         flight.scheduled = [stride] * len(flight.rids)
         return proposed, accepted
 

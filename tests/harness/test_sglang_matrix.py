@@ -22,9 +22,7 @@ from tests.e2e.conftest import tiny_model
 from tests.harness.sglang_modes import BLOCK, SGLANG_PYTHON, SPEC_STEPS, Mode, ModeRun, run_modes
 
 MODES = [Mode(overlap=o, tree_core=t) for o in (True, False) for t in ("rust", "python")] + [
-    # EAGLE under the overlap loop runs here too (Mode(overlap=True, spec=True)) but the producer
-    # is not right there yet: docs/sglang.md, "Modes"
-    Mode(overlap=False, tree_core="rust", spec=True)
+    Mode(overlap=o, tree_core="rust", spec=True) for o in (True, False)
 ]
 _RUNS: dict[str, ModeRun] = {}
 

@@ -197,3 +197,37 @@ def test_a_verify_reports_its_drafts_and_stops_where_sglang_cuts_the_output() ->
     assert steps[1]["new_token_ids"] == [15, 22, 23]
     fin = next(p for t, p in loop.records if t == ev.REQUEST_FINISHED)
     assert (fin["request_id"], fin["num_output_tokens"]) == ("a", 6)
+
+
+def test_a_verify_launched_before_the_previous_ones_result_starts_where_it_ended() -> None:
+    """EAGLE under the overlap loop: verify N+1 launches before N's ``accept_lens`` are known; its
+    position is where N's accepted run ended (the harness's overlap EAGLE mode: every request
+    inconsistent when it was taken at launch)."""
+    loop = Loop()
+    a = Req("a", [1, 2, 3])
+    loop.reqs = {"a": a}  # type: ignore[attr-defined]
+    spec = SimpleNamespace(is_none=lambda: False)
+
+    def verify(lens: list[int]) -> object:
+        batch = decode(a)
+        batch.spec_algorithm = spec
+        loop.s.before_run(batch)
+        result = SimpleNamespace(
+            speculative_num_draft_tokens=4, accept_lens=SimpleNamespace(tolist=lambda: lens)
+        )
+        loop.s.launched(result)
+        return result
+
+    r_ext = loop.run(extend(a))
+    r1 = verify([3])
+    loop.process(r_ext, {"a": 10})
+    r2 = verify([2])  # launched before r1's result
+    loop.s.before_result(r1)
+    a.output_ids += [11, 12, 13]
+    loop.s.after_result()
+    loop.s.before_result(r2)
+    a.output_ids += [14, 15]
+    loop.s.after_result()
+    steps = [p for t, p in loop.records if t == ev.STEP_BATCH][1:]
+    assert [s["num_computed_before"] for s in steps] == [[3], [6]]
+    assert [s["num_new_tokens"] for s in steps] == [[3], [2]]
