@@ -80,14 +80,21 @@ class RustRun:
 
 
 def rust_path(run: RustRun | None, end: int) -> list[int]:
-    """The token path from the root to depth ``end`` (inside ``run``)."""
+    """The token path from the root to depth ``end`` (inside ``run``).
+
+    Under EAGLE speculation SGLang keys its radix tree by bigrams (``RadixKey.is_bigram``; the
+    Rust core's ``RustBigramUnifiedTreeCoreBinding``) and its KV events carry one pair
+    ``(t[i], t[i + 1])`` per position ``i``: the token at ``i`` is the pair's first."""
     parts = []
     while run is not None:
         parts.append(run.tokens[: end - run.start])
         end, run = run.start, run.parent
     out: list[int] = []
     for part in reversed(parts):
-        out.extend(part)
+        if len(part) and isinstance(part[0], tuple | list):
+            out.extend(pair[0] for pair in part)
+        else:
+            out.extend(part)
     return out
 
 
@@ -187,7 +194,11 @@ class RecordBuilder:
         token_ids: list[int],
         retracted: list[str],
         resumed: list[str],
+        proposed: list[int] | None = None,
+        accepted: list[int] | None = None,
     ) -> tuple[str, dict[str, Any]]:
+        """One processed batch; ``proposed``/``accepted``: a verify's drafts per request (judged
+        by the verifier, accepted by it), empty when the batch does not speculate."""
         return ev.STEP_BATCH, {
             "step": step,
             "start_mono_ns": start_mono_ns,
@@ -197,8 +208,8 @@ class RecordBuilder:
             "num_computed_before": before,
             "num_new_tokens": new_tokens,
             "new_token_ids": token_ids if self.policy.mode == "raw" else [],
-            "spec_proposed": [],
-            "spec_accepted": [],
+            "spec_proposed": proposed or [],
+            "spec_accepted": accepted or [],
             "preempted_req_ids": sorted(retracted),
             "resumed_req_ids": sorted(resumed),
             "updates_before": -1,

@@ -82,8 +82,7 @@ def engine_started(
         ],
         "kv_cache_dtype": str(getattr(args, "kv_cache_dtype", "auto")),
         "dtype": str(getattr(mc, "dtype", "")).removeprefix("torch."),
-        "spec_method": None,
-        "spec_num_tokens": 0,
+        **_spec(args),
         "moe_num_experts": 0,
         "moe_top_k": 0,
         "num_layers": num_layers,
@@ -101,6 +100,32 @@ def engine_started(
         "routing_capture": False,
         "kv_events_observed": kv_events_observed(tree, rust_tee),
     }
+
+
+def _spec(args: Any) -> dict[str, Any]:
+    """EngineStarted's speculation: SGLang's algorithm (``--speculative-algorithm``, lower case)
+    and the drafts each verify judges (``speculative_num_draft_tokens`` less the one token
+    of the verify that is not a draft)."""
+    method = getattr(args, "speculative_algorithm", None)
+    if not method:
+        return {"spec_method": None, "spec_num_tokens": 0}
+    drafts = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
+    return {"spec_method": str(method).lower(), "spec_num_tokens": max(0, drafts - 1)}
+
+
+def visible_output(req: Any) -> int:
+    """A request's output tokens as SGLang returns them: a verify appends its whole accepted run
+    to ``output_ids``, which can run past the stop; ``finished_len`` marks where the output ends
+    (SGLang's ``_visible_output_len``)."""
+    n = len(req.output_ids)
+    end = getattr(req, "finished_len", None)
+    return n if end is None else min(n, end)
+
+
+def speculative(batch: Any) -> bool:
+    """Whether ``batch`` runs SGLang's speculative decoding (its decode batches are verifies)."""
+    algorithm = getattr(batch, "spec_algorithm", None)
+    return algorithm is not None and not algorithm.is_none()
 
 
 def kv_events_observed(tree: Any, rust_tee: bool = False) -> bool:
@@ -176,6 +201,12 @@ class InFlight:
     resumed: list[str]
     result: Any = None
     outs: list[int] = field(default_factory=list)  #: output lengths right before processing
+    #: A speculative verify batch: each request's drafts and their acceptance come from its
+    #: result (``accept_lens``), and so does how far its position moves.
+    spec: bool = False
+    #: Per request: finished or retracted before its result is processed (SGLang then commits
+    #: nothing of it and counts no verify: its drafts were never judged).
+    skipped: list[bool] = field(default_factory=list)
 
 
 class SglangSession(SessionBase):
@@ -247,12 +278,14 @@ class SglangSession(SessionBase):
         """
         mode = batch.forward_mode
         reqs = batch.reqs
+        spec = False
         if mode.is_extend():
             prefix = list(batch.prefix_lens)
             scheduled = list(batch.extend_lens)
         elif mode.is_decode():
             prefix = None
             scheduled = None
+            spec = speculative(batch)
         else:
             return  # idle / prebuilt batches compute nothing for a request
         rids: list[str] = []
@@ -291,7 +324,8 @@ class SglangSession(SessionBase):
             elif rid in self._retracted:
                 self._retracted.discard(rid)
                 resumed.append(rid)
-            pos[rid] = before + n
+            if not spec:  # a verify's advance is its accepted run, known from its result
+                pos[rid] = before + n
             inflight[rid] = inflight.get(rid, 0) + 1
             rids.append(rid)
             keep_sched.append(n)
@@ -305,7 +339,7 @@ class SglangSession(SessionBase):
         step = self._step
         self._step = step + 1
         self._launching = InFlight(
-            step, time.monotonic_ns(), rids, keep_sched, keep_before, kept, retracted, resumed
+            step, time.monotonic_ns(), rids, keep_sched, keep_before, kept, retracted, resumed, spec=spec
         )
 
     def launched(self, result: Any) -> None:
@@ -320,7 +354,10 @@ class SglangSession(SessionBase):
         request's output length before SGLang appends this batch's tokens."""
         flight = self._flights.pop(id(result), None)
         if flight is not None:
-            flight.outs = [len(r.output_ids) for r in flight.reqs]
+            reqs = flight.reqs
+            flight.outs = [visible_output(r) for r in reqs]
+            if flight.spec:
+                flight.skipped = [r.finished() or bool(getattr(r, "is_retracted", False)) for r in reqs]
         self._processing = flight
 
     def after_result(self) -> None:
@@ -334,12 +371,13 @@ class SglangSession(SessionBase):
         token_ids: list[int] = []
         finished: list[tuple[Any, ...]] = []
         inflight = self._inflight
+        proposed, accepted = self._verified(flight) if flight.spec else ([], [])
         for req, n_before in zip(flight.reqs, flight.outs, strict=True):
-            out = req.output_ids
-            n = len(out) - n_before
+            n_after = visible_output(req)
+            n = n_after - n_before
             new_tokens.append(max(0, n))
             if n > 0:
-                token_ids.extend(out[n_before:])
+                token_ids.extend(req.output_ids[n_before:n_after])
             rid = req.rid
             left = inflight.get(rid, 1) - 1
             if left > 0:
@@ -361,9 +399,40 @@ class SglangSession(SessionBase):
             token_ids,
             flight.retracted,
             flight.resumed,
+            proposed,
+            accepted,
         )
         if finished:
             self.emitter.emit_many(len(finished), self.builder.requests_finished, finished)
+
+    def _verified(self, flight: InFlight) -> tuple[list[int], list[int]]:
+        """A verify batch's drafts per request, from its result as SGLang's
+        ``_resolve_spec_v2_tokens`` reads it: ``speculative_num_draft_tokens`` positions computed
+        (the last committed token and its drafts), ``accept_lens`` committed (the accepted drafts
+        and the bonus token). A request skipped by the processing had its drafts judged by
+        nobody: reported as proposed and not accepted, with no new token (the fold's
+        unverified). Sets the scheduled counts and positions, and moves each request's position."""
+        result = flight.result
+        stride = int(result.speculative_num_draft_tokens)
+        lens = result.accept_lens.tolist()
+        pos = self._pos
+        proposed = [stride - 1] * len(flight.rids)
+        accepted: list[int] = []
+        before = flight.before
+        for i, rid in enumerate(flight.rids):
+            # the position when this verify's result is processed: under the overlap loop this
+            # batch launched before the previous verify's accept_lens were known
+            at = pos.get(rid)
+            if at is not None:
+                before[i] = at
+            if flight.skipped[i]:
+                accepted.append(0)
+                continue
+            accepted.append(int(lens[i]) - 1)
+            if at is not None:
+                pos[rid] = at + int(lens[i])
+        flight.scheduled = [stride] * len(flight.rids)
+        return proposed, accepted
 
     def _close(self, rid: str) -> None:
         self._live.discard(rid)
@@ -377,7 +446,7 @@ class SglangSession(SessionBase):
             req.rid,
             req.finished_reason,
             len(req.origin_input_ids),
-            len(req.output_ids),
+            visible_output(req),
             int(req.cached_tokens),
             int(getattr(req, "retraction_count", 0) or 0),
         )

@@ -87,9 +87,11 @@ def install_truth(path: str) -> None:
             elif kind == "BlockStored":
                 parent = pages.get(e.parent_block_hash) if e.parent_block_hash is not None else None
                 base = parent[0] if parent is not None else ()
-                page = len(e.token_ids) // len(e.block_hashes)
+                # under EAGLE the Rust core keys by bigrams: one (t[i], t[i + 1]) per position
+                tokens = [t[0] if isinstance(t, tuple | list) else t for t in e.token_ids]
+                page = len(tokens) // len(e.block_hashes)
                 for i, h in enumerate(e.block_hashes):
-                    pages[h] = (base + tuple(e.token_ids[: (i + 1) * page]), page)
+                    pages[h] = (base + tuple(tokens[: (i + 1) * page]), page)
             elif kind == "BlockRemoved":
                 for h in e.block_hashes:
                     path, page = pages.pop(h, ((), 1))

@@ -66,6 +66,9 @@ def install() -> None:
         module.TpModelWorker.forward_batch_generation = forward_batch_generation
 
     wrapt.register_post_import_hook(on_worker, "sglang.srt.managers.tp_worker")
+    from tests.harness.sglang_spec import install as install_spec
+
+    install_spec(next_token)  # EAGLE's draft worker, simulated (only when a run speculates)
     # the truth recorder installs itself on import when E2E_SGLANG_TRUTH is set
     import tests.e2e.sglang_launch  # noqa: F401
 
@@ -129,6 +132,9 @@ def main(config_path: str) -> None:
     with open(config_path) as f:
         config = json.load(f)
     load_plugins()
+    from tests.harness.sglang_spec import allow_overlap
+
+    allow_overlap()  # EAGLE under the overlap loop too, as on a GPU (SGLang forces it off on CPU)
     for spec in config["runs"]:
         os.environ.update(spec["env"])
         os.environ["E2E_SGLANG_TRUTH"] = spec["truth"]

@@ -44,14 +44,22 @@ CHUNK = 64
 RETRACT_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "23"}
 
 
+#: EAGLE-style speculation (``tests/harness/sglang_spec.py``): drafts per verify (topk 1, a chain
+#: of ``SPEC_STEPS`` drafts, ``SPEC_STEPS + 1`` tokens verified) and the acceptance pattern (drafts
+#: accepted per verify, cycled per request).
+SPEC_STEPS = 3
+ACCEPT = "3,0,1,2"
+
+
 @dataclass(frozen=True)
 class Mode:
     overlap: bool = True
     tree_core: str = "rust"
+    spec: bool = False  #: EAGLE-style speculation (SGLang's simulated draft worker)
 
     @property
     def name(self) -> str:
-        return f"{'overlap' if self.overlap else 'normal'}-{self.tree_core}"
+        return f"{'overlap' if self.overlap else 'normal'}-{self.tree_core}{'-eagle' if self.spec else ''}"
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -100,6 +108,14 @@ def engine_kwargs(mode: Mode, model: Path) -> dict[str, Any]:
         "log_level": "warning",
         "disable_overlap_schedule": not mode.overlap,
     }
+    if mode.spec:
+        kw.update(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=str(model),  # its config only: the draft worker is simulated
+            speculative_num_steps=SPEC_STEPS,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=SPEC_STEPS + 1,
+        )
     if mode.tree_core == "rust":
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         kw["kv_events_config"] = json.dumps({"publisher": "zmq", "endpoint": endpoint, "topic": "kv"})
@@ -145,6 +161,7 @@ def run_modes(modes: list[Mode], model: Path, broker: Config, workdir: Path) -> 
                     **to_env(cfg),
                     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": mode.tree_core,
                     **RETRACT_ENV,
+                    "SGLANG_HARNESS_ACCEPT": ACCEPT,
                 },
                 "truth": str(d / "truth.jsonl"),
                 "out": str(d / "answers.json"),

@@ -46,6 +46,7 @@ class Req:
     finished_reason: Any = None
     cached_tokens: int = 0
     retraction_count: int = 0
+    finished_len: int | None = None
     extra_key: Any = None
     sampling_params: Any = field(
         default_factory=lambda: SimpleNamespace(max_new_tokens=3, custom_params=None)
@@ -152,3 +153,81 @@ def test_an_abort_while_a_batch_of_the_request_is_in_flight_waits_for_it() -> No
     assert kinds[-2:] == [ev.STEP_BATCH, ev.REQUEST_FINISHED]
     fin = loop.records[-1][1]
     assert (fin["request_id"], fin["finish_reason"], fin["num_output_tokens"]) == ("a", "abort", 1)
+
+
+def test_a_verify_reports_its_drafts_and_stops_where_sglang_cuts_the_output() -> None:
+    """EAGLE (SGLang's spec v2, normal loop): each decode batch is a verify of 3 drafts per
+    request; ``accept_lens`` (drafts accepted + the bonus) moves the position and is the
+    verifier's acceptance; a verify appends its whole run to ``output_ids`` past the stop, and
+    ``finished_len`` says where the output ends (the harness's EAGLE mode: 11 tokens counted for
+    an 8-token answer, positions moved by 1 per verify)."""
+    loop = Loop()
+    a, b = Req("a", [1, 2, 3]), Req("b", [4, 5])
+    loop.reqs = {"a": a, "b": b}  # type: ignore[attr-defined]
+    spec = SimpleNamespace(is_none=lambda: False)
+
+    def verify(lens: list[int]) -> object:
+        batch = decode(a, b)
+        batch.spec_algorithm = spec
+        loop.s.before_run(batch)
+        result = SimpleNamespace(
+            speculative_num_draft_tokens=4, accept_lens=SimpleNamespace(tolist=lambda: lens)
+        )
+        loop.s.launched(result)
+        return result
+
+    loop.process(loop.run(extend(a, b)), {"a": 10, "b": 20})
+    r1 = verify([4, 1])  # a accepts its 3 drafts, b none
+    loop.s.before_result(r1)
+    a.output_ids += [11, 12, 13, 14]
+    b.output_ids += [21]
+    loop.s.after_result()
+    r2 = verify([3, 2])
+    loop.s.before_result(r2)
+    a.output_ids += [15, 16, 17]
+    a.finished_len, a.finished_reason = 6, "FINISH_LENGTH"  # max_new_tokens 6: 17 is past it
+    b.output_ids += [22, 23]
+    loop.s.after_result()
+    steps = [p for t, p in loop.records if t == ev.STEP_BATCH][1:]
+    assert [s["num_computed_before"] for s in steps] == [[3, 2], [7, 3]]
+    assert [s["num_scheduled_tokens"] for s in steps] == [[4, 4], [4, 4]]
+    assert [s["spec_proposed"] for s in steps] == [[3, 3], [3, 3]]
+    assert [s["spec_accepted"] for s in steps] == [[3, 0], [2, 1]]
+    assert [s["num_new_tokens"] for s in steps] == [[4, 1], [1, 2]]
+    assert steps[1]["new_token_ids"] == [15, 22, 23]
+    fin = next(p for t, p in loop.records if t == ev.REQUEST_FINISHED)
+    assert (fin["request_id"], fin["num_output_tokens"]) == ("a", 6)
+
+
+def test_a_verify_launched_before_the_previous_ones_result_starts_where_it_ended() -> None:
+    """EAGLE under the overlap loop: verify N+1 launches before N's ``accept_lens`` are known; its
+    position is where N's accepted run ended (the harness's overlap EAGLE mode: every request
+    inconsistent when it was taken at launch)."""
+    loop = Loop()
+    a = Req("a", [1, 2, 3])
+    loop.reqs = {"a": a}  # type: ignore[attr-defined]
+    spec = SimpleNamespace(is_none=lambda: False)
+
+    def verify(lens: list[int]) -> object:
+        batch = decode(a)
+        batch.spec_algorithm = spec
+        loop.s.before_run(batch)
+        result = SimpleNamespace(
+            speculative_num_draft_tokens=4, accept_lens=SimpleNamespace(tolist=lambda: lens)
+        )
+        loop.s.launched(result)
+        return result
+
+    r_ext = loop.run(extend(a))
+    r1 = verify([3])
+    loop.process(r_ext, {"a": 10})
+    r2 = verify([2])  # launched before r1's result
+    loop.s.before_result(r1)
+    a.output_ids += [11, 12, 13]
+    loop.s.after_result()
+    loop.s.before_result(r2)
+    a.output_ids += [14, 15]
+    loop.s.after_result()
+    steps = [p for t, p in loop.records if t == ev.STEP_BATCH][1:]
+    assert [s["num_computed_before"] for s in steps] == [[3], [6]]
+    assert [s["num_new_tokens"] for s in steps] == [[3], [2]]

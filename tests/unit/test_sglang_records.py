@@ -6,6 +6,7 @@ names as the request prompts that contain those tokens: the fold's prefix index 
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,27 @@ def test_the_rust_cores_kv_events_name_the_blocks_the_prompts_name() -> None:
     assert recs == []  # its parent page was never seen: its path is unknown, nothing is named
     s.on_rust_event(("all_blocks_cleared",))
     assert [t for t, _ in recs] == [ev.KV_CLEARED] and s._rust_pages == {}
+
+
+def test_the_rust_cores_bigram_events_name_the_prompts_blocks() -> None:
+    """Under EAGLE speculation the Rust core keys its tree by bigrams: a stored run carries one
+    pair (t[i], t[i + 1]) per position. Its blocks are named over the tokens, as the prompt's
+    (the SGLang harness's EAGLE mode: the producer raised on every such event and dropped it)."""
+    from sparseety import events as ev
+
+    s = _rust_session()
+    prompt = list(range(100, 110))
+    pairs = list(itertools.pairwise(prompt))  # 9 positions of a 10-token prompt
+    s.on_rust_event(
+        ("block_stored", [1001, 1002, 1003, 1004, 1005], None, pairs[:5], 1, "GPU", None, None, None)
+    )
+    s.on_rust_event(("block_stored", [1006, 1007, 1008, 1009], 1005, pairs[5:], 1, "GPU", None, None, None))
+    s.on_rust_event(("block_removed", [1008], "GPU", None))
+    assert [(t, p["block_hashes"]) for t, p in s.emitter.records] == [
+        (ev.KV_STORED, chain_hashes(prompt, 4, b"")[:1]),
+        (ev.KV_STORED, chain_hashes(prompt, 4, b"")[1:2]),
+        (ev.KV_REMOVED, chain_hashes(prompt, 4, b"")[1:2]),
+    ]
 
 
 def test_the_admission_hit_is_split_by_sglangs_tiers_and_encodes() -> None:
