@@ -65,6 +65,22 @@ def _finish_reason(reason: Any) -> str:
     return name.removeprefix("FINISH_").lower()
 
 
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """A request's first batch, as the scheduler thread saw it at ``run_batch``; the emitter
+    thread builds its RequestStarted from it."""
+
+    rid: str
+    prompt: Any  #: ``req.origin_input_ids``
+    cached: int  #: the admission's cache hit (its ``prefix_len``)
+    arrival_s: float
+    max_tokens: int | None
+    custom: Any  #: ``sampling_params.custom_params`` (tenant, session)
+    namespace: tuple[Any, Any]  #: the radix key's ``extra_key`` and ``cache_salt``
+    #: SGLang's split of the hit (device, host, storage); None when the request has none
+    tiers: tuple[Any, Any, Any] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RustRun:
     """The tokens one KV event of SGLang's Rust TreeCore stored: ``tokens`` from depth ``start``
@@ -114,8 +130,13 @@ class RecordBuilder:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def requests_started(self, items: list[tuple[Any, ...]]) -> list[tuple[str, dict[str, Any]]]:
-        return [self.request_started(*item) for item in items]
+    def requests_started(self, items: list[Admission]) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            self.request_started(
+                a.rid, a.prompt, a.cached, a.arrival_s, a.max_tokens, a.custom, a.namespace, a.tiers
+            )
+            for a in items
+        ]
 
     def request_started(
         self,

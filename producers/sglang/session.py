@@ -36,7 +36,7 @@ from .. import plugin_kit
 from ..emitter import Emitter, new_epoch
 from ..plugin_kit import SessionBase, announce
 from ..privacy import PromptPolicy
-from .records import HASH_ALGO, RecordBuilder, RustRun
+from .records import HASH_ALGO, Admission, RecordBuilder, RustRun
 
 log = logging.getLogger("sparseety.producer.sglang")
 
@@ -292,7 +292,7 @@ class SglangSession(SessionBase):
         keep_sched: list[int] = []
         keep_before: list[int] = []
         kept: list[Any] = []
-        started: list[tuple[Any, ...]] = []
+        started: list[Admission] = []
         resumed: list[str] = []
         live, pos, inflight = self._live, self._pos, self._inflight
         for i, req in enumerate(reqs):
@@ -310,7 +310,7 @@ class SglangSession(SessionBase):
                 live.add(rid)
                 sp = req.sampling_params
                 started.append(
-                    (
+                    Admission(
                         rid,
                         req.origin_input_ids,
                         before,
