@@ -69,8 +69,9 @@ def on_kv_event(
     primary = primary_group_kind(epoch.config)
     if primary is not None and body.get("group_kind", primary) != primary:
         return  # other KV cache groups mirror the same hashes; index one group only
+    prefix = block_key(epoch.engine_id, "")
     for h in body["block_hashes"]:
-        key = block_key(epoch.engine_id, h.hex())
+        key = prefix + h.hex()
         block = store.get(key)
         if block is None:
             if not stored:
