@@ -117,9 +117,10 @@ def block_uses(
     bs = (epoch.config or {}).get("block_size") or 0
     uses = []
     cleared = epoch.cleared
+    prefix = block_key(epoch.engine_id, "")
     for hexh, role, lifetime in r.blocks:
         if lifetime < 0:
-            block = store.get(block_key(epoch.engine_id, hexh))
+            block = store.get(prefix + hexh)
             lifetime = pidx.lifetime_of(block, r.request_id, r.admission_seq, cleared)
         uses.append({"block_hash": bytes.fromhex(hexh), "lifetime_seq": lifetime, "role": role, "tokens": bs})
     for h in finish.get("output_block_hashes", []):
@@ -150,10 +151,15 @@ def cache_write_tokens(store: StateStore, epoch: EpochState, r: RequestState) ->
     """
     bs = (epoch.config or {}).get("block_size") or 0
     written = 0
+    prefix = block_key(epoch.engine_id, "")
+    uid = r.request_id
     for hexh, role, _ in r.blocks:
         if role == "cached":
             continue
-        block = store.get(block_key(epoch.engine_id, hexh))
-        if block is not None and any(lt[pidx.COMPUTED_BY] == r.request_id for lt in block["l"]):
-            written += bs
+        block = store.get(prefix + hexh)
+        if block is not None:
+            for lt in block["l"]:
+                if lt[pidx.COMPUTED_BY] == uid:
+                    written += bs
+                    break
     return written
