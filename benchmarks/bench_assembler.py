@@ -14,7 +14,9 @@ StepBatch, RequestFinished and KV events in realistic proportions. Reported (med
 * with --worker: the real Faust worker against the embedded broker, events produced up front,
   timed from the first output to the last (request-steps/s through the whole worker);
 * with --by-kind: the fold's CPU per event kind (µs per event, and per engine step), with the
-  steady columns (streams/columnar.py) and without (every row on the general path), in one run.
+  steady columns (streams/columnar.py) and without (every row on the general path), in one run;
+  with ``--streams DIR`` the fold is another copy of ``streams/`` (``git archive REV streams |
+  tar -x -C DIR``, then ``--streams DIR/streams``): alternate runs of both for a paired A/B.
 
 Also the serialized state of one 128k-token request (chunked prefill, half the prompt cached).
 """
@@ -31,6 +33,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if "--streams" in sys.argv[:-1]:
+    # Fold with another copy of streams/ (``git archive REV streams | tar -x -C DIR``): a paired
+    # comparison against older code in alternating runs. Before any sparseety.streams module loads.
+    import sparseety.streams
+
+    sparseety.streams.__path__[:] = [sys.argv[sys.argv.index("--streams") + 1]]
 
 from sparseety import events as ev
 from sparseety.config import WorkerConfig
@@ -162,7 +171,12 @@ def by_kind(events: list[dict[str, Any]], runs: int) -> None:
             parts.append(
                 f"{k.rsplit('.', 1)[-1]} {s / counts[k] * 1e6:,.0f} us/event ({s / steps * 1e6:,.0f}/step)"
             )
-        print(f"by kind, {label}: " + "; ".join(parts))
+        total = statistics.median(sum(per[(columnar, k)][i] for k in counts) for i in range(runs))
+        rate = (
+            sum(len(e["payload"][1]["req_ids"]) for e in events if ev.payload_type(e) == ev.STEP_BATCH)
+            / total
+        )
+        print(f"by kind, {label}: " + "; ".join(parts) + f"; {rate:,.0f} request-steps/CPU-s")
 
 
 def decode_fold(blobs: list[bytes]) -> float:
@@ -246,6 +260,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worker", action="store_true", help="also measure the real Faust worker")
     ap.add_argument("--by-kind", action="store_true", help="the fold's CPU per event kind, columns on/off")
+    ap.add_argument("--streams", metavar="DIR", help="fold with the streams/ copy in DIR (a paired A/B)")
     args = ap.parse_args()
     events, request_steps = synthetic(args.batch, args.steps)
     if args.by_kind:

@@ -43,9 +43,11 @@ def plan_prompt(
     cleared = epoch.cleared
     every_block_cached = block_index.caches_every_block(epoch.config)
     pos = 0
+    prefix = block_key(epoch.engine_id, "")
+    uid = r.request_id
     for i, h in enumerate(hashes):
         hexh = h.hex()
-        key = block_key(epoch.engine_id, hexh)
+        key = prefix + hexh
         block = store.get(key)
         start, end = i * bs, (i + 1) * bs
         if start < cached:
@@ -76,10 +78,14 @@ def plan_prompt(
                 epoch.block_count += 1
             pidx.claim(block, r.request_id, seq, cleared)
             store.put(key, block)
+        elif block is None:
+            # A hash this epoch never saw (most computed blocks): computed, and the request's
+            # pending claim (new_block + claim, without their lookups: nothing to recompute).
+            epoch.block_count += 1
+            sg.append(segs, bs, sg.PROMPT, sg.COMPUTED)
+            r.blocks.append([hexh, "computed", -1])
+            store.put(key, pidx.claimed_block(uid, seq))
         else:
-            if block is None:
-                block = pidx.new_block()
-                epoch.block_count += 1
             # Recomputed after eviction: a lifetime of the hash ended before admission and no
             # copy was live when vLLM looked the request up. Copies stored in this step (after
             # the previous StepBatch) by an earlier admission of the step were live then: a

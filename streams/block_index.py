@@ -69,8 +69,9 @@ def on_kv_event(
     primary = primary_group_kind(epoch.config)
     if primary is not None and body.get("group_kind", primary) != primary:
         return  # other KV cache groups mirror the same hashes; index one group only
+    prefix = block_key(epoch.engine_id, "")
     for h in body["block_hashes"]:
-        key = block_key(epoch.engine_id, h.hex())
+        key = prefix + h.hex()
         block = store.get(key)
         if block is None:
             if not stored:
@@ -116,9 +117,10 @@ def block_uses(
     bs = (epoch.config or {}).get("block_size") or 0
     uses = []
     cleared = epoch.cleared
+    prefix = block_key(epoch.engine_id, "")
     for hexh, role, lifetime in r.blocks:
         if lifetime < 0:
-            block = store.get(block_key(epoch.engine_id, hexh))
+            block = store.get(prefix + hexh)
             lifetime = pidx.lifetime_of(block, r.request_id, r.admission_seq, cleared)
         uses.append({"block_hash": bytes.fromhex(hexh), "lifetime_seq": lifetime, "role": role, "tokens": bs})
     for h in finish.get("output_block_hashes", []):
@@ -149,10 +151,15 @@ def cache_write_tokens(store: StateStore, epoch: EpochState, r: RequestState) ->
     """
     bs = (epoch.config or {}).get("block_size") or 0
     written = 0
+    prefix = block_key(epoch.engine_id, "")
+    uid = r.request_id
     for hexh, role, _ in r.blocks:
         if role == "cached":
             continue
-        block = store.get(block_key(epoch.engine_id, hexh))
-        if block is not None and any(lt[pidx.COMPUTED_BY] == r.request_id for lt in block["l"]):
-            written += bs
+        block = store.get(prefix + hexh)
+        if block is not None:
+            for lt in block["l"]:
+                if lt[pidx.COMPUTED_BY] == uid:
+                    written += bs
+                    break
     return written

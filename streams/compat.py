@@ -29,6 +29,10 @@ its piece is deleted here and its caller keeps working through the same function
    path, a visible share of the worker's CPU per fold CPU-second (``bench_worker.py``'s stages);
    their partition is the one aiokafka's own ``send`` would pick (its configured partitioner on
    the key, the producer's private ``_partition``), so records keep their partitions.
+   aiokafka queues one record batch per partition and makes the next ``send_batch`` wait until
+   that one is sent, so the worker's producer batches are 512 KiB (``streams/app.py``,
+   ``PRODUCER_BATCH_BYTES``), not Faust's default 16 KiB: a batch-256 checkpoint (~1.2 MiB)
+   went out as ~80 produce requests one after the other.
 4. **The terminal spinner** (:func:`without_spinner`): faust-streaming's ``Worker`` keeps its
    progress spinner when the log level is WARN or above and then sets the root logger to DEBUG
    (``Worker._setup_spinner_handler``), so with ``--loglevel warning`` every aiokafka debug
@@ -50,8 +54,11 @@ its piece is deleted here and its caller keeps working through the same function
    every fetched record to an agent through ``wait_first`` (four asyncio tasks per record), its
    conductor, a channel queue, a ``Stream`` and an ``Event``; at small engine steps that cost more
    than decoding and folding the record. The worker's input topic is instead collected from
-   Faust's own ``Consumer.getmany`` into batches, by overriding the consumer's private
-   ``_drain_messages`` in a subclass installed through the transport's ``Consumer`` class.
+   Faust's own fetch (``Consumer._wait_next_records``, with ``getmany``'s checks per record)
+   into batches, by overriding the consumer's private ``_drain_messages`` in a subclass installed
+   through the transport's ``Consumer`` class. ``getmany`` itself is not used: an async
+   generator step and a high-watermark read (for Faust's monitor) per record cost as much as
+   the record's Avro decoding at batch 4; the watermark is read once per partition and fetch.
 
 Faust and aiokafka are imported inside the functions: replay imports this module and must not
 pull in Faust.
@@ -62,7 +69,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from sparseety.config import Config
@@ -346,8 +353,9 @@ class _BatchDrain:
     conductor, a channel queue, a ``Stream`` and an ``Event`` before an agent sees it. At the
     engine's small StepBatches that path cost more than decoding and folding the record
     (``benchmarks/bench_worker.py --py-spy``, docs/benchmarks.md). Here the records of
-    ``batch_topic`` that one or more fetches return (``Consumer.getmany``, which keeps Faust's
-    flow control, generation check and active-partition filter) are collected for up to
+    ``batch_topic`` that one or more fetches return (:meth:`_fetch`: ``Consumer.getmany`` as one
+    loop, which keeps Faust's flow control, generation check and active-partition filter) are
+    collected for up to
     ``batch_within_s`` or ``batch_max`` records, tracked as in flight (so a rebalance's
     ``wait_empty`` waits for them), handed to ``batch_handler`` at once, and acked only after it
     returned: Faust then commits them as it commits an agent's acks. Records of other topics (the
@@ -371,7 +379,7 @@ class _BatchDrain:
         try:
             while not (consumer_stopped() or fetcher_stopped()):
                 wait = max(0.0, within - (time.monotonic() - first)) if batch else 1.0
-                async for tp, message in me.getmany(timeout=wait):
+                for tp, message in await self._fetch(wait):
                     offset = message.offset
                     last = read_offset[tp]
                     if last is not None and offset < last:
@@ -403,6 +411,43 @@ class _BatchDrain:
         except Exception as exc:  # the consumer service crashes, and with it the worker
             log.exception("batch delivery of %s failed: %r", topic, exc)
             raise
+
+    async def _fetch(self, timeout: float) -> Any:
+        """faust-streaming 0.15.3's ``Consumer.getmany`` without an async generator and with one
+        high-watermark read per partition and fetch (Faust reads it, for its monitor only, per
+        record: together a visible share of the worker's CPU at small StepBatches). Returns an
+        iterator of ``(tp, message)`` that keeps Faust's checks per record, as the records are
+        taken: the flow still active, the same consumer generation, an active (or buffered)
+        partition."""
+        me: Any = self
+        records, active_partitions = await me._wait_next_records(timeout)
+        app = me.app
+        generation_id = app.consumer_generation_id
+        if records is None or me.should_stop:
+            return ()
+        if not me.flow_active:
+            me.log.dev("getmany called while flow not active. Seek back to committed offsets.")
+            try:
+                await me.perform_seek()
+            except Exception as ex:
+                me.log.warning(f"exception performing seek when flow not active {ex}")
+            return ()
+        return self._messages(records, active_partitions, generation_id)
+
+    def _messages(self, records: Any, active_partitions: Any, generation_id: int) -> Iterator[Any]:
+        me: Any = self
+        app = me.app
+        to_message = me._to_message
+        buffered = me._buffered_partitions
+        seen: set[Any] = set()
+        for tp, record in me.scheduler.iterate(records):
+            if not me.flow_active or app.consumer_generation_id != generation_id:
+                return
+            if active_partitions is None or tp in active_partitions or tp in buffered:
+                if tp not in seen:
+                    seen.add(tp)
+                    app.monitor.track_tp_end_offset(tp, me.highwater(tp))
+                yield tp, to_message(tp, record)
 
     async def _hand_over(self, messages: list[Any]) -> None:
         me: Any = self

@@ -43,6 +43,12 @@ def new_block() -> BlockState:
     return {"l": [], "c": None}
 
 
+def claimed_block(uid: str, seq: int) -> BlockState:
+    """A block never seen before, claimed by request ``uid`` at ``seq``: what :func:`new_block`
+    then :func:`claim` give (a block without lifetimes has none live), in one step."""
+    return {"l": [], "c": uid, "s": seq}
+
+
 def _cleared_between(cleared: list[int], lo: int, hi: int) -> int | None:
     """First KvCleared seq in (lo, hi], if any."""
     i = bisect_right(cleared, lo)
@@ -109,6 +115,11 @@ def on_stored(block: BlockState, seq: int) -> bool:
     """A BlockStored at ``seq``: begin a lifetime, or add a copy to the live one (idempotent).
     Returns whether anything changed."""
     lifetimes = block["l"]
+    if not lifetimes:  # the common case, a first store: begin the first lifetime
+        lifetimes.append([seq, None, block["c"], [[], []]])
+        block["c"] = None
+        block.pop("s", None)
+        return True
     if any(lt[STORED] == seq or seq in _copies(lt)[0] for lt in lifetimes):
         return False
     for lt in reversed(lifetimes):
