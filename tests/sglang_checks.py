@@ -14,6 +14,10 @@ from sparseety.config import WorkerConfig
 from sparseety.stack.engine_checks import check_engine_counters
 from sparseety.stack.sglang_engine import answer_row, metric_keys
 
+#: abort-1's max_new_tokens (recorded runs asked for 400): its 30-token prompt and this fit the
+#: e2e server's 640-token pool, and the abort stops it long before.
+ABORTED_MAX_NEW = 500
+
 
 def fold(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """RequestAccounting by engine request id, from the real fold."""
@@ -46,7 +50,7 @@ def check_run(
         fin, acc = finished[rid], accounts[rid]
         if rid == "abort-1":
             assert fin["finish_reason"] == "abort", fin
-            assert acc["output_tokens"] < 400
+            assert acc["output_tokens"] < ABORTED_MAX_NEW  # stopped before its budget
             continue
         assert fin["num_prompt_tokens"] == info["prompt_tokens"], rid
         assert fin["num_output_tokens"] == info["completion_tokens"], rid

@@ -36,7 +36,7 @@ from sparseety.stack.sglang_engine import SglangServer, realtime_tokens
 from tests.e2e.conftest import engine_config, tiny_model
 from tests.e2e.engine_events import engine_events
 from tests.helpers import read_topic
-from tests.sglang_checks import check_run
+from tests.sglang_checks import ABORTED_MAX_NEW, check_run
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,10 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
     """A long generation aborted while it decodes (SGLang's /abort_request).
 
     The request streams, and the abort is sent once its first tokens arrived: a fixed sleep was
-    too long on a fast machine (all 400 tokens came before it, finish_reason ``length``)."""
+    too long on a fast machine (all 400 tokens came before it, finish_reason ``length``). On a
+    loaded machine SGLang's scheduler still outran its tokenizer process, which streams the tokens
+    and takes the abort: it asks for 500 tokens (of the 640 the pool holds) and the abort is sent
+    again every 20 ms until the stream ends, so one that came too early is not the last."""
     result: dict[str, Any] = {}
     decoding = threading.Event()
     body = {
@@ -99,7 +102,7 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
         "input_ids": _ids(9, 30),
         "stream": True,
         "sampling_params": {
-            "max_new_tokens": 400,
+            "max_new_tokens": ABORTED_MAX_NEW,
             "temperature": 0,
             "ignore_eos": True,
             "custom_params": {"tenant": "globex"},
@@ -118,8 +121,11 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
     t = threading.Thread(target=run)
     t.start()
     assert decoding.wait(120), "abort-1 never started decoding"
-    httpx.post(f"{server.url}/abort_request", json={"rid": "abort-1"}, timeout=30).raise_for_status()
-    t.join(120)
+    deadline = time.monotonic() + 120
+    while t.is_alive() and time.monotonic() < deadline:
+        httpx.post(f"{server.url}/abort_request", json={"rid": "abort-1"}, timeout=30).raise_for_status()
+        t.join(0.02)
+    t.join(1)
     return result
 
 
