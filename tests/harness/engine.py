@@ -208,13 +208,23 @@ def attention_groups(shape: str) -> list[dict[str, Any]]:
     ]
 
 
-def request(rid: str, prompt: list[int], *, tenant: str = "", **sampling: Any) -> Any:
-    """An ``EngineCoreRequest`` as vLLM's front end builds it (tenant in ``extra_args``)."""
+def request(
+    rid: str,
+    prompt: list[int],
+    *,
+    tenant: str = "",
+    extra: dict[str, Any] | None = None,
+    external_req_id: str | None = None,
+    **sampling: Any,
+) -> Any:
+    """An ``EngineCoreRequest`` as vLLM's front end builds it (tenant and ``extra`` in
+    ``extra_args``; ``external_req_id`` defaults to ``rid``)."""
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
     sampling.setdefault("temperature", 0.0)
-    params = SamplingParams(extra_args={"tenant": tenant} if tenant else None, **sampling)
+    extra_args = {**(extra or {}), **({"tenant": tenant} if tenant else {})}
+    params = SamplingParams(extra_args=extra_args or None, **sampling)
     return EngineCoreRequest(
         request_id=rid,
         prompt_token_ids=list(prompt),
@@ -225,7 +235,7 @@ def request(rid: str, prompt: list[int], *, tenant: str = "", **sampling: Any) -
         lora_request=None,
         cache_salt=None,
         data_parallel_rank=None,
-        external_req_id=rid,
+        external_req_id=external_req_id or rid,
     )
 
 

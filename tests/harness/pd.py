@@ -15,7 +15,6 @@ Both engines publish through the plugin to one real topic, as a fleet does.
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from sparseety import events as ev
 from sparseety.config import Config, to_env
 from tests.e2e.conftest import environ
 from tests.e2e.engine_events import engine_events
-from tests.harness.engine import Harness, Mode, build, drive
+from tests.harness.engine import Harness, Mode, build, drive, request
 from tests.harness.pipeline import fold
 
 #: Prompt lengths of the client requests (block 16): whole blocks, a partial last block, one
@@ -63,27 +62,15 @@ def tenant_of(i: int) -> str:
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, transfer: dict[str, Any], tenant: str) -> Any:
-    from vllm import SamplingParams
-    from vllm.v1.engine import EngineCoreRequest
-
-    external = rid.rsplit("-", 1)[0]
-    params = SamplingParams(
-        temperature=0.0,
+    """The router's request to one engine: the client's id before the engine's suffix."""
+    return request(
+        rid,
+        prompt,
+        tenant=tenant,
+        extra={"kv_transfer_params": transfer},
+        external_req_id=rid.rsplit("-", 1)[0],
         max_tokens=max_tokens,
         ignore_eos=True,
-        extra_args={"kv_transfer_params": transfer, "tenant": tenant},
-    )
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=list(prompt),
-        mm_features=None,
-        sampling_params=params,
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-        external_req_id=external,
     )
 
 
