@@ -205,3 +205,30 @@ def test_one_bill_per_client_request_equals_both_engines_truth(pd: PdRun, stored
     rows = {r["pd_join_id"]: r for r in stored.query(f"SELECT * FROM {db}.pd_bills_v")}
     for xid in pd.pairs:
         assert int(rows[xid]["list_pico"]) == _expected(pd, xid, ext)["list_pico"], xid
+
+
+def test_a_tenant_sees_only_its_own_pd_bills(pd: PdRun, stored: Any) -> None:
+    """The joined bill is tenant-scoped like every other read: through the ``pd_bills`` query (the
+    API's and CLI's path) and through a tenant's own SQL over ``pd_bills_v`` (whose filters apply to
+    the ``requests`` rows the view joins)."""
+    from sparseety.queries.base import Scope
+    from sparseety.queries.registry import Queries
+    from sparseety.queries.sql import Access, run_sql
+
+    tenants = {x: tenant_of(i) for i, x in enumerate(pd.pairs)}
+    q = Queries(stored)
+    for tenant in sorted(set(tenants.values())):
+        mine = {x for x, t in tenants.items() if t == tenant}
+        assert mine and mine != tenants.keys()
+        listed = q.pd_bills(limit=100, scope=Scope(tenants=(tenant,)))
+        assert {r["pd_join_id"] for r in listed} == mine, tenant
+        with stored.readers(1) as readers:
+            cols, rows = run_sql(
+                readers.store(),
+                f"SELECT pd_join_id, tenant, joined FROM {stored.database}.pd_bills_v",
+                access=Access((tenant,), token_ids=False),
+            )
+        assert cols == ["pd_join_id", "tenant", "joined"]
+        assert {r[0] for r in rows} == mine and {r[1] for r in rows} == {tenant}, tenant
+        assert all(r[2] == 1 for r in rows), rows  # both halves visible to their own tenant
+    assert q.pd_bills(limit=100, scope=Scope(tenants=("nobody",))) == []
