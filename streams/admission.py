@@ -94,7 +94,8 @@ def plan_prompt(
             epoch.block_count += j - i
             sg.append(segs, (j - i) * bs, sg.PROMPT, sg.COMPUTED)
             r.blocks.extend([hexes[k], "computed", -1] for k in range(i, j))
-            store.put_many([(keys[k], pidx.claimed_block(uid, seq)) for k in range(i, j)])
+            # pidx.claimed_block(uid, seq) for each, as literals
+            store.put_many([(keys[k], {"l": [], "c": uid, "s": seq}) for k in range(i, j)])
             i = j
             continue
         else:
