@@ -355,7 +355,7 @@ class SteadyColumns:
         sub[LAST_STEP] = step
         sub[LAST_TS] = ts
         sub[LAST_CB] = cb
-        written = cb + 1
+        written = causal  # cb + 1
         sub[KV_END] = written
         if self.kv_on:
             shape = self.kv_shape
@@ -363,22 +363,32 @@ class SteadyColumns:
             lookahead, max_len = shape.lookahead, shape.max_len
             ds = step - sub[SINCE_STEP]
             dt = kv_ts - sub[SINCE_TS]
-            moved = (ds > 0) | (dt > 0)
-            ds = np.where(moved & (ds > 0), ds, 0)
-            dt = np.where(moved & (dt > 0), dt, 0)
-            held = sub[TABLE] - sub[NULL]
-            sub[KSTEPS] += held * ds
-            sub[KNS] += held * dt
-            sub[USED] += sub[USED_NOW] * ds
-            sub[SINCE_STEP] = np.where(moved, step, sub[SINCE_STEP])
-            sub[SINCE_TS] = np.where(moved, kv_ts, sub[SINCE_TS])
+            if (ds > 0).all() and (dt > 0).all():
+                # the steady case, every row's hold moved on in steps and time: the general
+                # form below with ``moved`` all true
+                held = sub[TABLE] - sub[NULL]
+                sub[KSTEPS] += held * ds
+                sub[KNS] += held * dt
+                sub[USED] += sub[USED_NOW] * ds
+                sub[SINCE_STEP] = step
+                sub[SINCE_TS] = kv_ts
+            else:
+                moved = (ds > 0) | (dt > 0)
+                ds = np.where(moved & (ds > 0), ds, 0)
+                dt = np.where(moved & (dt > 0), dt, 0)
+                held = sub[TABLE] - sub[NULL]
+                sub[KSTEPS] += held * ds
+                sub[KNS] += held * dt
+                sub[USED] += sub[USED_NOW] * ds
+                sub[SINCE_STEP] = np.where(moved, step, sub[SINCE_STEP])
+                sub[SINCE_TS] = np.where(moved, kv_ts, sub[SINCE_TS])
             end = np.minimum(written + lookahead, max_len)
             cap = sub[TABLE] * bs
             grow = end > cap
             if grow.any():
                 sub[TABLE] = np.where(grow, -(-end // bs), sub[TABLE])
                 cap = sub[TABLE] * bs
-            held = sub[TABLE] - sub[NULL]
+                held = sub[TABLE] - sub[NULL]
             np.maximum(sub[PEAK], held, out=sub[PEAK])
             used = np.minimum(written, cap) - sub[NULL] * bs
             sub[USED_NOW] = np.maximum(used, 0)
