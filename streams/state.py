@@ -529,11 +529,20 @@ class TableStore(MemoryStore):
         return value
 
     def get_many(self, keys: list[str]) -> list[Any | None]:
-        # values already read are in ``data``; the rest take :meth:`get` (deleted, the changelog)
+        # values already read are in ``data`` (leased ones written back); the rest as :meth:`get`
+        # reads them: none for a key deleted since the flush, else from the changelog
         found = super().get_many(keys)
-        if None in found:
-            get = self.get
-            return [v if v is not None else get(k) for k, v in zip(keys, found, strict=True)]
+        if None not in found:
+            return found
+        deleted, data, read = self.deleted, self.data, self.changelog.get
+        for i, value in enumerate(found):
+            if value is None:
+                key = keys[i]
+                if key in deleted:
+                    continue
+                raw = read(key.encode())
+                if raw is not None:
+                    found[i] = data[key] = decode_state(raw)
         return found
 
     def delete(self, key: str) -> None:
