@@ -100,7 +100,7 @@ class PositionFold:
         if cols is not None and cols.kv_shape is not kv_shape:
             self.forget_columns(epoch.engine_id)
             cols = None
-        if shape.limited or not fast_kv(kv_shape) or is_warmup_step(step) or n_rows < COLUMNAR_MIN_ROWS:
+        if n_rows < COLUMNAR_MIN_ROWS or shape.limited or not fast_kv(kv_shape) or is_warmup_step(step):
             if cols is not None:
                 cols.release_all()
             return None
