@@ -14,7 +14,8 @@ StepBatch, RequestFinished and KV events in realistic proportions. Reported (med
 * with --worker: the real Faust worker against the embedded broker, events produced up front,
   timed from the first output to the last (request-steps/s through the whole worker);
 * with --by-kind: the fold's CPU per event kind (µs per event, and per engine step), with the
-  steady columns (streams/columnar.py) and without (every row on the general path), in one run;
+  steady columns (streams/columnar.py) and without (every row on the general path), in one run
+  (``--columns-only``: with the columns only);
   with ``--streams DIR`` the fold is another copy of ``streams/`` (``git archive REV streams |
   tar -x -C DIR``, then ``--streams DIR/streams``): alternate runs of both for a paired A/B.
 
@@ -140,8 +141,9 @@ def fold(events: list[dict[str, Any]]) -> float:
     return time.perf_counter() - start
 
 
-def by_kind(events: list[dict[str, Any]], runs: int) -> None:
-    """The fold's CPU per event kind, columns on and off (medians over ``runs``, interleaved)."""
+def by_kind(events: list[dict[str, Any]], runs: int, modes: tuple[bool, ...] = (False, True)) -> None:
+    """The fold's CPU per event kind, columns on and off (medians over ``runs``, interleaved);
+    ``modes``: which of them (``(True,)``: the columns only)."""
     from collections import defaultdict
 
     from sparseety.lifecycle import tune_gc
@@ -154,7 +156,7 @@ def by_kind(events: list[dict[str, Any]], runs: int) -> None:
         counts[ev.payload_type(e)] += 1
     clock = time.process_time
     for _ in range(runs):
-        for columnar in (False, True):
+        for columnar in modes:
             asm = Assembler(WorkerConfig(), MemoryStore(), columnar=columnar)
             spent: dict[str, float] = defaultdict(float)
             for e in events:
@@ -163,7 +165,7 @@ def by_kind(events: list[dict[str, Any]], runs: int) -> None:
                 spent[ev.payload_type(e)] += clock() - t
             for k, v in spent.items():
                 per[(columnar, k)].append(v)
-    for columnar in (False, True):
+    for columnar in modes:
         label = "columns" if columnar else "general"
         parts = []
         for k in sorted(counts, key=lambda k: -statistics.median(per[(columnar, k)])):
@@ -260,11 +262,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--worker", action="store_true", help="also measure the real Faust worker")
     ap.add_argument("--by-kind", action="store_true", help="the fold's CPU per event kind, columns on/off")
+    ap.add_argument(
+        "--columns-only",
+        action="store_true",
+        help="with --by-kind: the columnar fold only (after a general-path fold in the same process "
+        "the allocation-heavy events read slower: the garbage collector's passes move)",
+    )
     ap.add_argument("--streams", metavar="DIR", help="fold with the streams/ copy in DIR (a paired A/B)")
     args = ap.parse_args()
     events, request_steps = synthetic(args.batch, args.steps)
     if args.by_kind:
-        by_kind(events, args.runs)
+        by_kind(events, args.runs, (True,) if args.columns_only else (False, True))
         return
     blobs = encodings(events)
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")

@@ -27,9 +27,13 @@ def build(
     incomplete: str | None,
     block_uses: list[dict[str, Any]],
     cache_write_tokens: int = 0,
+    kv_shape: kv_memory.KvShape | None = None,
 ) -> dict[str, Any]:
-    """The request's RequestAccounting record (``finish`` is None when it closes incomplete)."""
+    """The request's RequestAccounting record (``finish`` is None when it closes incomplete).
+    ``kv_shape``: the epoch's, as the fold keeps it (else built from the epoch's configuration)."""
     cfg = epoch.config or {}
+    if kv_shape is None:
+        kv_shape = kv_memory.KvShape(cfg)
     fin = finish or {}
     if r.steps == 0 and finish is not None and fin.get("finish_reason") != "abort":
         synthesise_request_level(r, finish)
@@ -44,7 +48,7 @@ def build(
     # not_computed, not charged (they count in skipped_tokens: attention never saw them).
     if (r.steps or fin.get("finish_reason") == "abort") and r.kv_end < prompt:
         sg.assign(segs, r.kv_end, prompt, sg.NOT_COMPUTED)
-    groups = attention.groups_of(cfg)
+    groups = kv_shape.groups  # attention.groups_of(cfg)
     basis = r.release_basis if r.release_basis >= 0 else r.last_computed_before
     # Under async scheduling a step already in flight when the request stopped computes past
     # its last position; the timeline ends at prompt + output.
@@ -132,7 +136,7 @@ def build(
         "reasoning_output_tokens": thought,
         "reasoning_spans": thought_spans,
         **token_fields(cfg.get("privacy_mode", ""), r),
-        "kv_groups": kv_memory.record(kv_memory.KvShape(cfg), r) if r.steps else [],
+        "kv_groups": kv_memory.record(kv_shape, r) if r.steps else [],
         "kv_peak_bytes": r.kv_peak_bytes if r.steps and r.kv else -1,
         # request-level producers report the engine's own count only (no steps, no blocks)
         "cache_write_tokens": cache_write_tokens

@@ -42,13 +42,18 @@ def plan_prompt(
         return
     cleared = epoch.cleared
     every_block_cached = block_index.caches_every_block(epoch.config)
-    pos = 0
     prefix = block_key(epoch.engine_id, "")
     uid = r.request_id
-    for i, h in enumerate(hashes):
-        hexh = h.hex()
-        key = prefix + hexh
-        block = store.get(key)
+    hexes = [h.hex() for h in hashes]
+    keys = [prefix + hexh for hexh in hexes]
+    # The blocks looked up at once (a hash twice in one prompt sees its first claim: one by one)
+    found = store.get_many(keys) if len(set(keys)) == len(keys) else None
+    n = len(hashes)
+    i = 0
+    while i < n:
+        hexh = hexes[i]
+        key = keys[i]
+        block = found[i] if found is not None else store.get(key)
         start, end = i * bs, (i + 1) * bs
         if start < cached:
             # Served from the prefix cache (a fully cached prompt still recomputes its last
@@ -79,12 +84,20 @@ def plan_prompt(
             pidx.claim(block, r.request_id, seq, cleared)
             store.put(key, block)
         elif block is None:
-            # A hash this epoch never saw (most computed blocks): computed, and the request's
-            # pending claim (new_block + claim, without their lookups: nothing to recompute).
-            epoch.block_count += 1
-            sg.append(segs, bs, sg.PROMPT, sg.COMPUTED)
-            r.blocks.append([hexh, "computed", -1])
-            store.put(key, pidx.claimed_block(uid, seq))
+            # Hashes this epoch never saw (most computed blocks), the whole run of them at once:
+            # computed, and the request's pending claim (new_block + claim, without their
+            # lookups: nothing to recompute).
+            j = i + 1
+            if found is not None:
+                while j < n and found[j] is None:
+                    j += 1
+            epoch.block_count += j - i
+            sg.append(segs, (j - i) * bs, sg.PROMPT, sg.COMPUTED)
+            r.blocks.extend([hexes[k], "computed", -1] for k in range(i, j))
+            # pidx.claimed_block(uid, seq) for each, as literals
+            store.put_many([(keys[k], {"l": [], "c": uid, "s": seq}) for k in range(i, j)])
+            i = j
+            continue
         else:
             # Recomputed after eviction: a lifetime of the hash ended before admission and no
             # copy was live when vLLM looked the request up. Copies stored in this step (after
@@ -100,7 +113,8 @@ def plan_prompt(
             r.blocks.append([hexh, "recomputed" if recompute else "computed", -1])
             pidx.claim(block, r.request_id, seq, cleared)
             store.put(key, block)
-        pos = end
+        i += 1
+    pos = n * bs
     tail = prompt - pos
     head = max(0, min(cached - pos, tail))
     sg.append(segs, head, sg.PROMPT, sg.CACHED)

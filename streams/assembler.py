@@ -304,7 +304,9 @@ class Assembler:
             self.fold.kv_close(epoch, r, finish, ts)
             uses = block_index.block_uses(self.store, epoch, r, finish or {})
             writes = block_index.cache_write_tokens(self.store, epoch, r)
-            r.output = accounting.build(epoch, r, finish, ts, incomplete, uses, writes)
+            r.output = accounting.build(
+                epoch, r, finish, ts, incomplete, uses, writes, self.fold.kv_shape(epoch)
+            )
             r.closed = True
             r.close_ts = ts
             r.finish = None

@@ -70,17 +70,24 @@ def on_kv_event(
     if primary is not None and body.get("group_kind", primary) != primary:
         return  # other KV cache groups mirror the same hashes; index one group only
     prefix = block_key(epoch.engine_id, "")
+    put = store.put
     for h in body["block_hashes"]:
         key = prefix + h.hex()
         block = store.get(key)
         if block is None:
             if not stored:
                 continue  # removal of a block we never saw stored: nothing to end
-            block = pidx.new_block()
+            # a hash never seen: new_block + its first lifetime (pidx.on_stored), at once
             epoch.block_count += 1
-        changed = pidx.on_stored(block, seq) if stored else pidx.on_removed(block, seq)
-        if changed:
-            store.put(key, block)
+            put(key, {"l": [[seq, None, None, [[], []]]], "c": None})
+        elif stored and not block["l"]:
+            # the common case, the first store of a block an admission claimed (pidx.on_stored)
+            block["l"].append([seq, None, block["c"], [[], []]])
+            block["c"] = None
+            block.pop("s", None)
+            put(key, block)
+        elif pidx.on_stored(block, seq) if stored else pidx.on_removed(block, seq):
+            put(key, block)
     if stored:
         bound(store, epoch, max_blocks)
 
@@ -118,10 +125,21 @@ def block_uses(
     uses = []
     cleared = epoch.cleared
     prefix = block_key(epoch.engine_id, "")
+    uid, admitted = r.request_id, r.admission_seq
+    # the blocks whose lifetime the plan left open (computed ones), looked up at once
+    found = iter(store.get_many([prefix + hexh for hexh, _, lifetime in r.blocks if lifetime < 0]))
+    lifetime_of = pidx.lifetime_of
+    computed_by, stored_at = pidx.COMPUTED_BY, pidx.STORED
     for hexh, role, lifetime in r.blocks:
         if lifetime < 0:
-            block = store.get(prefix + hexh)
-            lifetime = pidx.lifetime_of(block, r.request_id, r.admission_seq, cleared)
+            block = next(found)
+            # pidx.lifetime_of, its common case inlined: a lifetime this request computed
+            for lt in block["l"] if block is not None else ():
+                if lt[computed_by] == uid:
+                    lifetime = int(lt[stored_at])
+                    break
+            else:
+                lifetime = lifetime_of(block, uid, admitted, cleared)
         uses.append({"block_hash": bytes.fromhex(hexh), "lifetime_seq": lifetime, "role": role, "tokens": bs})
     for h in finish.get("output_block_hashes", []):
         hexh = h.hex()
@@ -153,13 +171,11 @@ def cache_write_tokens(store: StateStore, epoch: EpochState, r: RequestState) ->
     written = 0
     prefix = block_key(epoch.engine_id, "")
     uid = r.request_id
-    for hexh, role, _ in r.blocks:
-        if role == "cached":
-            continue
-        block = store.get(prefix + hexh)
+    computed_by = pidx.COMPUTED_BY
+    for block in store.get_many([prefix + hexh for hexh, role, _ in r.blocks if role != "cached"]):
         if block is not None:
             for lt in block["l"]:
-                if lt[pidx.COMPUTED_BY] == uid:
+                if lt[computed_by] == uid:
                     written += bs
                     break
     return written

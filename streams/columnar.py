@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -146,6 +146,18 @@ def steady(r: RequestState, kv_on: bool) -> bool:
         if len(r.kv) != 1 or len(since) != 2 or since[0] < 0 or r.kv[0][kvm.KV_NEVER] < 0:
             return False
     return True
+
+
+class StepPlan(NamedTuple):
+    """What :meth:`SteadyColumns.plan` found in a step: its steady rows (in step order), their
+    slots and ``num_computed_before``; the other rows (the general path's, in step order); and
+    the step's ``num_new_tokens`` as an array."""
+
+    rows: np.ndarray
+    slots: np.ndarray
+    cb: np.ndarray
+    general: list[int]
+    new: np.ndarray
 
 
 class SteadyColumns:
@@ -287,24 +299,25 @@ class SteadyColumns:
 
     def plan(
         self, rids: Any, n_sched: Any, n_new: Any, before: Any, seq: int, general_mask: Any = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """``(rows, slots, num_computed_before)`` of the step's steady rows (in step order), or None
-        when there is none. A row is steady when its request has a slot, one token was scheduled
-        and one came out, its KV begins where the request's ends (no recompute), and it has not
-        absorbed this seq. ``general_mask`` marks rows that must take the general path anyway
-        (preempted, drafts). Rows with a slot that are not steady are released (their state
-        written back) so the general path sees their current state."""
+    ) -> StepPlan | None:
+        """The step's steady rows (:class:`StepPlan`), or None when there is none. A row is steady
+        when its request has a slot, one token was scheduled and one came out, its KV begins
+        where the request's ends (no recompute), and it has not absorbed this seq.
+        ``general_mask`` marks rows that must take the general path anyway (preempted, drafts).
+        Rows with a slot that are not steady are released (their state written back) so the
+        general path sees their current state."""
         slots = np.fromiter(map(self.slot_of.get, rids, repeat(-1)), dtype=np.intp, count=len(rids))
         held = slots >= 0
         if not held.any():
             return None
         ints = self.ints
         cb = np.asarray(before, dtype=np.int64)
+        new = np.asarray(n_new)
         safe = np.where(held, slots, 0)
         ok = (
             held
             & (np.asarray(n_sched) == 1)
-            & (np.asarray(n_new) == 1)
+            & (new == 1)
             & (cb == ints[safe, KV_END])
             & (ints[safe, SEQ] < seq)
         )
@@ -323,7 +336,7 @@ class SteadyColumns:
             self.store.unlease(self.prefix + rids[i])
         if not len(rows):
             return None
-        return rows, slots[rows], cb[rows]
+        return StepPlan(rows, slots[rows], cb[rows], np.flatnonzero(~ok).tolist(), new)
 
     def fold(
         self,
@@ -355,7 +368,7 @@ class SteadyColumns:
         sub[LAST_STEP] = step
         sub[LAST_TS] = ts
         sub[LAST_CB] = cb
-        written = cb + 1
+        written = causal  # cb + 1
         sub[KV_END] = written
         if self.kv_on:
             shape = self.kv_shape
@@ -363,22 +376,32 @@ class SteadyColumns:
             lookahead, max_len = shape.lookahead, shape.max_len
             ds = step - sub[SINCE_STEP]
             dt = kv_ts - sub[SINCE_TS]
-            moved = (ds > 0) | (dt > 0)
-            ds = np.where(moved & (ds > 0), ds, 0)
-            dt = np.where(moved & (dt > 0), dt, 0)
-            held = sub[TABLE] - sub[NULL]
-            sub[KSTEPS] += held * ds
-            sub[KNS] += held * dt
-            sub[USED] += sub[USED_NOW] * ds
-            sub[SINCE_STEP] = np.where(moved, step, sub[SINCE_STEP])
-            sub[SINCE_TS] = np.where(moved, kv_ts, sub[SINCE_TS])
+            if (ds > 0).all() and (dt > 0).all():
+                # the steady case, every row's hold moved on in steps and time: the general
+                # form below with ``moved`` all true
+                held = sub[TABLE] - sub[NULL]
+                sub[KSTEPS] += held * ds
+                sub[KNS] += held * dt
+                sub[USED] += sub[USED_NOW] * ds
+                sub[SINCE_STEP] = step
+                sub[SINCE_TS] = kv_ts
+            else:
+                moved = (ds > 0) | (dt > 0)
+                ds = np.where(moved & (ds > 0), ds, 0)
+                dt = np.where(moved & (dt > 0), dt, 0)
+                held = sub[TABLE] - sub[NULL]
+                sub[KSTEPS] += held * ds
+                sub[KNS] += held * dt
+                sub[USED] += sub[USED_NOW] * ds
+                sub[SINCE_STEP] = np.where(moved, step, sub[SINCE_STEP])
+                sub[SINCE_TS] = np.where(moved, kv_ts, sub[SINCE_TS])
             end = np.minimum(written + lookahead, max_len)
             cap = sub[TABLE] * bs
             grow = end > cap
             if grow.any():
                 sub[TABLE] = np.where(grow, -(-end // bs), sub[TABLE])
                 cap = sub[TABLE] * bs
-            held = sub[TABLE] - sub[NULL]
+                held = sub[TABLE] - sub[NULL]
             np.maximum(sub[PEAK], held, out=sub[PEAK])
             used = np.minimum(written, cap) - sub[NULL] * bs
             sub[USED_NOW] = np.maximum(used, 0)

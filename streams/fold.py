@@ -100,7 +100,7 @@ class PositionFold:
         if cols is not None and cols.kv_shape is not kv_shape:
             self.forget_columns(epoch.engine_id)
             cols = None
-        if shape.limited or not fast_kv(kv_shape) or is_warmup_step(step) or n_rows < COLUMNAR_MIN_ROWS:
+        if n_rows < COLUMNAR_MIN_ROWS or shape.limited or not fast_kv(kv_shape) or is_warmup_step(step):
             if cols is not None:
                 cols.release_all()
             return None
@@ -272,11 +272,9 @@ class PositionFold:
         ends: Any = None  # with a plan in raw mode: where each row's new token ids end
         row_f: list[int] = []  # with a plan: the general rows with a share, in order
         if plan is not None:
-            general = np.ones(len(rids), dtype=bool)
-            general[plan[0]] = False
-            rows = np.flatnonzero(general).tolist()
+            rows = plan.general
             if new_ids is not None:
-                ends = np.cumsum(np.asarray(n_new, dtype=np.int64))
+                ends = np.cumsum(plan.new, dtype=np.int64)
         for i in rows:
             rid = rids[i]
             if ends is None:
@@ -414,7 +412,7 @@ class PositionFold:
         self.store.touch_many(touched)
         if plan is not None:
             assert cols is not None
-            steady_rows, slots, cb = plan
+            steady_rows, slots, cb = plan.rows, plan.slots, plan.cb
             f_steady = cols.fold(
                 slots,
                 cb,

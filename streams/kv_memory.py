@@ -103,6 +103,7 @@ class KvShape:
         "kinds",
         "lookahead",
         "max_len",
+        "observed",
         "raw",
         "releases",
         "releasing",
@@ -122,10 +123,8 @@ class KvShape:
         self.releasing = [g if g.frees and g.limited else None for g in self.groups]
         self.releases = any(g is not None for g in self.releasing)
         self.count = len(self.groups)
-
-    @property
-    def observed(self) -> bool:
-        return bool(self.groups) and all(self.block_size)
+        #: The KV cache's groups and their block sizes are known (KV memory-time is folded).
+        self.observed = bool(self.groups) and all(self.block_size)
 
 
 def _ensure(r: Any, n: int) -> list[list[int]]:
@@ -318,13 +317,14 @@ def settle_holder(entry: dict[str, Any], r: Any, item: list[Any]) -> None:
         return
     snap = item[3:7] if len(item) >= 7 else [0, 0, 0, 0]
     first = holders[0] == rid
+    total, carry, share, since_first = entry["D"], entry["c"], entry["S"], entry["f"]
     deltas = []
     for u in (0, 1):
-        held = entry["D"][u] - snap[2 + u]
-        pool = entry["c"][u] + entry["S"][u] - snap[u]
+        held = total[u] - snap[2 + u]
+        pool = carry[u] + share[u] - snap[u]
         mine = pool // _SCALE
-        entry["c"][u] = pool - mine * _SCALE
-        owned = entry["D"][u] - entry["f"][u] if first else 0
+        carry[u] = pool - mine * _SCALE
+        owned = total[u] - since_first[u] if first else 0
         deltas.append((mine - held, owned - held))
     g = entry["g"]
     if len(r.kv) > g:
@@ -335,7 +335,7 @@ def settle_holder(entry: dict[str, Any], r: Any, item: list[Any]) -> None:
         row[KV_AC_NS] += deltas[1][1]
     holders.remove(rid)
     if first:
-        entry["f"] = [entry["D"][0], entry["D"][1]]
+        entry["f"] = [total[0], total[1]]
 
 
 def hit_blocks(
@@ -354,7 +354,11 @@ def hit_blocks(
         if block is None:
             continue
         if first and role == "cached" and lifetime >= 0:
-            lt = next((x for x in block["l"] if x[pidx.STORED] == lifetime), None)
+            lt = None
+            for x in block["l"]:
+                if x[pidx.STORED] == lifetime:
+                    lt = x
+                    break
         else:
             lt = pidx.live_as_of(block, seq, cleared)
         if lt is None:

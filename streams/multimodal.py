@@ -40,9 +40,18 @@ def record_fields(mm: list[int], finish: Mapping[str, Any]) -> dict[str, int]:
     n = len(MODALITIES)
     if not mm:
         by = finish.get("prompt_tokens_by_modality") or {}
+        if not by:  # no multimodal input (most requests): every count 0, without the loops
+            out = dict(_NONE)
+            out["encoder_compute_tokens"] = max(0, int(finish.get("num_encoder_compute_tokens", 0)))
+            out["encoder_cache_hit_tokens"] = max(0, int(finish.get("num_encoder_cache_hit_tokens", 0)))
+            return out
         mm = [max(0, int(by.get(m, 0))) for m in MODALITIES] + [0] * n
     out = {MODALITY_COLUMN[m]: mm[k] for k, m in enumerate(MODALITIES)}
     out.update({MODALITY_CACHED_COLUMN[m]: mm[n + k] for k, m in enumerate(MODALITIES)})
     out["encoder_compute_tokens"] = max(0, int(finish.get("num_encoder_compute_tokens", 0)))
     out["encoder_cache_hit_tokens"] = max(0, int(finish.get("num_encoder_cache_hit_tokens", 0)))
     return out
+
+
+#: :func:`record_fields`' modality counts of a request without multimodal input (all 0).
+_NONE = {**{MODALITY_COLUMN[m]: 0 for m in MODALITIES}, **{MODALITY_CACHED_COLUMN[m]: 0 for m in MODALITIES}}

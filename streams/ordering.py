@@ -13,15 +13,13 @@ the epoch therefore happen once per seq, which is what makes a replay after a cr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .caveats import history_lost_at
 from .state import EpochState
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(NamedTuple):
     """What one event released.
 
     Attributes:

@@ -352,6 +352,15 @@ class StateStore(Protocol):
 
     def put(self, key: str, value: Any) -> None: ...
 
+    def get_many(self, keys: list[str]) -> list[Any | None]:
+        """:meth:`get` for several keys, in their order (the prefix index reads a prompt's or a
+        KV event's blocks at once: a method call per block was a visible share of an admission)."""
+        ...
+
+    def put_many(self, items: list[tuple[str, Any]]) -> None:
+        """:meth:`put` for several ``(key, value)`` pairs, in their order."""
+        ...
+
     def touch(self, key: str) -> None:
         """Mark a value returned by ``get`` and changed in place as dirty."""
         ...
@@ -440,6 +449,25 @@ class MemoryStore:
         if self.deleted:
             self.deleted.discard(key)
 
+    def get_many(self, keys: list[str]) -> list[Any | None]:
+        if self.leased and not self.leased.keys().isdisjoint(keys):
+            return [self.get(k) for k in keys]
+        get = self.data.get
+        return [get(k) for k in keys]
+
+    def put_many(self, items: list[tuple[str, Any]]) -> None:
+        if self.leased and any(k in self.leased for k, _ in items):
+            for k, v in items:
+                self.put(k, v)
+            return
+        data = self.data
+        dirty = self.dirty
+        for k, v in items:
+            data[k] = v
+        dirty.update(k for k, _ in items)
+        if self.deleted:
+            self.deleted.difference_update(k for k, _ in items)
+
     def touch(self, key: str) -> None:
         self.dirty.add(key)
 
@@ -499,6 +527,23 @@ class TableStore(MemoryStore):
                 return None
             value = self.data[key] = decode_state(raw)
         return value
+
+    def get_many(self, keys: list[str]) -> list[Any | None]:
+        # values already read are in ``data`` (leased ones written back); the rest as :meth:`get`
+        # reads them: none for a key deleted since the flush, else from the changelog
+        found = super().get_many(keys)
+        if None not in found:
+            return found
+        deleted, data, read = self.deleted, self.data, self.changelog.get
+        for i, value in enumerate(found):
+            if value is None:
+                key = keys[i]
+                if key in deleted:
+                    continue
+                raw = read(key.encode())
+                if raw is not None:
+                    found[i] = data[key] = decode_state(raw)
+        return found
 
     def delete(self, key: str) -> None:
         if self.leased and key in self.leased:

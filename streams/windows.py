@@ -109,8 +109,13 @@ def close_due(
     horizon = epoch.watermark - lateness_ns
     out = []
     due = []
+    starts = _STARTS
     for key in epoch.windows:
-        start = int(key.split("|", 1)[0])
+        start = starts.get(key)
+        if start is None:
+            if len(starts) >= _STARTS_KEPT:
+                starts.clear()
+            start = starts[key] = int(key.split("|", 1)[0])
         if flush or start + window_ns <= horizon:
             due.append((start, key))
     for start, key in sorted(due):
@@ -119,5 +124,12 @@ def close_due(
         epoch.closed_through = max(epoch.closed_through, start + window_ns)
     if not flush:
         # Windows that end before the horizon are closed even if they never saw a request.
-        epoch.closed_through = max(epoch.closed_through, window_start(max(horizon, 0), window_ns))
+        passed = window_start(horizon if horizon > 0 else 0, window_ns)
+        if passed > epoch.closed_through:
+            epoch.closed_through = passed
     return out
+
+
+#: Window keys' starts, parsed once (close_due reads them after every event); bounded.
+_STARTS: dict[str, int] = {}
+_STARTS_KEPT = 4096

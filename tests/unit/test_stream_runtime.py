@@ -10,7 +10,7 @@ from typing import Any
 
 from sparseety.lifecycle import clear_ready, mark_ready, ready_file
 from sparseety.streams.compat import ChangelogTable
-from sparseety.streams.state import HeadState, TableStore, decode_state
+from sparseety.streams.state import HeadState, MemoryStore, TableStore, decode_state, encode_state
 
 
 class FakeBatch:
@@ -93,6 +93,46 @@ def test_table_store_writes_epoch_and_head_keys_last_then_a_marker() -> None:
     asyncio.run(fresh.flush())
     assert table.sent[-2] == (1, b"r|eng@1|a", None) and b"r|eng@1|a" not in table.data.data
     assert decode_state(table.data.data[b"e|eng@1"]) == {"y": b"\x00"}
+
+
+class Holder:
+    """A lessee (the fold's steady columns): writes its newer value back when the lease ends."""
+
+    def __init__(self, store: MemoryStore, key: str, value: Any) -> None:
+        self.store, self.key, self.value = store, key, value
+
+    def release(self, key: str) -> None:
+        self.store.data[key] = self.value
+
+    def sync(self) -> None:
+        self.release(self.key)
+
+
+def test_get_many_and_put_many_are_get_and_put_in_order() -> None:
+    """The batch calls (the prefix index's) see and leave exactly what single calls would: on a
+    TableStore values from the changelog, none for a key deleted but not flushed; leases end."""
+    table = FakeTable()
+    base = TableStore(ChangelogTable(table, 1))
+    base.put("b|e|old", {"l": [], "c": "a"})
+    base.put("b|e|gone", {"l": [], "c": "b"})
+    asyncio.run(base.flush())
+    for store in (MemoryStore(), TableStore(ChangelogTable(table, 1))):
+        if not isinstance(store, TableStore):
+            store.put("b|e|old", {"l": [], "c": "a"})
+            store.put("b|e|gone", {"l": [], "c": "b"})
+        store.delete("b|e|gone")
+        store.put("r|e|held", {"v": 1})
+        store.lease("r|e|held", Holder(store, "r|e|held", {"v": 2}))
+        keys = ["b|e|old", "b|e|gone", "b|e|new", "r|e|held"]
+        assert store.get_many(keys) == [{"l": [], "c": "a"}, None, None, {"v": 2}]
+        assert "r|e|held" not in store.leased
+        store.dirty.clear()
+        store.lease("r|e|held", Holder(store, "r|e|held", {"v": 3}))
+        store.put_many([("b|e|gone", {"l": [], "c": "c"}), ("r|e|held", {"v": 4}), ("b|e|new", {"l": []})])
+        assert "r|e|held" not in store.leased and "b|e|gone" not in store.deleted
+        assert store.dirty == {"b|e|gone", "r|e|held", "b|e|new"}
+        assert [store.get(k) for k in keys] == [{"l": [], "c": "a"}, {"l": [], "c": "c"}, {"l": []}, {"v": 4}]
+        assert encode_state(store.get_many(keys)) == encode_state([store.get(k) for k in keys])
 
 
 def test_changelog_records_go_in_order_as_batches_with_big_ones_alone() -> None:
