@@ -205,6 +205,8 @@ def payload(event: dict[str, Any]) -> dict[str, Any]:
 
 
 _STEP_COLUMNS = ("num_scheduled_tokens", "num_computed_before", "num_new_tokens")
+#: Payload full name -> short name (validation runs once per event in the worker).
+_SHORT_NAMES: dict[str, str] = {}
 
 
 def validate_engine_event(event: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
@@ -227,7 +229,10 @@ def validate_engine_event(event: dict[str, Any], raw: bytes | None = None) -> di
     if event["seq"] < 0:
         raise InvalidEventError(f"negative seq {event['seq']}", raw=raw, field="seq")
     kind, body = event["payload"]
-    bad = count_error(kind.rsplit(".", 1)[-1], body)
+    short = _SHORT_NAMES.get(kind)
+    if short is None:
+        short = _SHORT_NAMES[kind] = kind.rsplit(".", 1)[-1]
+    bad = count_error(short, body)
     if bad is not None:
         raise InvalidEventError(bad[1], raw=raw, field=bad[0])
     if kind == STEP_BATCH:
