@@ -373,6 +373,7 @@ class _BatchDrain:
         consumer_stopped, fetcher_stopped = me._stopped.is_set, fetcher._stopped.is_set
         read_offset = me._read_offset
         acks_enabled_for = me.app.topics.acks_enabled_for
+        track = me.track_message
         topic, most, within = self.batch_topic, self.batch_max, self.batch_within_s
         batch: list[Any] = []
         first = 0.0
@@ -389,7 +390,7 @@ class _BatchDrain:
                     if message.topic == topic:
                         if not batch:
                             first = time.monotonic()
-                        me.track_message(message)
+                        track(message)
                         batch.append(message)
                     else:
                         await me.wait_first(callback(message), me.suspend_flow.wait())
@@ -440,6 +441,19 @@ class _BatchDrain:
         to_message = me._to_message
         buffered = me._buffered_partitions
         seen: set[Any] = set()
+        if len(records) == 1:
+            # One partition (a worker's usual fetch): Faust's round-robin over topics and
+            # partitions (three generators a record) is this list in order.
+            ((tp, listed),) = records.items()
+            for record in listed:
+                if not me.flow_active or app.consumer_generation_id != generation_id:
+                    return
+                if active_partitions is None or tp in active_partitions or tp in buffered:
+                    if not seen:
+                        seen.add(tp)
+                        app.monitor.track_tp_end_offset(tp, me.highwater(tp))
+                    yield tp, to_message(tp, record)
+            return
         for tp, record in me.scheduler.iterate(records):
             if not me.flow_active or app.consumer_generation_id != generation_id:
                 return
@@ -454,9 +468,13 @@ class _BatchDrain:
         await self.batch_handler([Record(m.topic, m.partition, m.offset, m.key, m.value) for m in messages])
         now = time.monotonic()
         inbound = me.app.monitor.stream_inbound_time  # the livelock detector reads it per partition
+        ack = me.ack
+        tp = None
         for m in messages:
-            me.ack(m)
-            inbound[m.tp] = now
+            ack(m)
+            if m.tp is not tp:  # each partition's time once per run of its records
+                tp = m.tp
+                inbound[tp] = now
         commit_every = me._commit_every
         if commit_every is not None and me._n_acked >= commit_every:
             me._n_acked = 0
