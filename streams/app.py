@@ -134,41 +134,47 @@ class AssemblerWorker:
                 continue
             store, asm = self._for(partition)
             outputs: list[Output] = []
-            started = time.perf_counter()
-            cpu = time.thread_time()
-            # Decoded first, then folded: the stages' CPU is measured per batch, not per event.
-            # Per event, the loops below are the worker's own overhead (at batch-4 engine steps
-            # a few microseconds of ~50 per event): bound methods in locals, no call per event
-            # for a valid one.
+            # Each event is folded right after it is decoded (while its objects are in cache:
+            # ~3 % of the worker's CPU at batch-4 steps against decoding the batch first). The
+            # decode and fold stages split the loop's thread CPU by their shares of its wall
+            # time (two perf_counter reads per event; a thread-CPU read costs ~0.5 us).
+            # Per event, the loop is the worker's own overhead (at batch-4 engine steps a few
+            # microseconds of ~50 per event): bound methods in locals, no call per valid event.
             decode, validate = self.decoder.decode, ev.validate_engine_event
-            events: list[dict[str, Any] | Output] = []
-            add = events.append
-            for msg in batch:
-                value = msg.value
-                try:
-                    add(validate(decode(value)[1], value))
-                except DecodeError as exc:
-                    add(self._dead_letter(msg, exc))
-            cpu_decoded = time.thread_time()
+            apply, extend = asm.apply, outputs.extend
+            perf = time.perf_counter
             last_ts_ns = 0
             engines: dict[str, int] = {}
             stopped: set[str] = set()
-            apply, extend = asm.apply, outputs.extend
-            for decoded in events:
-                if type(decoded) is Output:
-                    outputs.append(decoded)
+            decoding = 0.0
+            cpu = time.thread_time()
+            started = t0 = perf()
+            for msg in batch:
+                value = msg.value
+                try:
+                    event = validate(decode(value)[1], value)
+                except DecodeError as exc:
+                    outputs.append(self._dead_letter(msg, exc))
+                    t1 = perf()
+                    decoding += t1 - t0
+                    t0 = t1
                     continue
-                extend(apply(decoded))  # type: ignore[arg-type]
-                last_ts_ns = decoded["ts_ns"]  # type: ignore[index]
-                name = decoded["engine_name"]  # type: ignore[index]
+                t1 = perf()
+                decoding += t1 - t0
+                extend(apply(event))
+                last_ts_ns = event["ts_ns"]
+                name = event["engine_name"]
                 engines[name] = max(engines.get(name, 0), last_ts_ns)
-                if decoded["payload"][0] == ENGINE_STOPPED:  # type: ignore[index]
+                if event["payload"][0] == ENGINE_STOPPED:
                     stopped.add(name)
                 elif stopped:
                     stopped.discard(name)
-            cpu_folded = time.thread_time()
-            metrics.STAGE_CPU.labels("decode").inc(cpu_decoded - cpu)
-            metrics.STAGE_CPU.labels("fold").inc(cpu_folded - cpu_decoded)
+                t0 = perf()
+            loop_cpu = time.thread_time() - cpu
+            wall = perf() - started
+            decode_cpu = loop_cpu * min(1.0, decoding / wall) if wall > 0 else 0.0
+            metrics.STAGE_CPU.labels("decode").inc(decode_cpu)
+            metrics.STAGE_CPU.labels("fold").inc(loop_cpu - decode_cpu)
             metrics.EVENTS_IN.inc(len(batch))
             if last_ts_ns:
                 metrics.LAST_EVENT_TS.labels(str(partition)).set(last_ts_ns / 1e9)
