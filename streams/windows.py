@@ -106,18 +106,26 @@ def close_due(
     epoch: EpochState, window_ns: int, lateness_ns: int, *, flush: bool = False
 ) -> list[dict[str, Any]]:
     """Emit and forget windows the watermark has passed (all of them when ``flush``)."""
+    # Once per event in the worker: no list, sort or call when nothing is due.
     horizon = epoch.watermark - lateness_ns
+    last = horizon - window_ns  # a window starting at or before it ends by the horizon
     out = []
-    due = []
+    due = None
     for key in epoch.windows:
         start = int(key.split("|", 1)[0])
-        if flush or start + window_ns <= horizon:
+        if flush or start <= last:
+            if due is None:
+                due = []
             due.append((start, key))
-    for start, key in sorted(due):
-        _, model, tenant = key.split("|", 2)
-        out.append(_record(epoch, start, window_ns, model, tenant, epoch.windows.pop(key), "final", ""))
-        epoch.closed_through = max(epoch.closed_through, start + window_ns)
+    if due is not None:
+        for start, key in sorted(due):
+            _, model, tenant = key.split("|", 2)
+            out.append(_record(epoch, start, window_ns, model, tenant, epoch.windows.pop(key), "final", ""))
+            epoch.closed_through = max(epoch.closed_through, start + window_ns)
     if not flush:
         # Windows that end before the horizon are closed even if they never saw a request.
-        epoch.closed_through = max(epoch.closed_through, window_start(max(horizon, 0), window_ns))
+        h = horizon if horizon > 0 else 0
+        closed = h - h % window_ns
+        if closed > epoch.closed_through:
+            epoch.closed_through = closed
     return out
