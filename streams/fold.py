@@ -256,8 +256,15 @@ class PositionFold:
         held: list[tuple[RequestState, int, int, int]] = []  # KV holdings, folded after the loop
         total = 0.0
         # Steady rows (one token, nothing else happening) fold in the epoch's columns; the rest
-        # take the loop below (streams/columnar.py).
-        cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
+        # take the loop below (streams/columnar.py). A small step of an epoch without columns
+        # would get none: not asked.
+        if len(rids) < COLUMNAR_MIN_ROWS and epoch.engine_id not in self.columns:
+            cols = None
+        else:
+            cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
+        # the segment fields the common decode row compares, as locals
+        KIND, STATUS, DRAFT, FATE, END = sg.KIND, sg.STATUS, sg.DRAFT, sg.FATE, sg.END
+        OUTPUT, COMPUTED, KEPT = sg.OUTPUT, sg.COMPUTED, sg.KEPT
         plan = None
         if cols is not None and cols.slot_of:
             general_mask = None
@@ -316,17 +323,14 @@ class PositionFold:
             req.seq = seq
             # vLLM frees sliding-window blocks on the tokens processed at schedule time: with
             # the request's previous step still in flight, that is where the previous step began.
-            if 0 <= in_flight_from <= req.last_step and req.steps:
-                req.release_basis = req.last_computed_before
-            else:
-                req.release_basis = -1
             # Under async scheduling vLLM allocated this step on num_computed_tokens that counted
             # the in-flight step's drafts as accepted (the producer's num_computed_before does not).
-            optimistic = (
-                computed_before + req.kv_last_dropped
-                if 0 <= in_flight_from <= req.last_step and req.steps
-                else computed_before
-            )
+            if 0 <= in_flight_from <= req.last_step and req.steps:
+                req.release_basis = req.last_computed_before
+                optimistic = computed_before + req.kv_last_dropped
+            else:
+                req.release_basis = -1
+                optimistic = computed_before
             first_step = not req.steps
             if kv_on and (first_step or req.preempted):
                 hits.append((req, computed_before, first_step))
@@ -400,12 +404,12 @@ class PositionFold:
                 if (
                     not n_accepted
                     and last is not None
-                    and last[sg.KIND] == sg.OUTPUT
-                    and last[sg.STATUS] == sg.COMPUTED
-                    and not last[sg.DRAFT]
-                    and last[sg.FATE] == sg.KEPT
+                    and last[KIND] == OUTPUT
+                    and last[STATUS] == COMPUTED
+                    and not last[DRAFT]
+                    and last[FATE] == KEPT
                 ):
-                    last[sg.END] += new  # the common decode step: extend the output run
+                    last[END] += new  # the common decode step: extend the output run
                 else:
                     drafts = min(n_accepted, new)
                     sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)
