@@ -197,9 +197,9 @@ class Decoder:
         plan = self._by_fp.get(writer.fingerprint)
         if plan is None:
             reader = self.store.current.get(full_name(writer.name))
-            same = reader is None or reader.fingerprint == writer.fingerprint
+            resolve = None if reader is None or reader.fingerprint == writer.fingerprint else reader.parsed
             plan = self._by_fp[writer.fingerprint] = _ReadPlan(
-                writer.name, writer.parsed, None if same else reader.parsed, writer.name == _ENGINE_EVENT
+                writer.name, writer.parsed, resolve, writer.name == _ENGINE_EVENT
             )
         return plan
 
