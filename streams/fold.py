@@ -43,6 +43,8 @@ from .state import (
 #: plus well under a microsecond a row, the general path ~2.5 us a row (docs/benchmarks.md), so
 #: smaller steps take the general path (and their requests leave their slots).
 COLUMNAR_MIN_ROWS = 32
+#: No request preempted in a step (most steps): no set built.
+_NONE: frozenset[str] = frozenset()
 
 
 class PositionFold:
@@ -227,7 +229,8 @@ class PositionFold:
         # Async scheduling: steps from updates_before up to this one were in flight when it was
         # scheduled (-1 from producers that do not say).
         in_flight_from = body.get("updates_before", -1)
-        preempted = set(body["preempted_req_ids"])
+        listed = body["preempted_req_ids"]
+        preempted: set[str] | frozenset[str] = set(listed) if listed else _NONE
         if preempted:
             for rid in preempted.difference(rids):
                 req = self.request(epoch, rid, create=False)

@@ -103,6 +103,7 @@ class KvShape:
         "kinds",
         "lookahead",
         "max_len",
+        "observed",
         "raw",
         "releases",
         "releasing",
@@ -122,10 +123,8 @@ class KvShape:
         self.releasing = [g if g.frees and g.limited else None for g in self.groups]
         self.releases = any(g is not None for g in self.releasing)
         self.count = len(self.groups)
-
-    @property
-    def observed(self) -> bool:
-        return bool(self.groups) and all(self.block_size)
+        #: KV memory-time is folded: there are groups, each with a block size (read per step).
+        self.observed = bool(self.groups) and all(self.block_size)
 
 
 def _ensure(r: Any, n: int) -> list[list[int]]:
