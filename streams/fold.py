@@ -363,18 +363,18 @@ class PositionFold:
                     req.kv_end = computed_before
             new = n_new[i]
             n_accepted = accepted[i] if accepted else 0
-            n_proposed = proposed[i] if proposed else 0
-            n_cut = n_unverified = 0
-            if n_proposed:
+            if proposed and proposed[i]:
+                n_proposed = proposed[i]
                 n_accepted, n_cut, n_unverified = split_drafts(n_proposed, n_accepted, new)
-            rejected = n_proposed - n_accepted - n_cut - n_unverified
-            req.kv_last_dropped = rejected + n_cut + n_unverified
-            valid_end = computed_before + n - req.kv_last_dropped
-            if n_proposed:
+                rejected = n_proposed - n_accepted - n_cut - n_unverified
+                req.kv_last_dropped = rejected + n_cut + n_unverified
                 req.draft_accepted += n_accepted
                 req.draft_rejected += rejected
                 req.draft_cut += n_cut + n_unverified
                 req.draft_unverified += n_unverified
+            else:  # no drafts (the common row): nothing rejected, cut or unverified
+                req.kv_last_dropped = -n_accepted
+            valid_end = computed_before + n - req.kv_last_dropped
             kv_end = req.kv_end
             if computed_before < kv_end:
                 if first_step and not req.preemptions:
