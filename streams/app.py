@@ -36,8 +36,8 @@ from . import metrics
 from .assembler import DLQ, TIMELINES, USAGE, Assembler, Output
 from .compat import (
     ChangelogTable,
+    Consumed,
     LostLogWatch,
-    Record,
     Refetcher,
     deliver_in_batches,
     fill_holes,
@@ -120,12 +120,12 @@ class AssemblerWorker:
             pair = self.partitions[partition] = (store, Assembler(self.cfg.worker, store))
         return pair
 
-    async def process(self, records: list[Record]) -> None:
+    async def process(self, records: list[Consumed]) -> None:
         async with self.lock:
             await self._process(records)
 
-    async def _process(self, records: list[Record]) -> None:
-        by_partition: dict[int, list[Record]] = defaultdict(list)
+    async def _process(self, records: list[Consumed]) -> None:
+        by_partition: dict[int, list[Consumed]] = defaultdict(list)
         for record in records:
             by_partition[record.partition].append(record)
         for partition, batch in by_partition.items():
@@ -194,14 +194,14 @@ class AssemblerWorker:
             self.next_offset[partition] = batch[-1].offset + 1
             self._export(asm)
 
-    def _dead_letter(self, msg: Record, exc: DecodeError) -> Output:
+    def _dead_letter(self, msg: Consumed, exc: DecodeError) -> Output:
         """The dead letter ``msg`` becomes: it did not decode, or its event is invalid."""
         exc.at(msg.topic, msg.partition, msg.offset)
         record = ev.dead_letter_record(exc, msg.key, "assembler")
         metrics.DEAD_LETTERS.labels("assembler", type(exc).__name__).inc()
         return Output(DLQ, ev.dead_letter_key(exc, msg.key), ev.DEAD_LETTER, record)
 
-    async def _fill_holes(self, partition: int, batch: list[Record]) -> list[Record]:
+    async def _fill_holes(self, partition: int, batch: list[Consumed]) -> list[Consumed]:
         """Drop re-deliveries of what was processed and re-read what the consumer skipped."""
         return await fill_holes(
             self.refetcher, partition, self.next_offset.get(partition), batch, metrics.REFETCHED.inc
