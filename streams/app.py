@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from operator import attrgetter
 from typing import Any
 
 import faust
@@ -49,6 +50,7 @@ from .state import TableStore
 
 log = logging.getLogger("sparseety.worker")
 ENGINE_STOPPED = ev.ENGINE_STOPPED
+_PARTITION = attrgetter("partition")
 
 STATE_TABLE = "state"
 #: The worker's exit status when the broker lost its log (see ``compat.LostLogWatch``).
@@ -125,9 +127,13 @@ class AssemblerWorker:
             await self._process(records)
 
     async def _process(self, records: list[Consumed]) -> None:
+        partitions = set(map(_PARTITION, records))
         by_partition: dict[int, list[Consumed]] = defaultdict(list)
-        for record in records:
-            by_partition[record.partition].append(record)
+        if len(partitions) == 1:  # the usual batch: no grouping per record
+            by_partition[partitions.pop()] = records
+        else:
+            for record in records:
+                by_partition[record.partition].append(record)
         for partition, batch in by_partition.items():
             batch = await self._fill_holes(partition, batch)
             if not batch:

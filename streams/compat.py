@@ -70,6 +70,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any, Protocol
 
 from sparseety.config import Config
@@ -162,6 +163,9 @@ class Refetcher:
             self._consumer = None
 
 
+_OFFSET = attrgetter("offset")
+
+
 async def fill_holes(
     refetcher: Refetcher,
     partition: int,
@@ -176,6 +180,8 @@ async def fill_holes(
     """
     if expected is None:
         expected = await refetcher.committed(partition)
+    if expected is not None and list(map(_OFFSET, batch)) == list(range(expected, expected + len(batch))):
+        return batch  # exactly the offsets expected (the usual batch): nothing to drop or re-read
     out: list[Consumed] = []
     for msg in batch:
         if expected is not None and msg.offset < expected:
