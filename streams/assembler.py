@@ -166,7 +166,8 @@ class Assembler:
             epoch.watermark = ts
         seq = event["seq"]
         if kind == ev.STEP_BATCH:
-            self.fold.on_step(epoch, seq, ts, body, self._shape(epoch))
+            shape = self._shapes.get(epoch.engine_id) or self._shape(epoch)
+            self.fold.on_step(epoch, seq, ts, body, shape)
             epoch.step_seq = seq
         elif kind == ev.KV_STORED or kind == ev.KV_REMOVED:
             stored = kind == ev.KV_STORED

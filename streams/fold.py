@@ -251,7 +251,7 @@ class PositionFold:
         touched: list[str] = []
         prefix = request_prefix(epoch.engine_id)
         shares: list[tuple[RequestState, float]] = []
-        kv_shape = self.kv_shape(epoch)
+        kv_shape = self.kv_shapes.get(epoch.engine_id) or self.kv_shape(epoch)
         kv_on = kv_shape.observed
         epoch.kv_last_step = step
         kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
