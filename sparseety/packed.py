@@ -37,6 +37,7 @@ INT_COLUMNS = (
     "spec_accepted",
 )
 PACKED = {col: f"{col}_i32" for col in INT_COLUMNS}
+_PACKED_PAIRS = tuple(PACKED.items())
 
 _SWAP = sys.byteorder != "little"
 if array("i").itemsize != 4:  # pragma: no cover - every platform CPython supports today
@@ -107,9 +108,13 @@ def from_wire(event: dict[str, Any]) -> dict[str, Any]:
     """
     payload = event.get("payload")
     if isinstance(payload, tuple) and payload[0] == STEP_BATCH:
-        body = payload[1]
-        for col, packed in PACKED.items():
-            data = body.pop(packed, b"")
+        pop = (body := payload[1]).pop
+        for col, packed in _PACKED_PAIRS:
+            data = pop(packed, b"")
             if data:
-                body[col] = unpack_i32(data)
+                if len(data) & 3:
+                    raise ValueError(f"packed int32 column of {len(data)} bytes is not a multiple of 4")
+                a = body[col] = array("i", data)  # a bytes initializer is one frombytes
+                if _SWAP:
+                    a.byteswap()
     return event

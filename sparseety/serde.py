@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import fastavro
 
@@ -107,6 +107,10 @@ class Decoder:
         self.store = store
         self.registry = registry
         self._by_id: dict[int, WireSchema] = {}
+        # Per writer fingerprint, and per single-object header (magic + fingerprint) met: how to
+        # read its body. The store never changes, so neither do these.
+        self._by_fp: dict[int, _ReadPlan] = {}
+        self._plans: dict[bytes, _ReadPlan] = {}
 
     def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
         """Decode one payload.
@@ -115,11 +119,19 @@ class Decoder:
             BadMagicError, UnknownSchemaError, TruncatedPayloadError, CorruptPayloadError: all
             subclasses of DecodeError, carrying ``raw=data``.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
+        if type(data) is bytes:
+            # The worker's path: a single-object header seen before, one dict lookup.
+            plan = self._plans.get(data[:_SINGLE_HEADER])
+            if plan is not None:
+                return self._read_body(data, _SINGLE_HEADER, plan)
+        elif not isinstance(data, (bytes, bytearray, memoryview)):
             raise BadMagicError(f"payload is {type(data).__name__}, not bytes", raw=None)
-        data = bytes(data)
+        else:
+            data = bytes(data)
         if data[:2] == SINGLE_OBJECT_MAGIC:
-            return self._read(data, _SINGLE_HEADER, self._single_object_writer(data))
+            plan = self._plan(self._single_object_writer(data))
+            self._plans[data[:_SINGLE_HEADER]] = plan
+            return self._read_body(data, _SINGLE_HEADER, plan)
         if data[:1] == REGISTRY_MAGIC and self.registry is not None:
             if len(data) < _REGISTRY_HEADER:
                 raise TruncatedPayloadError("registry header cut short", raw=data)
@@ -179,39 +191,54 @@ class Decoder:
         return found
 
     def _read(self, data: bytes, start: int, writer: WireSchema) -> tuple[str, dict[str, Any]]:
-        reader = self.store.current.get(full_name(writer.name))
+        return self._read_body(data, start, self._plan(writer))
+
+    def _plan(self, writer: WireSchema) -> _ReadPlan:
+        plan = self._by_fp.get(writer.fingerprint)
+        if plan is None:
+            reader = self.store.current.get(full_name(writer.name))
+            resolve = None if reader is None or reader.fingerprint == writer.fingerprint else reader.parsed
+            plan = self._by_fp[writer.fingerprint] = _ReadPlan(
+                writer.name, writer.parsed, resolve, writer.name == _ENGINE_EVENT
+            )
+        return plan
+
+    def _read_body(self, data: bytes, start: int, plan: _ReadPlan) -> tuple[str, dict[str, Any]]:
+        name, writer, reader, engine_event = plan
         buf = io.BytesIO(data)
         buf.seek(start)
         try:
-            if reader is None or reader.fingerprint == writer.fingerprint:
-                datum = fastavro.schemaless_reader(buf, writer.parsed, None, return_record_name=True)
-            else:
-                datum = fastavro.schemaless_reader(buf, writer.parsed, reader.parsed, return_record_name=True)
+            datum = fastavro.schemaless_reader(buf, writer, reader, return_record_name=True)
         except (EOFError, StopIteration) as exc:
-            raise TruncatedPayloadError(
-                f"{writer.name} payload ends early", raw=data, record=writer.name
-            ) from exc
+            raise TruncatedPayloadError(f"{name} payload ends early", raw=data, record=name) from exc
         except Exception as exc:
             raise CorruptPayloadError(
-                f"{writer.name} payload is corrupt: {type(exc).__name__}: {exc}",
+                f"{name} payload is corrupt: {type(exc).__name__}: {exc}",
                 raw=data,
-                record=writer.name,
+                record=name,
             ) from exc
         if buf.tell() != len(data):
             # fastavro reads short strings without complaint; a length that overran the buffer
             # or bytes left over both mean the body was not what the header promised.
             raise CorruptPayloadError(
-                f"{writer.name} payload has {len(data) - buf.tell()} bytes left over",
+                f"{name} payload has {len(data) - buf.tell()} bytes left over",
                 raw=data,
-                record=writer.name,
+                record=name,
             )
-        if not isinstance(datum, dict):
-            raise CorruptPayloadError(f"{writer.name} did not decode to a record", raw=data)
-        if writer.name == _ENGINE_EVENT:
+        if type(datum) is not dict and not isinstance(datum, dict):
+            raise CorruptPayloadError(f"{name} did not decode to a record", raw=data)
+        if engine_event:
             try:
                 from_wire(datum)
             except ValueError as exc:
-                raise CorruptPayloadError(
-                    f"{writer.name} payload is corrupt: {exc}", raw=data, record=writer.name
-                ) from exc
-        return writer.name, datum
+                raise CorruptPayloadError(f"{name} payload is corrupt: {exc}", raw=data, record=name) from exc
+        return name, datum
+
+
+class _ReadPlan(NamedTuple):
+    """How a :class:`Decoder` reads the body of one writer schema."""
+
+    name: str  # the writer's record (full name)
+    writer: Any  # its parsed schema
+    reader: Any  # the current version's parsed schema; None when it is the writer's
+    engine_event: bool  # EngineEvent: StepBatch columns may travel packed (sparseety/packed.py)

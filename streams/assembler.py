@@ -86,7 +86,19 @@ class Assembler:
         self.stats.events += 1
         eid = event["engine_id"]
         self._last_seen[eid] = self.clock()
-        epoch = self._epoch(eid, event["engine_name"])
+        key = epoch_key(eid)
+        epoch = self.store.get(key)
+        if epoch is None:
+            epoch = EpochState(engine_name=event["engine_name"], engine_id=eid)
+            self.store.put(key, epoch)
+        if ordering.next_in_line(epoch, event):
+            # In order, nothing buffered (the common case): as below without an Admission.
+            outputs = self._process(epoch, event)
+            after = self._after_event(epoch)
+            if after:
+                outputs = outputs + after
+            self.store.put(key, epoch)
+            return outputs
         admitted = ordering.admit(
             epoch, event, max_pending=self.cfg.reorder_max_events, lateness_ns=self.lateness_ns
         )
@@ -127,13 +139,6 @@ class Assembler:
 
     # --- epoch state -----------------------------------------------------------------------
 
-    def _epoch(self, eid: str, name: str) -> EpochState:
-        epoch = self.store.get(epoch_key(eid))
-        if epoch is None:
-            epoch = EpochState(engine_name=name, engine_id=eid)
-            self.store.put(epoch_key(eid), epoch)
-        return epoch  # type: ignore[no-any-return]
-
     def _put_epoch(self, epoch: EpochState) -> None:
         self.store.put(epoch_key(epoch.engine_id), epoch)
 
@@ -161,7 +166,8 @@ class Assembler:
             epoch.watermark = ts
         seq = event["seq"]
         if kind == ev.STEP_BATCH:
-            self.fold.on_step(epoch, seq, ts, body, self._shape(epoch))
+            shape = self._shapes.get(epoch.engine_id) or self._shape(epoch)
+            self.fold.on_step(epoch, seq, ts, body, shape)
             epoch.step_seq = seq
         elif kind == ev.KV_STORED or kind == ev.KV_REMOVED:
             stored = kind == ev.KV_STORED

@@ -43,6 +43,8 @@ from .state import (
 #: plus well under a microsecond a row, the general path ~2.5 us a row (docs/benchmarks.md), so
 #: smaller steps take the general path (and their requests leave their slots).
 COLUMNAR_MIN_ROWS = 32
+#: No request preempted in a step (most steps): no set built.
+_NONE: frozenset[str] = frozenset()
 
 
 class PositionFold:
@@ -227,7 +229,8 @@ class PositionFold:
         # Async scheduling: steps from updates_before up to this one were in flight when it was
         # scheduled (-1 from producers that do not say).
         in_flight_from = body.get("updates_before", -1)
-        preempted = set(body["preempted_req_ids"])
+        listed = body["preempted_req_ids"]
+        preempted: set[str] | frozenset[str] = set(listed) if listed else _NONE
         if preempted:
             for rid in preempted.difference(rids):
                 req = self.request(epoch, rid, create=False)
@@ -248,7 +251,7 @@ class PositionFold:
         touched: list[str] = []
         prefix = request_prefix(epoch.engine_id)
         shares: list[tuple[RequestState, float]] = []
-        kv_shape = self.kv_shape(epoch)
+        kv_shape = self.kv_shapes.get(epoch.engine_id) or self.kv_shape(epoch)
         kv_on = kv_shape.observed
         epoch.kv_last_step = step
         kv_ts = epoch.kv_clock = max(epoch.kv_clock, start_ts)
@@ -256,8 +259,15 @@ class PositionFold:
         held: list[tuple[RequestState, int, int, int]] = []  # KV holdings, folded after the loop
         total = 0.0
         # Steady rows (one token, nothing else happening) fold in the epoch's columns; the rest
-        # take the loop below (streams/columnar.py).
-        cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
+        # take the loop below (streams/columnar.py). A small step of an epoch without columns
+        # would get none: not asked.
+        if len(rids) < COLUMNAR_MIN_ROWS and epoch.engine_id not in self.columns:
+            cols = None
+        else:
+            cols = self._steady_columns(epoch, kv_shape, shape, step, len(rids))
+        # the segment fields the common decode row compares, as locals
+        KIND, STATUS, DRAFT, FATE, END = sg.KIND, sg.STATUS, sg.DRAFT, sg.FATE, sg.END
+        OUTPUT, COMPUTED, KEPT = sg.OUTPUT, sg.COMPUTED, sg.KEPT
         plan = None
         if cols is not None and cols.slot_of:
             general_mask = None
@@ -314,17 +324,14 @@ class PositionFold:
             req.seq = seq
             # vLLM frees sliding-window blocks on the tokens processed at schedule time: with
             # the request's previous step still in flight, that is where the previous step began.
-            if 0 <= in_flight_from <= req.last_step and req.steps:
-                req.release_basis = req.last_computed_before
-            else:
-                req.release_basis = -1
             # Under async scheduling vLLM allocated this step on num_computed_tokens that counted
             # the in-flight step's drafts as accepted (the producer's num_computed_before does not).
-            optimistic = (
-                computed_before + req.kv_last_dropped
-                if 0 <= in_flight_from <= req.last_step and req.steps
-                else computed_before
-            )
+            if 0 <= in_flight_from <= req.last_step and req.steps:
+                req.release_basis = req.last_computed_before
+                optimistic = computed_before + req.kv_last_dropped
+            else:
+                req.release_basis = -1
+                optimistic = computed_before
             first_step = not req.steps
             if kv_on and (first_step or req.preempted):
                 hits.append((req, computed_before, first_step))
@@ -354,18 +361,18 @@ class PositionFold:
                     req.kv_end = computed_before
             new = n_new[i]
             n_accepted = accepted[i] if accepted else 0
-            n_proposed = proposed[i] if proposed else 0
-            n_cut = n_unverified = 0
-            if n_proposed:
+            if proposed and proposed[i]:
+                n_proposed = proposed[i]
                 n_accepted, n_cut, n_unverified = split_drafts(n_proposed, n_accepted, new)
-            rejected = n_proposed - n_accepted - n_cut - n_unverified
-            req.kv_last_dropped = rejected + n_cut + n_unverified
-            valid_end = computed_before + n - req.kv_last_dropped
-            if n_proposed:
+                rejected = n_proposed - n_accepted - n_cut - n_unverified
+                req.kv_last_dropped = rejected + n_cut + n_unverified
                 req.draft_accepted += n_accepted
                 req.draft_rejected += rejected
                 req.draft_cut += n_cut + n_unverified
                 req.draft_unverified += n_unverified
+            else:  # no drafts (the common row): nothing rejected, cut or unverified
+                req.kv_last_dropped = -n_accepted
+            valid_end = computed_before + n - req.kv_last_dropped
             kv_end = req.kv_end
             if computed_before < kv_end:
                 if first_step and not req.preemptions:
@@ -398,12 +405,12 @@ class PositionFold:
                 if (
                     not n_accepted
                     and last is not None
-                    and last[sg.KIND] == sg.OUTPUT
-                    and last[sg.STATUS] == sg.COMPUTED
-                    and not last[sg.DRAFT]
-                    and last[sg.FATE] == sg.KEPT
+                    and last[KIND] == OUTPUT
+                    and last[STATUS] == COMPUTED
+                    and not last[DRAFT]
+                    and last[FATE] == KEPT
                 ):
-                    last[sg.END] += new  # the common decode step: extend the output run
+                    last[END] += new  # the common decode step: extend the output run
                 else:
                     drafts = min(n_accepted, new)
                     sg.append(segs, drafts, sg.OUTPUT, sg.COMPUTED, draft=True)

@@ -123,7 +123,7 @@ class KvShape:
         self.releasing = [g if g.frees and g.limited else None for g in self.groups]
         self.releases = any(g is not None for g in self.releasing)
         self.count = len(self.groups)
-        #: The KV cache's groups and their block sizes are known (KV memory-time is folded).
+        #: KV memory-time is folded: there are groups, each with a block size (read per step).
         self.observed = bool(self.groups) and all(self.block_size)
 
 

@@ -23,8 +23,9 @@ STAGE_CPU = Counter(
     "validated events), fold (Assembler.apply), encode (the outputs' Avro), send (from handing the "
     "outputs over until Kafka acknowledged them) and state (changelog encode, send and "
     "acknowledgement). Thread CPU time, so send and state include whatever else ran on the event "
-    "loop while the batch waited for Kafka; the process's CPU outside these is Faust's, aiokafka's "
-    "and the other threads'.",
+    "loop while the batch waited for Kafka; decode and fold split the thread CPU of the loop that "
+    "decodes and folds each event in turn by their shares of its wall time; the process's CPU "
+    "outside these is Faust's, aiokafka's and the other threads'.",
     ["stage"],
 )
 FOLD_SECONDS = Histogram("sparseety:worker_batch_fold_seconds", "Time to fold one partition batch.")

@@ -65,6 +65,19 @@ def admit(epoch: EpochState, event: dict[str, Any], *, max_pending: int, latenes
     return Admission(ready=(event, *_release(epoch, stream)))
 
 
+def next_in_line(epoch: EpochState, event: dict[str, Any]) -> bool:
+    """Whether ``event`` is its stream's next seq with nothing buffered after it: then it is
+    admitted (``next_seq`` advanced) as :func:`admit` would, without an :class:`Admission`
+    (the common case, once per event in the worker). Otherwise nothing changes: call
+    :func:`admit`."""
+    stream = event["stream"]
+    seq = event["seq"]
+    if epoch.next_seq.get(stream) != seq or epoch.pending.get(stream):
+        return False
+    epoch.next_seq[stream] = seq + 1
+    return True
+
+
 def _declare_gap(epoch: EpochState, stream: str, max_pending: int, lateness_ns: int) -> int:
     """Give up on the missing seqs once the buffer is full or far ahead in event time.
 

@@ -106,9 +106,11 @@ def close_due(
     epoch: EpochState, window_ns: int, lateness_ns: int, *, flush: bool = False
 ) -> list[dict[str, Any]]:
     """Emit and forget windows the watermark has passed (all of them when ``flush``)."""
+    # Once per event in the worker: no list, sort or call when nothing is due.
     horizon = epoch.watermark - lateness_ns
+    last = horizon - window_ns  # a window starting at or before it ends by the horizon
     out = []
-    due = []
+    due = None
     starts = _STARTS
     for key in epoch.windows:
         start = starts.get(key)
@@ -116,15 +118,19 @@ def close_due(
             if len(starts) >= _STARTS_KEPT:
                 starts.clear()
             start = starts[key] = int(key.split("|", 1)[0])
-        if flush or start + window_ns <= horizon:
+        if flush or start <= last:
+            if due is None:
+                due = []
             due.append((start, key))
-    for start, key in sorted(due):
-        _, model, tenant = key.split("|", 2)
-        out.append(_record(epoch, start, window_ns, model, tenant, epoch.windows.pop(key), "final", ""))
-        epoch.closed_through = max(epoch.closed_through, start + window_ns)
+    if due is not None:
+        for start, key in sorted(due):
+            _, model, tenant = key.split("|", 2)
+            out.append(_record(epoch, start, window_ns, model, tenant, epoch.windows.pop(key), "final", ""))
+            epoch.closed_through = max(epoch.closed_through, start + window_ns)
     if not flush:
         # Windows that end before the horizon are closed even if they never saw a request.
-        passed = window_start(horizon if horizon > 0 else 0, window_ns)
+        h = horizon if horizon > 0 else 0
+        passed = h - h % window_ns  # window_start(h), inline: this runs after every event
         if passed > epoch.closed_through:
             epoch.closed_through = passed
     return out
