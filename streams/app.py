@@ -42,6 +42,7 @@ from .compat import (
     deliver_in_batches,
     fill_holes,
     send_batches,
+    table_manager_without_start_pause,
 )
 from .runtime import create_app as create_faust_app
 from .runtime import raw_topic
@@ -242,6 +243,7 @@ def create_app(cfg: Config) -> faust.App:
         producer_max_request_size=STATE_RECORD_MAX_BYTES,
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
         consumer_max_fetch_size=STATE_RECORD_MAX_BYTES,
+        TableManager=table_manager_without_start_pause(),
     )
 
     topics = {

@@ -60,6 +60,15 @@ its piece is deleted here and its caller keeps working through the same function
    generator step and a high-watermark read (for Faust's monitor) per record cost as much as
    the record's Avro decoding at batch 4; the watermark is read once per partition and fetch.
 
+8. **The table manager's start-up second** (:func:`table_manager_without_start_pause`):
+   faust-streaming 0.15.3's ``TableManager.on_start`` sleeps a fixed second before it
+   finalises the app's tables and starts their recovery, so that tables declared after the
+   app started are still taken; the conductor waits for it ("Waiting for tables to be
+   registered...") before the consumer subscribes and joins the group. The worker declares its
+   one table before the app starts, so that second was a second of every start and of every
+   failover (issue 33: the restarted worker's log, 1.0 s each time). The subclass does the same
+   without the sleep; a table declared later fails loudly (Faust's "Too late to add tables").
+
 Faust and aiokafka are imported inside the functions: replay imports this module and must not
 pull in Faust.
 """
@@ -461,3 +470,23 @@ class _BatchDrain:
         if commit_every is not None and me._n_acked >= commit_every:
             me._n_acked = 0
             await me.commit()
+
+
+# --- 8. the table manager's start-up second -------------------------------------------------
+
+
+def table_manager_without_start_pause() -> type:
+    """Faust's ``TableManager`` without the fixed second ``on_start`` sleeps before it
+    finalises the tables (item 8); pass it as the app's ``TableManager`` setting."""
+    from faust.tables import TableManager
+
+    if not callable(getattr(TableManager, "_update_channels", None)):  # pinned faust-streaming changed
+        raise RuntimeError("TableManager has no _update_channels: revisit streams/compat.py item 8")
+
+    class PromptTableManager(TableManager):  # type: ignore[misc]
+        async def on_start(self) -> None:
+            if not self.should_stop:
+                await self._update_channels()
+                await self.recovery.start()
+
+    return PromptTableManager
