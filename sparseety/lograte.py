@@ -6,6 +6,12 @@ reconnect attempt of each of its clients, which buried everything else in its lo
 clients keep retrying as they should; only their log is thinned: the first record of a
 template passes, the same template again within :data:`EVERY_S` is counted and held back, and the
 next one to pass says how many were held. Nothing else is filtered.
+
+The consumer group's completed steps (:data:`ALWAYS_PASSED`) are never held back: each needs a
+successful answer from the coordinator, so they come at most once per rebalance, and thinned
+they hid a whole second join round (issue 33: a restarted worker's "Joined group" and "Elected
+group leader" lines stood 8 s apart, and the failed SyncGroup and the second join between them
+were held back, which looked like a stalled thread).
 """
 
 from __future__ import annotations
@@ -32,6 +38,15 @@ KAFKA_LOGGERS = (
     "faust.transport.drivers.aiokafka",
 )
 
+#: aiokafka's group coordinator templates of a completed join/sync step, passed unthinned.
+ALWAYS_PASSED = frozenset(
+    {
+        "Joined group '%s' (generation %s) with member_id %s",
+        "Elected group leader -- performing partition assignments using %s",
+        "Successfully synced group %s with generation %s",
+    }
+)
+
 
 class RateLimit(logging.Filter):
     """Passes at most one record per (logger, template) every ``every_s``; the next one that
@@ -50,6 +65,8 @@ class RateLimit(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg in ALWAYS_PASSED:
+            return True
         key = (record.name, str(record.msg))
         now = self._clock()
         with self._lock:

@@ -60,6 +60,15 @@ its piece is deleted here and its caller keeps working through the same function
    generator step and a high-watermark read (for Faust's monitor) per record cost as much as
    the record's Avro decoding at batch 4; the watermark is read once per partition and fetch.
 
+8. **The table manager's start-up second** (:func:`table_manager_without_start_pause`):
+   faust-streaming 0.15.3's ``TableManager.on_start`` sleeps a fixed second before it
+   finalises the app's tables and starts their recovery, so that tables declared after the
+   app started are still taken; the conductor waits for it ("Waiting for tables to be
+   registered...") before the consumer subscribes and joins the group. The worker declares its
+   one table before the app starts, so that second was a second of every start and of every
+   failover (issue 33: the restarted worker's log, 1.0 s each time). The subclass does the same
+   without the sleep; a table declared later fails loudly (Faust's "Too late to add tables").
+
 Faust and aiokafka are imported inside the functions: replay imports this module and must not
 pull in Faust.
 """
@@ -379,6 +388,12 @@ def deliver_in_batches(
     app.topics.add(source)
 
 
+async def _deliver_each(callback: Callable[[Any], Awaitable[Any]], messages: list[Any]) -> None:
+    """Faust's callback for each of ``messages``, in order (one task for a fetch's records)."""
+    for message in messages:
+        await callback(message)
+
+
 class _BatchDrain:
     """Replaces faust-streaming 0.15.3's ``Consumer._drain_messages`` for one topic.
 
@@ -393,7 +408,11 @@ class _BatchDrain:
     ``batch_within_s`` or ``batch_max`` records, tracked as in flight (so a rebalance's
     ``wait_empty`` waits for them), handed to ``batch_handler`` at once, and acked only after it
     returned: Faust then commits them as it commits an agent's acks. Records of other topics (the
-    table's changelog during recovery and for standbys) go to Faust's callback as before.
+    table's changelog during recovery and for standbys) go to Faust's callback in order, as
+    before, but one fetch's records in one task raced once against a suspended flow
+    (``wait_first``), not four tasks per record: a restarted worker's ~15k changelog records
+    spent about a third of the recovery's CPU there (issue 33, a py-spy profile). As in Faust's
+    own loop, a flow suspended mid-way abandons what is not yet delivered.
     """
 
     batch_topic: str
@@ -414,6 +433,7 @@ class _BatchDrain:
         try:
             while not (consumer_stopped() or fetcher_stopped()):
                 wait = max(0.0, within - (time.monotonic() - first)) if batch else 1.0
+                others: list[Any] = []  # this fetch's records of other topics, in order
                 for tp, message in await self._fetch(wait):
                     offset = message.offset
                     last = read_offset[tp]
@@ -427,11 +447,13 @@ class _BatchDrain:
                         track(message)
                         batch.append(message)
                     else:
-                        await me.wait_first(callback(message), me.suspend_flow.wait())
+                        others.append(message)
                     read_offset[tp] = offset
                     if len(batch) >= most:  # the rest of this fetch waits in the generator
                         await self._hand_over(batch)
                         batch = []
+                if others:
+                    await me.wait_first(_deliver_each(callback, others), me.suspend_flow.wait())
                 if batch and time.monotonic() - first >= within:
                     await self._hand_over(batch)
                     batch = []
@@ -513,3 +535,23 @@ class _BatchDrain:
         if commit_every is not None and me._n_acked >= commit_every:
             me._n_acked = 0
             await me.commit()
+
+
+# --- 8. the table manager's start-up second -------------------------------------------------
+
+
+def table_manager_without_start_pause() -> type:
+    """Faust's ``TableManager`` without the fixed second ``on_start`` sleeps before it
+    finalises the tables (item 8); pass it as the app's ``TableManager`` setting."""
+    from faust.tables import TableManager
+
+    if not callable(getattr(TableManager, "_update_channels", None)):  # pinned faust-streaming changed
+        raise RuntimeError("TableManager has no _update_channels: revisit streams/compat.py item 8")
+
+    class PromptTableManager(TableManager):  # type: ignore[misc]
+        async def on_start(self) -> None:
+            if not self.should_stop:
+                await self._update_channels()
+                await self.recovery.start()
+
+    return PromptTableManager

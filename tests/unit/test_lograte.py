@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from sparseety.lograte import EVERY_S, RateLimit, thin_kafka_client_logs
+from sparseety.lograte import ALWAYS_PASSED, EVERY_S, RateLimit, thin_kafka_client_logs
 
 
 def _record(msg: str, *args: object, name: str = "aiokafka.client") -> logging.LogRecord:
@@ -47,3 +47,21 @@ def test_the_kafka_client_loggers_are_thinned(caplog: pytest.LogCaptureFixture) 
     ours = [r for r in caplog.records if r.name == "sparseety.worker"]
     assert len(kafka) == 1 and len(ours) == 2
     assert EVERY_S == 10.0
+
+
+def test_the_group_s_completed_join_steps_are_never_held_back() -> None:
+    """Issue 33: thinned, a second join round after a failed SyncGroup looked like an 8 s stall
+    between two consecutive lines; every completed join/sync step passes."""
+    from pathlib import Path
+
+    import aiokafka.consumer.group_coordinator as gc
+
+    source = Path(gc.__file__).read_text()
+    for template in ALWAYS_PASSED:  # aiokafka still logs them as such (else they are thinned again)
+        assert f'"{template}"' in source, template
+    limit = RateLimit(every_s=10.0, clock=lambda: 100.0)
+    name = "aiokafka.consumer.group_coordinator"
+    joined = "Joined group '%s' (generation %s) with member_id %s"
+    rejoining = "(Re-)joining group %s"
+    assert all(limit.filter(_record(joined, "g", gen, "m", name=name)) for gen in (1, 2, 3))
+    assert [limit.filter(_record(rejoining, "g", name=name)) for _ in range(3)] == [True, False, False]
