@@ -151,7 +151,7 @@ def main() -> None:
         "--session-timeout-s",
         type=float,
         default=None,
-        help="the worker group's session timeout (default: worker.session_timeout_s's default)",
+        help="worker.session_timeout_s (default: the embedded broker's, 2 s)",
     )
     ap.add_argument(
         "--standby-replicas",
@@ -198,7 +198,7 @@ def main() -> None:
         f"bench_fleet_sim: {args.engines} engines x batch {args.batch} x {args.steps_per_s:g} steps/s "
         f"({args.engines * args.batch * args.steps_per_s:,.0f} request-steps/s offered) for "
         f"{args.duration_s:g} s, {args.workers} worker(s), "
-        f"session timeout {cfg.worker.session_timeout_s:g} s, "
+        f"session timeout {stack.cfg.worker.session_timeout:g} s, "
         f"standby replicas {cfg.worker.standby_replicas}; "
         f"{os.cpu_count()} cores; data {tmp}",
         flush=True,

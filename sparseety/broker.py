@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparseety.config import Config
+from sparseety.config import EMBEDDED_SESSION_TIMEOUT_S, Config
 from sparseety.errors import BrokerBinaryMissingError, BrokerError, PortInUseError
 from sparseety.kafka import ensure_topics, wait_for_kafka
 from sparseety.lifecycle import pid_alive, terminate
@@ -80,8 +80,14 @@ class EmbeddedBroker:
         return f"{self.host}:{self.port}"
 
     def client_config(self) -> Config:
-        """The configuration with ``kafka.bootstrap`` pointing at this broker."""
-        return self.cfg.replace(kafka={**self.cfg.kafka.model_dump(), "bootstrap": self.bootstrap})
+        """The configuration with ``kafka.bootstrap`` pointing at this broker, and the workers'
+        session timeout this broker's join rounds want where none is set."""
+        worker = self.cfg.worker.model_dump()
+        if worker["session_timeout_s"] is None:
+            worker["session_timeout_s"] = EMBEDDED_SESSION_TIMEOUT_S
+        return self.cfg.replace(
+            kafka={**self.cfg.kafka.model_dump(), "bootstrap": self.bootstrap}, worker=worker
+        )
 
     def pid(self) -> int | None:
         """Pid from the pid file, if that process is alive."""

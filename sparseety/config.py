@@ -192,6 +192,13 @@ class ProxyConfig(_Section):
     read_timeout_s: float = Field(600.0, gt=0)  # upstream read timeout (a long generation)
 
 
+#: The worker group's session timeout where ``worker.session_timeout_s`` is not set: on Apache
+#: Kafka its default ``group.min.session.timeout.ms``, the least it takes ...
+KAFKA_SESSION_TIMEOUT_S = 6.0
+#: ... and on the embedded broker, whose join rounds last half of it (docs/operations.md, "Failover").
+EMBEDDED_SESSION_TIMEOUT_S = 2.0
+
+
 class WorkerConfig(_Section):
     """Faust assembler worker."""
 
@@ -208,15 +215,21 @@ class WorkerConfig(_Section):
     tick_interval_s: float = Field(5.0, gt=0)
     metrics_port: int = Field(0, ge=0, le=65535)  # 0: no Prometheus endpoint
     # How soon the group notices a dead worker and gives its partitions to another (or to its
-    # restarted self); the heartbeat goes every min(3 s, a third of it). The embedded broker
-    # (Tansu) also holds every JoinGroup for half of it and a follower's SyncGroup for up to 0.8
-    # of it, so a restarted worker waits ~1 s at 2 s, 3 s at 6 s, and 11 s when it meets its dead
-    # self still leading the group. Apache Kafka refuses less than its
-    # group.min.session.timeout.ms (6 s by default): set 6 there (deploy/k8s/config.yaml does).
-    # docs/operations.md, "Failover".
-    session_timeout_s: float = Field(2.0, gt=0)
+    # restarted self); the heartbeat goes every min(3 s, a third of it). None (the default) means
+    # EMBEDDED_SESSION_TIMEOUT_S on the embedded broker (Stack and EmbeddedBroker.client_config
+    # set it) and KAFKA_SESSION_TIMEOUT_S elsewhere: the embedded Tansu holds every JoinGroup for
+    # half of it and a follower's SyncGroup for up to 0.8 of it, so a restarted worker waits ~1 s
+    # at 2 s, 3 s at 6 s, and 11 s when it meets its dead self still leading the group, while
+    # Apache Kafka refuses less than its group.min.session.timeout.ms (6 s by default) and a
+    # worker would fail to join. docs/operations.md, "Failover".
+    session_timeout_s: float | None = Field(None, gt=0)
     commit_interval_s: float = Field(2.8, gt=0)
     standby_replicas: int = Field(0, ge=0)
+
+    @property
+    def session_timeout(self) -> float:
+        """``session_timeout_s``, or Apache Kafka's default floor where it is not set."""
+        return KAFKA_SESSION_TIMEOUT_S if self.session_timeout_s is None else self.session_timeout_s
 
 
 class SinkConfig(_Section):

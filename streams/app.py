@@ -262,7 +262,7 @@ def create_app(cfg: Config) -> faust.App:
     app = create_faust_app(
         cfg,
         w.app_id,
-        session_timeout_s=w.session_timeout_s,
+        session_timeout_s=w.session_timeout,
         table_standby_replicas=w.standby_replicas,
         broker_commit_interval=w.commit_interval_s,
         producer_max_request_size=STATE_RECORD_MAX_BYTES,
