@@ -60,7 +60,12 @@ def echo_rows(rows: Any, fmt: str) -> None:
     show_default=True,
     help="Registered sink (repeat to write to several: --sink clickhouse --sink otel).",
 )
-@click.option("--session-timeout", type=float, default=30.0, show_default=True, help="Consumer session, s.")
+@click.option(
+    "--session-timeout",
+    type=float,
+    default=None,
+    help="Consumer session, s [sink.session_timeout_s; unset: 2 on the embedded broker, else 6].",
+)
 @click.option(
     "--commit-interval",
     type=float,
@@ -75,7 +80,7 @@ def echo_rows(rows: Any, fmt: str) -> None:
 def sink_cmd(
     c: CliContext,
     sink_names: tuple[str, ...],
-    session_timeout: float,
+    session_timeout: float | None,
     commit_interval: float,
     loglevel: str,
 ) -> None:

@@ -361,7 +361,7 @@ class SinkConsumer:
     Args:
         cfg: Topics, group, batch settings.
         sink: Where records go (open; closed by the caller).
-        session_timeout_s: Group session timeout.
+        session_timeout_s: Group session timeout; None: ``sink.session_timeout_s`` resolved.
         commit_interval_s: Least time between offset commits (commits only ever follow writes).
         batch_max_messages: Most messages one batch takes.
     """
@@ -371,7 +371,7 @@ class SinkConsumer:
         cfg: Config,
         sink: Sink,
         *,
-        session_timeout_s: float = 30.0,
+        session_timeout_s: float | None = None,
         commit_interval_s: float = 2.8,
         batch_max_messages: int = 20_000,
     ) -> None:
@@ -379,7 +379,8 @@ class SinkConsumer:
 
         self.cfg = cfg
         self.topics = [cfg.topics.timelines, cfg.topics.usage, cfg.topics.dlq]
-        self.consumer = Consumer(consumer_settings(cfg, session_timeout_s))
+        session = cfg.sink.session_timeout if session_timeout_s is None else session_timeout_s
+        self.consumer = Consumer(consumer_settings(cfg, session))
         self.partitions = KafkaPartitions(self.consumer)
         self.producer = make_producer(cfg)
         self.encoder = make_encoder(cfg, "DeadLetter", cfg.topics.dlq)

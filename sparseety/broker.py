@@ -80,13 +80,14 @@ class EmbeddedBroker:
         return f"{self.host}:{self.port}"
 
     def client_config(self) -> Config:
-        """The configuration with ``kafka.bootstrap`` pointing at this broker, and the workers'
-        session timeout this broker's join rounds want where none is set."""
-        worker = self.cfg.worker.model_dump()
-        if worker["session_timeout_s"] is None:
-            worker["session_timeout_s"] = EMBEDDED_SESSION_TIMEOUT_S
+        """The configuration with ``kafka.bootstrap`` pointing at this broker, and the session
+        timeout this broker's join rounds want for the worker and sink groups where none is set."""
+        worker, sink = self.cfg.worker.model_dump(), self.cfg.sink.model_dump()
+        for section in (worker, sink):
+            if section["session_timeout_s"] is None:
+                section["session_timeout_s"] = EMBEDDED_SESSION_TIMEOUT_S
         return self.cfg.replace(
-            kafka={**self.cfg.kafka.model_dump(), "bootstrap": self.bootstrap}, worker=worker
+            kafka={**self.cfg.kafka.model_dump(), "bootstrap": self.bootstrap}, worker=worker, sink=sink
         )
 
     def pid(self) -> int | None:

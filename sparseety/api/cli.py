@@ -44,7 +44,12 @@ def _listen(c: CliContext, host: str | None, port: int | None) -> Any:
 @click.command("store")
 @click.option("--host", default=None, help="Address the API listens on [api.host: 127.0.0.1].")
 @click.option("--port", type=int, default=None, help="API port [api.port: 8765]; 0 = any free port.")
-@click.option("--session-timeout", type=float, default=30.0, show_default=True, help="Consumer session, s.")
+@click.option(
+    "--session-timeout",
+    type=float,
+    default=None,
+    help="Consumer session, s [sink.session_timeout_s; unset: 2 on the embedded broker, else 6].",
+)
 @click.option("--commit-interval", type=float, default=2.8, show_default=True, help="Offset commits, s.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request (paths and status only).")
 @LOGLEVEL
@@ -53,7 +58,7 @@ def store_cmd(
     c: CliContext,
     host: str | None,
     port: int | None,
-    session_timeout: float,
+    session_timeout: float | None,
     commit_interval: float,
     access_log: bool,
     loglevel: str,

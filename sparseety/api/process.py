@@ -49,7 +49,7 @@ def run_store(
     cfg: Config,
     *,
     loglevel: str = "info",
-    session_timeout_s: float = 30.0,
+    session_timeout_s: float | None = None,
     commit_interval_s: float = 2.8,
     access_log: bool = False,
 ) -> None:

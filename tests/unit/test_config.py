@@ -108,7 +108,7 @@ def test_config_show_masks_every_secret() -> None:
 
 
 def test_the_session_timeout_follows_the_broker_unless_set(tmp_path: Path) -> None:
-    """Unset, a worker's group session is Apache Kafka's floor (less would be refused there), and
+    """Unset, a worker's and a sink's group session is Apache Kafka's floor (less would be refused there), and
     2 s on the embedded broker, whose join rounds last half of it; a set value is kept on both."""
     from sparseety.broker import EmbeddedBroker
     from sparseety.config import EMBEDDED_SESSION_TIMEOUT_S, KAFKA_SESSION_TIMEOUT_S
@@ -117,8 +117,10 @@ def test_the_session_timeout_follows_the_broker_unless_set(tmp_path: Path) -> No
     assert (
         cfg.worker.session_timeout_s is None and cfg.worker.session_timeout == KAFKA_SESSION_TIMEOUT_S == 6.0
     )
+    assert cfg.sink.session_timeout_s is None and cfg.sink.session_timeout == 6.0
     embedded = EmbeddedBroker(cfg).client_config()
     assert embedded.worker.session_timeout == EMBEDDED_SESSION_TIMEOUT_S == 2.0
+    assert embedded.sink.session_timeout == 2.0
     set_ = load_config(data_dir=str(tmp_path), worker={"session_timeout_s": 9.5})
     assert set_.worker.session_timeout == EmbeddedBroker(set_).client_config().worker.session_timeout == 9.5
     # what the stack hands its workers (SPARSEETY_* variables) carries the resolved value
