@@ -225,7 +225,7 @@ class Decoder:
                 raw=data,
                 record=name,
             )
-        if type(datum) is not dict and not isinstance(datum, dict):
+        if not isinstance(datum, dict):
             raise CorruptPayloadError(f"{name} did not decode to a record", raw=data)
         if engine_event:
             try:
