@@ -80,7 +80,7 @@ def stored(pd: PdRun, broker: Config, tmp_path_factory: pytest.TempPathFactory) 
     from sparseety.sinks.clickhouse.client import Store
     from sparseety.sinks.clickhouse.prices import Price, set_prices
     from tests.helpers import ComponentProcess, latest_by_key, produce_events, read_topic, wait_for
-    from tests.topology.test_sink_consumer import all_committed
+    from tests.topology.test_sink_consumer import all_committed, last_offsets
     from tests.topology.test_worker import worker_cfg
 
     tmp = tmp_path_factory.mktemp("pd-pipeline")
@@ -113,9 +113,7 @@ def stored(pd: PdRun, broker: Config, tmp_path_factory: pytest.TempPathFactory) 
         wait_for(lambda: folded() or not worker.alive(), 180, 1, "both engines' accounting records")
         assert worker.alive(), worker.tail()
         records = read_topic(cfg, cfg.topics.timelines)
-        last: dict[tuple[str, int], int] = {}
-        for part, offset, _, _ in records:
-            last[(cfg.topics.timelines, part)] = max(last.get((cfg.topics.timelines, part), -1), offset)
+        last = last_offsets(cfg.topics.timelines, records)
         wait_for(lambda: all_committed(cfg, last) or not sink.alive(), 180, 1, "the sink's commit")
         assert sink.alive(), sink.tail()
     finally:

@@ -184,7 +184,7 @@ def test_ten_thousand_requests_many_tenants_through_worker_and_sink(
     from sparseety.kafka import ensure_topics
     from sparseety.sinks.clickhouse.client import Store
     from tests.helpers import ComponentProcess, latest_by_key, read_topic, wait_for
-    from tests.topology.test_sink_consumer import all_committed
+    from tests.topology.test_sink_consumer import all_committed, last_offsets
     from tests.topology.test_worker import worker_cfg
 
     r = run(
@@ -238,9 +238,7 @@ def test_ten_thousand_requests_many_tenants_through_worker_and_sink(
         for rid, a in accounts.items():
             assert a["output_tokens"] == len(h.outputs[rid]), rid
             assert a["cache_read_tokens"] == r.truth(rid)["cache_read_tokens"], rid
-        last: dict[tuple[str, int], int] = {}
-        for part, offset, _, _ in records:
-            last[(cfg.topics.timelines, part)] = max(last.get((cfg.topics.timelines, part), -1), offset)
+        last = last_offsets(cfg.topics.timelines, records)
         wait_for(lambda: all_committed(cfg, last) or not sink.alive(), 180, 1, "the sink's commit")
         assert sink.alive(), sink.tail()
     finally:

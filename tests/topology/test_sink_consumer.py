@@ -71,6 +71,14 @@ def committed(cfg: Config, tps: list[tuple[str, int]]) -> Positions:
     return {(tp.topic, tp.partition): tp.offset for tp in got}
 
 
+def last_offsets(topic: str, records: list[tuple[Any, ...]]) -> Positions:
+    """The last offset per partition of ``records`` (``read_topic``'s tuples) of ``topic``."""
+    last: Positions = {}
+    for part, offset, _, _ in records:
+        last[(topic, part)] = max(last.get((topic, part), -1), offset)
+    return last
+
+
 def all_committed(cfg: Config, last: Positions) -> bool:
     done = committed(cfg, list(last))
     return all(done[tp] > off for tp, off in last.items())
