@@ -45,6 +45,7 @@ from .compat import (
     fill_holes,
     send_batches,
     table_manager_without_start_pause,
+    with_fetch_wait,
 )
 from .runtime import create_app as create_faust_app
 from .runtime import raw_topic
@@ -287,6 +288,7 @@ def create_app(cfg: Config) -> faust.App:
     worker = AssemblerWorker(app, cfg, table, topics)
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
+    with_fetch_wait(app, w.fetch_wait_s)
     deliver_in_batches(
         app,
         raw_topic(app, cfg.topics.engine_events),
