@@ -80,7 +80,7 @@ def test_two_workers_then_one_killed_and_one_added(kafka_cfg: Config, unique: st
 
         wait_for(split_between_a_and_b, 180, 1, "a and b sharing the partitions")
         b_before = len(assigned(b, cfg.topics.engine_events))
-        a.kill()  # SIGKILL: its partitions move to b after the session timeout
+        a.kill()  # SIGKILL: its partitions move to the survivors after the session timeout
         c = start("c")  # and a newcomer joins mid-stream
         half = len(rest) // 2
         produce_events(cfg, rest[:half])
