@@ -14,9 +14,19 @@ from sparseety.config import WorkerConfig
 from sparseety.stack.engine_checks import check_engine_counters
 from sparseety.stack.sglang_engine import answer_row, metric_keys
 
-#: abort-1's max_new_tokens (recorded runs asked for 400): its 30-token prompt and this fit the
-#: e2e server's 640-token pool, and the abort stops it long before.
+#: An abort attempt's max_new_tokens (recorded runs asked for 400): its 30-token prompt and this
+#: fit the e2e server's 640-token pool, and the abort stops it long before.
 ABORTED_MAX_NEW = 500
+#: Abort attempts (``abort-1``, ``abort-2``, ...) at most: one whose 500 tokens all came before the
+#: abort landed is an ordinary request, and the next is tried (tests/e2e/test_sglang_engine.py).
+ABORT_TRIES = 3
+
+
+def aborted_rid(rids: Any) -> str:
+    """The abort attempt that must have been aborted: the last of ``abort-1``, ``abort-2``, ..."""
+    attempts = sorted((r for r in rids if r.startswith("abort-")), key=lambda r: int(r.split("-", 1)[1]))
+    assert attempts and len(attempts) <= ABORT_TRIES, attempts
+    return attempts[-1]
 
 
 def fold(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -45,10 +55,12 @@ def check_run(
     finished = by_rid(events, ev.REQUEST_FINISHED)
     assert set(meta) <= set(finished), set(meta) - set(finished)
 
-    # Per request: SGLang's own meta_info, on RequestFinished and after the fold.
+    # Per request: SGLang's own meta_info, on RequestFinished and after the fold. Abort attempts
+    # before the last one ran out their budget and are ordinary requests.
+    aborted = aborted_rid(meta)
     for rid, info in meta.items():
         fin, acc = finished[rid], accounts[rid]
-        if rid == "abort-1":
+        if rid == aborted:
             assert fin["finish_reason"] == "abort", fin
             assert acc["output_tokens"] < ABORTED_MAX_NEW  # stopped before its budget
             continue

@@ -21,6 +21,7 @@ import random
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ TOKENS = {"tok-admin": ["*"], "tok-acme": ["acme"]}
 #: accepted and it runs several tokens a step: at 400, and at 800 under a load of 7 on 2 cores,
 #: the server finished it before it saw the client go.
 ABORTED_MAX_TOKENS = 3600  # its prompt is 189 tokens of the 4,096 this test's server allows
+#: Dropped streams at most, until vLLM's server aborts one (see _drafts_reconcile_with_vllm).
+ABORT_TRIES = 3
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -216,39 +219,54 @@ def _drafts_reconcile_with_vllm(
                     "vllm_xargs": {"tenant": "acme"},
                 },
             ).raise_for_status()
+
+    def stored(n: int) -> Callable[[], bool]:
+        def check() -> bool:
+            rows = httpx.get(f"{api}/api/v1/requests", params={"limit": 100}, headers=admin, timeout=10)
+            return rows.status_code == 200 and len(rows.json()["rows"]) >= before + n
+
+        return check
+
+    wait_for(stored(4), 120, 1.0, "the drafting requests in the store")
+    # The client drops the stream after three chunks. vLLM's server usually aborts the request
+    # at once; now and then it does not notice the disconnect and runs the request to its budget
+    # (seen in a CI run: finish_reason "length", all 3,600 tokens; vllm-project/vllm#54947 reports
+    # the same). Such a request is an ordinary one, counted like the others; another is dropped.
+    for attempt in range(1, ABORT_TRIES + 1):
         chunks = 0
-        with client.stream(
-            "POST",
-            "/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": f"{loop} aborted",
-                "max_tokens": ABORTED_MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "vllm_xargs": {"tenant": "acme"},
-            },
-        ) as r:
+        with (
+            httpx.Client(base_url=srv.url, timeout=120) as client,
+            client.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": f"{loop} aborted",
+                    "max_tokens": ABORTED_MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "vllm_xargs": {"tenant": "acme"},
+                },
+            ) as r,
+        ):
             for line in r.iter_lines():
                 chunks += line.startswith("data: ")
                 if chunks >= 3:
                     break  # the client goes away mid-stream
         assert chunks >= 3
-
-    def all_stored() -> bool:
-        rows = httpx.get(f"{api}/api/v1/requests", params={"limit": 100}, headers=admin, timeout=10)
-        return rows.status_code == 200 and len(rows.json()["rows"]) >= before + 5
-
-    wait_for(all_stored, 120, 1.0, "the drafting requests and the aborted one in the store")
-    (aborted,) = ok(
-        env,
-        "sql",
-        "SELECT finish_reason, output_tokens FROM sparseety.request_costs_v WHERE prompt_tokens > 0 "
-        "AND finish_reason NOT IN ('length', 'stop') ",
-        "--format",
-        "json",
-    )
+        wait_for(stored(4 + attempt), 120, 1.0, f"the dropped request {attempt} in the store")
+        rows = ok(
+            env,
+            "sql",
+            "SELECT finish_reason, output_tokens FROM sparseety.request_costs_v WHERE prompt_tokens > 0 "
+            "AND finish_reason NOT IN ('length', 'stop') ",
+            "--format",
+            "json",
+        )
+        if rows:
+            break
+    (aborted,) = rows
     assert aborted["finish_reason"] == "abort" and 3 <= aborted["output_tokens"] < ABORTED_MAX_TOKENS, aborted
 
     def counters() -> tuple[float, float]:

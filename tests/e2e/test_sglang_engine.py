@@ -36,7 +36,7 @@ from sparseety.stack.sglang_engine import SglangServer, realtime_tokens
 from tests.e2e.conftest import engine_config, tiny_model
 from tests.e2e.engine_events import engine_events
 from tests.helpers import read_topic
-from tests.sglang_checks import ABORTED_MAX_NEW, check_run
+from tests.sglang_checks import ABORT_TRIES, ABORTED_MAX_NEW, check_run
 
 pytestmark = pytest.mark.e2e
 
@@ -87,18 +87,20 @@ def start_server(cfg: Config, workdir: Path, **options: Any) -> tuple[SglangServ
     return server, truth_path
 
 
-def _abort_one(server: SglangServer) -> dict[str, Any]:
+def _abort_one(server: SglangServer, rid: str) -> dict[str, Any]:
     """A long generation aborted while it decodes (SGLang's /abort_request).
 
     The request streams, and the abort is sent once its first tokens arrived: a fixed sleep was
     too long on a fast machine (all 400 tokens came before it, finish_reason ``length``). On a
     loaded machine SGLang's scheduler still outran its tokenizer process, which streams the tokens
     and takes the abort: it asks for 500 tokens (of the 640 the pool holds) and the abort is sent
-    again every 20 ms until the stream ends, so one that came too early is not the last."""
+    again every 20 ms until the stream ends, so one that came too early is not the last. Even so
+    the scheduler can finish all 500 before the first token reaches the client (seen in a CI run,
+    the Rust core's server and the plugin-less one both): :func:`run_workload` tries again."""
     result: dict[str, Any] = {}
     decoding = threading.Event()
     body = {
-        "rid": "abort-1",
+        "rid": rid,
         "input_ids": _ids(9, 30),
         "stream": True,
         "sampling_params": {
@@ -120,10 +122,10 @@ def _abort_one(server: SglangServer) -> dict[str, Any]:
 
     t = threading.Thread(target=run)
     t.start()
-    assert decoding.wait(120), "abort-1 never started decoding"
+    assert decoding.wait(120), f"{rid} never started decoding"
     deadline = time.monotonic() + 120
     while t.is_alive() and time.monotonic() < deadline:
-        httpx.post(f"{server.url}/abort_request", json={"rid": "abort-1"}, timeout=30).raise_for_status()
+        httpx.post(f"{server.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
         t.join(0.02)
     t.join(1)
     return result
@@ -153,9 +155,17 @@ def settled_realtime_tokens(url: str) -> dict[str, float]:
 
 
 def run_workload(server: SglangServer) -> dict[str, dict[str, Any]]:
-    """:data:`WORKLOAD`, then the abort; SGLang's answer per request, with its tenant."""
+    """:data:`WORKLOAD`, then the abort; SGLang's answer per request, with its tenant.
+
+    An abort attempt that ran out its budget first is an ordinary request (``abort-1``, ...,
+    checked as any other by ``check_run``) and the next one is tried, at most
+    :data:`ABORT_TRIES`; the last attempt is the one that must have been aborted."""
     answers = {rid: {"tenant": t, **server.generate(rid, t, ids, MAX_NEW)} for rid, t, ids in WORKLOAD}
-    answers["abort-1"] = {"tenant": "globex", **_abort_one(server)}
+    for attempt in range(1, ABORT_TRIES + 1):
+        rid = f"abort-{attempt}"
+        answers[rid] = {"tenant": "globex", **_abort_one(server, rid)}
+        if answers[rid].get("meta_info", {}).get("completion_tokens", ABORTED_MAX_NEW) < ABORTED_MAX_NEW:
+            break
     return answers
 
 
