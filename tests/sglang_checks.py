@@ -7,6 +7,7 @@ scheduler (``tests/e2e/sglang_launch.py``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from sparseety import events as ev
@@ -22,7 +23,7 @@ ABORTED_MAX_NEW = 500
 ABORT_TRIES = 3
 
 
-def aborted_rid(rids: Any) -> str:
+def aborted_rid(rids: Iterable[str]) -> str:
     """The abort attempt that must have been aborted: the last of ``abort-1``, ``abort-2``, ..."""
     attempts = sorted((r for r in rids if r.startswith("abort-")), key=lambda r: int(r.split("-", 1)[1]))
     assert attempts and len(attempts) <= ABORT_TRIES, attempts
