@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from sparseety import events as ev
+from sparseety.broker_compat import TopicIds
 from sparseety.config import Config
 from sparseety.errors import DecodeError, InvalidEventError, SinkWriteError
 from sparseety.kafka import Record, make_decoder, make_encoder, make_producer
@@ -69,7 +70,7 @@ from sparseety.lifecycle import clear_ready, mark_ready, run_then_exit
 from sparseety.lograte import thin_kafka_client_logs
 
 from .base import FlushResult, Sink
-from .lost_log import TopicIds, say_log_lost
+from .lost_log import say_log_lost
 
 log = logging.getLogger("sparseety.sink")
 

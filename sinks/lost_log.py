@@ -16,54 +16,18 @@ Observed with the embedded Tansu and librdkafka 2.16 (issue 12, ``tests/chaos/te
   an offsets tool or a process outside the group makes) is accepted for a group without
   members, though, and the sink's next assignment would start there, beyond the end.
 
-:class:`TopicIds` remembers the ids of the sink's topics; the consumer loop asks it on every
-assignment. A topic whose id changed was recreated: its partitions are read from their new start
-whatever offset the broker holds for them, the positions of the old log are dropped, and the
-sink says so in one log line. Against a broker that keeps its log (Kafka, a Tansu on storage)
+:class:`sparseety.broker_compat.TopicIds` remembers the ids of the sink's topics; the consumer
+loop asks it on every assignment. A topic whose id changed was recreated: its partitions are read
+from their new start whatever offset the broker holds for them, the positions of the old log are
+dropped, and the sink says so in one log line. Against a broker that keeps its log (Kafka, a Tansu on storage)
 the ids never change and nothing here acts.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from sparseety.config import Config
 
 log = logging.getLogger("sparseety.sink")
-
-
-class TopicIds:
-    """The broker's ids of ``topics``, and which of them changed since last asked."""
-
-    def __init__(self, cfg: Config, topics: list[str]) -> None:
-        self.cfg = cfg
-        self.topics = topics
-        self.ids: dict[str, str] = {}
-        self._admin: Any = None
-
-    def _current(self) -> dict[str, str] | None:
-        from confluent_kafka import TopicCollection
-        from confluent_kafka.admin import AdminClient
-
-        if self._admin is None:
-            # log_level 2: a broker that is away is said once by the consumer, not by this client too
-            self._admin = AdminClient(self.cfg.kafka.librdkafka(log_level=2))
-        try:
-            found = self._admin.describe_topics(TopicCollection(self.topics), request_timeout=5)
-            return {t: str(f.result().topic_id) for t, f in found.items()}
-        except Exception:  # the broker is away, or a topic is not there yet: nothing can be said
-            return None
-
-    def recreated(self) -> set[str] | None:
-        """Topics whose id changed since the last answer (empty the first time); None when the
-        broker did not answer."""
-        now = self._current()
-        if now is None:
-            return None
-        changed = {t for t, i in now.items() if self.ids.get(t, i) != i}
-        self.ids.update(now)
-        return changed
 
 
 def say_log_lost(topics: set[str], old_positions: dict[tuple[str, int], int]) -> None:

@@ -320,12 +320,13 @@ def create_app(cfg: Config) -> faust.App:
     @app.timer(w.tick_interval_s)
     async def broker_lost_its_log() -> None:
         # apart from housekeeping: that one may be the task waiting on the lost changelog
-        if await watch.lost():
+        lost = await watch.lost()
+        if lost:
             log.error(
-                "the broker lost this worker's topics and offsets (changelog %s is gone: an "
+                "the broker lost this worker's topics and offsets (%s gone or recreated empty: an "
                 "in-memory broker restarted); exiting without committing, run `sparseety up` to "
                 "start a worker on the new log",
-                watch.topic,
+                ", ".join(sorted(lost)),
             )
             logging.shutdown()
             clear_ready(ready_file(cfg.data_path, "worker"))

@@ -47,8 +47,11 @@ its piece is deleted here and its caller keeps working through the same function
    does not notice: it rejoins the group, "recovers" nothing from the missing changelog, and then
    waits forever on sends to it, holding positions beyond the new log's end (issue 12: the worker
    sat in recovery while 3,247 of 3,929 requests never reached the store). The watch notices the
-   changelog that was there and is gone; the worker then ends at once, without committing its old
-   positions into the new broker, so a fresh one (``sparseety up``) starts from the new log.
+   changelog or input topic that was there and is gone or was recreated (a new topic id: Tansu
+   recreates a missing topic that a metadata request names, and the worker's own producer asks
+   for its changelog; a CI run saw a worker wait out 180 s that way, issue 33); the worker then
+   ends at once, without committing its old positions into the new broker, so a fresh one
+   (``sparseety up``) starts from the new log.
 
 7. **Batches from the consumer** (:func:`deliver_in_batches`): faust-streaming 0.15.3 hands
    every fetched record to an agent through ``wait_first`` (four asyncio tasks per record), its
@@ -94,6 +97,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any, Protocol
 
+from sparseety.broker_compat import TopicIds
 from sparseety.config import Config
 from sparseety.errors import ConfigError
 from sparseety.kafka import Record, aiokafka_settings
@@ -330,36 +334,22 @@ def without_spinner(worker: Any) -> None:
 
 
 class LostLogWatch:
-    """Whether the worker's changelog topic, once seen, disappeared from the broker (see item 6).
+    """Whether the worker's changelog or input topic, once seen, is gone from the broker or is
+    there under a new id (see item 6).
 
-    Asked from a timer; the metadata request runs on a thread with its own client, so it answers
-    even when the worker's own clients wait on the lost topic.
+    Asked from a timer; the admin request runs on a thread with its own client
+    (:class:`sparseety.broker_compat.TopicIds`), so it answers even when the worker's own
+    clients wait on the lost topic.
     """
 
     def __init__(self, cfg: Config, changelog_topic: str) -> None:
-        self.cfg = cfg
         self.topic = changelog_topic
-        self.seen = False
-        self._admin: Any = None
+        self.ids = TopicIds(cfg, [changelog_topic, cfg.topics.engine_events])
 
-    def _exists(self) -> bool | None:
-        if self._admin is None:
-            from confluent_kafka.admin import AdminClient
-
-            # log_level 2: a broker that is away is said once by the caller, not 20 times a second
-            self._admin = AdminClient(self.cfg.kafka.librdkafka(log_level=2))
-        try:
-            topics = self._admin.list_topics(timeout=5).topics
-        except Exception:  # the broker is away: nothing can be said yet
-            return None
-        return self.topic in topics
-
-    async def lost(self) -> bool:
-        """True once the changelog existed and the broker now answers without it."""
-        exists = await asyncio.to_thread(self._exists)
-        if exists:
-            self.seen = True
-        return bool(self.seen and exists is False)
+    async def lost(self) -> set[str]:
+        """The topics that the broker lost since they were first seen (empty while it has them
+        all, or does not answer)."""
+        return await asyncio.to_thread(self.ids.lost) or set()
 
 
 # --- 7. batches straight from the consumer --------------------------------------------------

@@ -167,15 +167,26 @@ def test_requests_before_during_and_after_a_broker_restart_are_stored_exactly_on
     assert down.returncode == 0, down.stderr
 
 
-def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "recreated", [False, True], ids=["changelog-gone", "changelog-recreated-before-the-worker-looked"]
+)
+def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path, recreated: bool) -> None:
     """Restarted behind the worker's back (``broker stop`` + ``broker start``), the in-memory broker
     comes back with the configured topics but without the worker's changelog: the worker says so
-    in one line and exits (status 3) instead of waiting on the lost changelog forever."""
+    in one line and exits (status 3) instead of waiting on the lost changelog forever.
+
+    ``recreated``: the worker is frozen (SIGSTOP) across the restart and the changelog is created
+    again, empty, before it wakes; Tansu does that for any client whose metadata request names a
+    missing topic, the worker's own producer among them (a CI run's worker waited out 180 s that
+    way while the watch looked only for the changelog's name)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
     with running_broker(tmp_path / "broker") as broker:
         cfg = broker.client_config().replace(
             data_dir=str(tmp_path / "data"),
             worker={"session_timeout_s": 6.0, "tick_interval_s": 1.0, "take_within_s": 0.1},
         )
+        changelog = f"{cfg.worker.app_id}-state-changelog"  # Faust's name for the table's changelog
         ensure_topics(cfg)
         worker = ComponentProcess(cfg, ["worker"], tmp_path / "worker.log").start()
         try:
@@ -185,16 +196,27 @@ def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path) -> None
             sim = SimEngine(engine="lost", epoch="e1", seed=3)
             produce_events(cfg, sim.run(workload(20, seed=3)))
             wait_for(lambda: read_topic(cfg, cfg.topics.timelines, quiet_s=1.0), 60, 1.0, "timelines")
+            admin = AdminClient(cfg.kafka.librdkafka())
+            assert changelog in admin.list_topics(timeout=10).topics
+            time.sleep(2 * cfg.worker.tick_interval_s)  # the watch has seen it
 
+            if recreated:
+                os.kill(pid, signal.SIGSTOP)
             broker.stop()
             time.sleep(2)
             started = time.monotonic()
             EmbeddedBroker(broker.cfg).start()  # the configured topics again, empty; no changelog
+            if recreated:
+                admin = AdminClient(cfg.kafka.librdkafka())
+                admin.create_topics([NewTopic(changelog, cfg.topics.partitions, 1)])[changelog].result(10)
+                os.kill(pid, signal.SIGCONT)
             assert worker.proc.wait(180) == EXIT_LOG_LOST, worker.tail()
             print(f"the worker ended {time.monotonic() - started:.1f} s after the broker restarted")
             assert worker.tail().count("the broker lost this worker's topics and offsets") == 1
             assert not ready_file(cfg.data_path, "worker", pid).exists()
         finally:
+            if recreated and worker.proc is not None and worker.proc.poll() is None:
+                os.kill(worker.proc.pid, signal.SIGCONT)  # never leave it frozen
             worker.stop()
 
 
