@@ -15,8 +15,13 @@ the configured topics come back empty, with new topic ids; the cluster id stays
 ``tansu_cluster``, so only the topic ids tell (:class:`TopicIds`). A topic's name does not: Tansu
 creates a missing topic when a client's metadata request names it (aiokafka's does, measured:
 one ``_wait_on_metadata`` on an unknown name creates it), so a worker whose producer asks for its
-lost changelog gets a new, empty one of the same name. The sink (``sinks/lost_log.py``) and the
-worker (``streams/compat.py`` item 6) act on what :class:`TopicIds` says.
+lost changelog gets a new, empty one of the same name. And a produce sent on a client's old
+metadata (no metadata request since the restart) to a topic the new broker does not have is
+acknowledged, with offsets that ListOffsets then reports, but no fetch ever returns its records
+(measured with aiokafka: 6 records acknowledged at offsets 0-5, end offset 6, a fetch from 0
+got nothing in 3 s; a worker recovering such a changelog partition waits forever, as a CI run's
+did, issue 33). The sink (``sinks/lost_log.py``) and the worker (``streams/compat.py`` item 6)
+act on what :class:`TopicIds` says.
 """
 
 from __future__ import annotations

@@ -288,38 +288,14 @@ def create_app(cfg: Config) -> faust.App:
     worker = AssemblerWorker(app, cfg, table, topics)
     app.sparseety_worker = worker  # type: ignore[attr-defined]
 
-    with_fetch_wait(app, w.fetch_wait_s)
-    deliver_in_batches(
-        app,
-        raw_topic(app, cfg.topics.engine_events),
-        worker.process,
-        max_records=w.take_max,
-        within_s=w.take_within_s,
-    )
-
-    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
-    async def _revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
-        worker.reset()
-
-    @app.timer(w.tick_interval_s)
-    async def housekeeping() -> None:
-        if not app.rebalancing:
-            assigned = {
-                tp.partition for tp in app.consumer.assignment() if tp.topic == cfg.topics.engine_events
-            }
-            await worker.tick(assigned)
-            try:
-                async with worker.lock:  # the refetcher's client is shared with the agent
-                    await worker.export_lag(app.consumer, assigned)
-            except Exception as exc:  # metrics never stop the worker
-                log.debug("lag metrics not updated: %r", exc)
-
     # Faust sets changelog_topic_name on every Collection; its TableT type does not declare it.
     watch = LostLogWatch(cfg, table.changelog_topic_name)  # type: ignore[attr-defined]
 
-    @app.timer(w.tick_interval_s)
-    async def broker_lost_its_log() -> None:
-        # apart from housekeeping: that one may be the task waiting on the lost changelog
+    async def broker_has_our_log() -> bool:
+        """Exit if the broker lost this worker's log (compat item 6); False while it does not
+        answer. Asked before the worker writes on its own (a tick) and when its partitions
+        change: a write sent to a restarted Tansu lands in its new log (or, sent on the old
+        metadata, in a partition nobody can read back), never to be undone."""
         lost = await watch.lost()
         if lost:
             log.error(
@@ -331,5 +307,56 @@ def create_app(cfg: Config) -> faust.App:
             logging.shutdown()
             clear_ready(ready_file(cfg.data_path, "worker"))
             os._exit(EXIT_LOG_LOST)
+        return lost is not None
+
+    async def fold_on_our_log(records: list[Consumed]) -> None:
+        # The timer below confirms the log every tick; after a pause or an outage a batch waits
+        # for a fresh answer, so no record of a restarted broker's new log is folded (item 6).
+        waited = 0
+        while not watch.confirmed_within(2 * w.tick_interval_s) and not await broker_has_our_log():
+            if not waited:
+                log.warning("the broker does not say whether it still has this worker's log: not folding yet")
+            waited += 1
+            await asyncio.sleep(w.tick_interval_s)
+        if waited:
+            log.warning("the broker has this worker's log: folding again")
+        await worker.process(records)
+
+    with_fetch_wait(app, w.fetch_wait_s)
+    deliver_in_batches(
+        app,
+        raw_topic(app, cfg.topics.engine_events),
+        fold_on_our_log,
+        max_records=w.take_max,
+        within_s=w.take_within_s,
+    )
+
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
+    async def _revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
+        await broker_has_our_log()  # a group the broker forgot is a rebalance too
+        worker.reset()
+
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
+    async def _assigned(sender: Any, *args: Any, **kwargs: Any) -> None:
+        await broker_has_our_log()
+
+    @app.timer(w.tick_interval_s)
+    async def housekeeping() -> None:
+        # nothing written while the broker cannot say it still has the log the state belongs to
+        if not app.rebalancing and await broker_has_our_log():
+            assigned = {
+                tp.partition for tp in app.consumer.assignment() if tp.topic == cfg.topics.engine_events
+            }
+            await worker.tick(assigned)
+            try:
+                async with worker.lock:  # the refetcher's client is shared with the agent
+                    await worker.export_lag(app.consumer, assigned)
+            except Exception as exc:  # metrics never stop the worker
+                log.debug("lag metrics not updated: %r", exc)
+
+    @app.timer(w.tick_interval_s)
+    async def broker_lost_its_log() -> None:
+        # apart from housekeeping: that one may be the task waiting on the lost changelog
+        await broker_has_our_log()
 
     return app

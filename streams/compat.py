@@ -51,7 +51,16 @@ its piece is deleted here and its caller keeps working through the same function
    recreates a missing topic that a metadata request names, and the worker's own producer asks
    for its changelog; a CI run saw a worker wait out 180 s that way, issue 33); the worker then
    ends at once, without committing its old positions into the new broker, so a fresh one
-   (``sparseety up``) starts from the new log.
+   (``sparseety up``) starts from the new log. Nothing may be written first: a worker whose
+   positions the new log outgrew (an engine's journal drained into it) fetches the new log's
+   records from there and would fold them, and its writes would land in the new log, or, sent
+   on its old metadata, in a partition Tansu acknowledges and never serves (a later worker's
+   recovery then waits forever; ``sparseety/broker_compat.py``; a CI run, issue 33). So the
+   watch is asked on every rebalance and before every housekeeping tick, and a batch is folded
+   only within two ticks of the broker last confirming the log (after a pause or an outage the
+   batch waits for a fresh answer; otherwise the timer's answers keep it fresh at no cost per
+   batch). What is left: a restart completed between two answers, faster than a tick, with
+   records fetched before the next answer or rejoin.
 
 7. **Batches from the consumer** (:func:`deliver_in_batches`): faust-streaming 0.15.3 hands
    every fetched record to an agent through ``wait_first`` (four asyncio tasks per record), its
@@ -345,11 +354,24 @@ class LostLogWatch:
     def __init__(self, cfg: Config, changelog_topic: str) -> None:
         self.topic = changelog_topic
         self.ids = TopicIds(cfg, [changelog_topic, cfg.topics.engine_events])
+        self._asking = asyncio.Lock()  # one question at a time: the answers update ``ids``
+        #: when (``time.monotonic``) the last question was asked that the broker answered with
+        #: all the topics as first seen
+        self.confirmed_at = float("-inf")
 
-    async def lost(self) -> set[str]:
+    async def lost(self) -> set[str] | None:
         """The topics that the broker lost since they were first seen (empty while it has them
-        all, or does not answer)."""
-        return await asyncio.to_thread(self.ids.lost) or set()
+        all); None while it does not answer."""
+        async with self._asking:
+            asked = time.monotonic()
+            lost = await asyncio.to_thread(self.ids.lost)
+        if lost == set():
+            self.confirmed_at = max(self.confirmed_at, asked)
+        return lost
+
+    def confirmed_within(self, seconds: float) -> bool:
+        """Whether the broker said it still had the log at most ``seconds`` ago."""
+        return time.monotonic() - self.confirmed_at <= seconds
 
 
 # --- 7. batches straight from the consumer --------------------------------------------------

@@ -168,17 +168,21 @@ def test_requests_before_during_and_after_a_broker_restart_are_stored_exactly_on
 
 
 @pytest.mark.parametrize(
-    "recreated", [False, True], ids=["changelog-gone", "changelog-recreated-before-the-worker-looked"]
+    "frozen", [False, True], ids=["changelog-gone", "frozen-while-the-new-log-outgrew-it"]
 )
-def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path, recreated: bool) -> None:
+def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path, frozen: bool) -> None:
     """Restarted behind the worker's back (``broker stop`` + ``broker start``), the in-memory broker
     comes back with the configured topics but without the worker's changelog: the worker says so
-    in one line and exits (status 3) instead of waiting on the lost changelog forever.
+    in one line and exits (status 3) instead of waiting on the lost changelog forever, and writes
+    nothing into the new log.
 
-    ``recreated``: the worker is frozen (SIGSTOP) across the restart and the changelog is created
-    again, empty, before it wakes; Tansu does that for any client whose metadata request names a
-    missing topic, the worker's own producer among them (a CI run's worker waited out 180 s that
-    way while the watch looked only for the changelog's name)."""
+    ``frozen``: the worker is stopped (SIGSTOP) across the restart; before it wakes, its changelog
+    is there again, empty (Tansu creates a missing topic for any client whose metadata request
+    names it, the worker's own producer among them), and the new log has outgrown the worker's
+    positions (an engine's journal drained into it). A CI run's worker, watching only for the
+    changelog's name, waited out 180 s; another folded the new log's records from its old
+    positions and wrote their state where no later worker could read it back."""
+    from confluent_kafka import Consumer, TopicPartition
     from confluent_kafka.admin import AdminClient, NewTopic
 
     with running_broker(tmp_path / "broker") as broker:
@@ -193,29 +197,46 @@ def test_a_worker_whose_broker_lost_its_log_ends_at_once(tmp_path: Path, recreat
             assert worker.proc is not None
             pid = worker.proc.pid
             wait_for(lambda: ready_file(cfg.data_path, "worker", pid).exists(), 120, 0.5, "the worker")
-            sim = SimEngine(engine="lost", epoch="e1", seed=3)
-            produce_events(cfg, sim.run(workload(20, seed=3)))
+            old = SimEngine(engine="lost", epoch="e1", seed=3).run(workload(20, seed=3))
+            produce_events(cfg, old)
             wait_for(lambda: read_topic(cfg, cfg.topics.timelines, quiet_s=1.0), 60, 1.0, "timelines")
-            admin = AdminClient(cfg.kafka.librdkafka())
-            assert changelog in admin.list_topics(timeout=10).topics
+            assert changelog in AdminClient(cfg.kafka.librdkafka()).list_topics(timeout=10).topics
             time.sleep(2 * cfg.worker.tick_interval_s)  # the watch has seen it
 
-            if recreated:
+            if frozen:
                 os.kill(pid, signal.SIGSTOP)
             broker.stop()
             time.sleep(2)
             started = time.monotonic()
             EmbeddedBroker(broker.cfg).start()  # the configured topics again, empty; no changelog
-            if recreated:
+            if frozen:
                 admin = AdminClient(cfg.kafka.librdkafka())
                 admin.create_topics([NewTopic(changelog, cfg.topics.partitions, 1)])[changelog].result(10)
+                # the same engine, so the same partition, twice as far
+                new = SimEngine(engine="lost", epoch="e2", seed=4).run(workload(40, seed=4))
+                assert len(new) > len(old)
+                produce_events(cfg, new)
                 os.kill(pid, signal.SIGCONT)
             assert worker.proc.wait(180) == EXIT_LOG_LOST, worker.tail()
             print(f"the worker ended {time.monotonic() - started:.1f} s after the broker restarted")
             assert worker.tail().count("the broker lost this worker's topics and offsets") == 1
             assert not ready_file(cfg.data_path, "worker", pid).exists()
+
+            # nothing of the old worker in the new log: no output, no state
+            assert read_topic(cfg, cfg.topics.timelines, quiet_s=1.0) == []
+            reader = Consumer(cfg.kafka.librdkafka(**{"group.id": "check"}))
+            try:
+                topics = reader.list_topics(timeout=10).topics
+                if changelog in topics:
+                    ends = [
+                        reader.get_watermark_offsets(TopicPartition(changelog, p), timeout=10)[1]
+                        for p in topics[changelog].partitions
+                    ]
+                    assert ends == [0] * len(ends), ends
+            finally:
+                reader.close()
         finally:
-            if recreated and worker.proc is not None and worker.proc.poll() is None:
+            if frozen and worker.proc is not None and worker.proc.poll() is None:
                 os.kill(worker.proc.pid, signal.SIGCONT)  # never leave it frozen
             worker.stop()
 
