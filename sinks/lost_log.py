@@ -19,8 +19,8 @@ Observed with the embedded Tansu and librdkafka 2.16 (issue 12, ``tests/chaos/te
 :class:`sparseety.broker_compat.TopicIds` remembers the ids of the sink's topics; the consumer
 loop asks it on every assignment. A topic whose id changed was recreated: its partitions are read
 from their new start whatever offset the broker holds for them, the positions of the old log are
-dropped, and the sink says so in one log line. Against a broker that keeps its log (Kafka, a Tansu on storage)
-the ids never change and nothing here acts.
+dropped, and the sink says so in one log line. Against a broker that keeps its log (Kafka, a
+Tansu on storage) the ids never change and nothing here acts.
 """
 
 from __future__ import annotations

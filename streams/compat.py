@@ -352,7 +352,6 @@ class LostLogWatch:
     """
 
     def __init__(self, cfg: Config, changelog_topic: str) -> None:
-        self.topic = changelog_topic
         self.ids = TopicIds(cfg, [changelog_topic, cfg.topics.engine_events])
         self._asking = asyncio.Lock()  # one question at a time: the answers update ``ids``
         #: when (``time.monotonic``) the last question was asked that the broker answered with
