@@ -39,6 +39,7 @@ from .assembler import DLQ, TIMELINES, USAGE, Assembler, Output
 from .compat import (
     ChangelogTable,
     Consumed,
+    ConsumerConnections,
     LostLogWatch,
     Refetcher,
     deliver_in_batches,
@@ -309,11 +310,15 @@ def create_app(cfg: Config) -> faust.App:
             os._exit(EXIT_LOG_LOST)
         return lost is not None
 
+    connections = ConsumerConnections(app)
+
     async def fold_on_our_log(records: list[Consumed]) -> None:
-        # The timer below confirms the log every tick; after a pause or an outage a batch waits
-        # for a fresh answer, so no record of a restarted broker's new log is folded (item 6).
+        # The timer below confirms the log every tick; after a pause, an outage or a reconnection
+        # a batch waits for a fresh answer, so no record of a restarted broker's new log is
+        # folded (item 6).
         waited = 0
-        while not watch.confirmed_within(2 * w.tick_interval_s) and not await broker_has_our_log():
+        fresh = not connections.changed() and watch.confirmed_within(2 * w.tick_interval_s)
+        while not fresh and not await broker_has_our_log():
             if not waited:
                 log.warning("the broker does not say whether it still has this worker's log: not folding yet")
             waited += 1

@@ -57,10 +57,12 @@ its piece is deleted here and its caller keeps working through the same function
    on its old metadata, in a partition Tansu acknowledges and never serves (a later worker's
    recovery then waits forever; ``sparseety/broker_compat.py``; a CI run, issue 33). So the
    watch is asked on every rebalance and before every housekeeping tick, and a batch is folded
-   only within two ticks of the broker last confirming the log (after a pause or an outage the
-   batch waits for a fresh answer; otherwise the timer's answers keep it fresh at no cost per
-   batch). What is left: a restart completed between two answers, faster than a tick, with
-   records fetched before the next answer or rejoin.
+   only within two ticks of the broker last confirming the log and on broker connections the
+   consumer had when it did (:class:`ConsumerConnections`): a batch after a pause, an outage or
+   a reconnection waits for a fresh answer; otherwise the timer's answers keep it fresh, at a
+   tuple of the consumer's connections per batch (~1 us). A second CI run (issue 33) showed why
+   the time alone was not enough: a broker restarted within two ticks of the last answer, and
+   the old worker folded a batch of the new log and wrote its state before its watch answered.
 
 7. **Batches from the consumer** (:func:`deliver_in_batches`): faust-streaming 0.15.3 hands
    every fetched record to an agent through ``wait_first`` (four asyncio tasks per record), its
@@ -371,6 +373,38 @@ class LostLogWatch:
     def confirmed_within(self, seconds: float) -> bool:
         """Whether the broker said it still had the log at most ``seconds`` ago."""
         return time.monotonic() - self.confirmed_at <= seconds
+
+
+class ConsumerConnections:
+    """Whether the worker's consumer opened a broker connection since last asked (item 6).
+
+    Records from a restarted broker come over a connection opened after the restart, so a batch
+    fetched on a connection the worker had not seen waits for the watch to confirm the log,
+    however recent its last confirmation. Reads aiokafka's private ``AIOKafkaClient._conns``
+    of the consumer Faust runs in its consumer thread (``Consumer._thread._consumer``): a dict
+    read from this thread, so a read that races a change counts as a change.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._seen: tuple[Any, ...] = ()
+
+    def _now(self) -> tuple[Any, ...]:
+        try:
+            conns = self.app.consumer._thread._consumer._client._conns
+        except AttributeError as exc:  # pinned faust-streaming or aiokafka changed
+            raise RuntimeError(f"no consumer connections ({exc}): revisit streams/compat.py item 6") from exc
+        try:
+            return tuple(conns.values())
+        except RuntimeError:  # changed while read
+            return ()
+
+    def changed(self) -> bool:
+        """True when a connection was opened or closed since the last call (and on the first)."""
+        now = self._now()
+        seen, self._seen = self._seen, now
+        # aiokafka's connections compare by identity: a reconnection is a new object
+        return not now or now != seen
 
 
 # --- 7. batches straight from the consumer --------------------------------------------------

@@ -8,9 +8,11 @@ import asyncio
 import time
 from collections.abc import Iterator
 
+import pytest
+
 from sparseety.broker_compat import TopicIds
 from sparseety.config import load_config
-from streams.compat import LostLogWatch
+from streams.compat import ConsumerConnections, LostLogWatch
 
 Answer = dict[str, str | None] | None
 
@@ -73,3 +75,38 @@ def test_only_an_answer_with_every_topic_as_first_seen_confirms_the_log() -> Non
     assert watch.confirmed_at == confirmed  # no answer is no confirmation
     assert asyncio.run(ask()) == {"changelog"}
     assert watch.confirmed_at == confirmed
+
+
+class _Conns:
+    """Where aiokafka keeps a client's connections, as Faust's consumer thread holds it."""
+
+    def __init__(self) -> None:
+        self._conns: dict[object, object] = {}
+
+
+def test_a_batch_on_a_connection_opened_since_the_last_look_is_a_change() -> None:
+    from types import SimpleNamespace
+
+    client = _Conns()
+    thread = SimpleNamespace(_consumer=SimpleNamespace(_client=client))
+    app = SimpleNamespace(consumer=SimpleNamespace(_thread=thread))
+    conns = ConsumerConnections(app)
+    client._conns[("111", 0)] = object()
+    assert conns.changed()  # the first look: nothing confirmed yet
+    assert not conns.changed()
+    client._conns[("111", 1)] = object()  # the group coordinator's
+    assert conns.changed()
+    assert not conns.changed()
+    client._conns[("111", 0)] = object()  # the broker came back: a new connection, same key
+    assert conns.changed()
+    assert not conns.changed()
+    client._conns.clear()  # no connection: nothing fetched on a known one
+    assert conns.changed()
+
+
+def test_connections_that_moved_fail_loudly() -> None:
+    from types import SimpleNamespace
+
+    conns = ConsumerConnections(SimpleNamespace(consumer=SimpleNamespace(_thread=SimpleNamespace())))
+    with pytest.raises(RuntimeError, match="item 6"):
+        conns.changed()
