@@ -63,6 +63,9 @@ its piece is deleted here and its caller keeps working through the same function
    tuple of the consumer's connections per batch (~1 us). A second CI run (issue 33) showed why
    the time alone was not enough: a broker restarted within two ticks of the last answer, and
    the old worker folded a batch of the new log and wrote its state before its watch answered.
+   What is left: a write already in flight when the broker stops (aiokafka sends it again to
+   the new broker), and a fresh worker that then meets such an unreadable partition waits in
+   recovery (Faust's "No event received for active tp" every 5 s; ``docs/operations.md``).
 
 7. **Batches from the consumer** (:func:`deliver_in_batches`): faust-streaming 0.15.3 hands
    every fetched record to an agent through ``wait_first`` (four asyncio tasks per record), its
