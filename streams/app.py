@@ -361,7 +361,9 @@ def create_app(cfg: Config) -> faust.App:
 
     @app.timer(w.tick_interval_s)
     async def broker_lost_its_log() -> None:
-        # apart from housekeeping: that one may be the task waiting on the lost changelog
-        await broker_has_our_log()
+        # apart from housekeeping: that one may be the task waiting on the lost changelog; while
+        # it keeps the confirmation fresh, asking again would only double the admin requests
+        if not watch.confirmed_within(w.tick_interval_s):
+            await broker_has_our_log()
 
     return app
